@@ -1,0 +1,816 @@
+// client.c - the head side: a ggml backend whose devices are tbrpc nodes.
+//
+// Object model (all plain structs, owned top-down):
+//   tbrpc_client (the ggml registry "TBRPC")
+//     └─ client_node (one per remote node = one ggml device + its buffer type
+//                     + its connection)
+//          ├─ client_buffer (one per remote buffer: handle, base, size)
+//          └─ ggml_backend (streams created by ggml on that device)
+// Every call that talks to a node goes through node_call (waits for the
+// answer) or node_post (does not). A node that fails is marked failed; from
+// then on its operations are no-ops that report failure where ggml lets them
+// (graph_compute returns GGML_STATUS_FAILED, alloc returns NULL), and Python
+// turns that into an exception naming the node (tbrpc/_errors.py).
+#include "tbrpc.h"
+#include "ggml_abi.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SET_CHUNK (64ull << 20)        // weights cross in 64 MiB messages
+#define OP_CACHE_SIZE 4096             // supports_op answers remembered per node (power of two)
+
+struct op_cache_entry { uint64_t key; uint8_t used, supported; };
+
+struct client_node {
+    struct ggml_backend_device      dev;    // dev.context == this
+    struct ggml_backend_buffer_type buft;   // buft.context == this
+    struct tbrpc_client * client;
+    char   endpoint[96];
+    char   name[32];
+    char   description[256];
+    int    timeout_ms;
+    struct tb_hello info;
+
+    pthread_mutex_t lock;                    // one request at a time on the wire
+    struct tb_transport * tp;
+    uint64_t next_id;
+    bool   dirty;                            // posted requests not yet confirmed by a reply
+    bool   failed;
+    char   error[512];
+
+    uint8_t * encode;  size_t encode_cap;    // graph message being built
+    uint8_t * last_graph; size_t last_graph_len, last_graph_cap; // what the node holds for RECOMPUTE
+    struct op_cache_entry op_cache[OP_CACHE_SIZE];
+
+    uint64_t round_trips, messages, graphs_sent, graphs_reused;
+};
+
+struct tbrpc_client {
+    struct ggml_backend_reg reg;             // reg.context == this
+    pthread_mutex_t lock;
+    struct client_node ** nodes;
+    size_t n_nodes, cap_nodes;
+    bool   registered;
+};
+
+struct client_buffer {
+    struct client_node * node;
+    uint64_t handle;
+    uint64_t base;                           // the node's address of the buffer; tensor->data lives in [base, base+size)
+    uint64_t size;
+};
+
+// ---- talking to a node -------------------------------------------------------
+
+static void node_fail(struct client_node * n, const char * step, const char * why) {
+    if (n->failed) return;
+    n->failed = true;
+    snprintf(n->error, sizeof n->error, "tbrpc node %s (%s) failed during %s: %s", n->endpoint, n->name, step, why);
+    fprintf(stderr, "%s\n", n->error);
+}
+
+// Send a request and wait for its reply; `out` receives exactly out_len bytes.
+// Caller holds n->lock.
+static int node_call_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len,
+                            void * out, size_t out_len) {
+    if (n->failed) return -1;
+    const char * step = tb_cmd_name(cmd);
+    const uint64_t id = ++n->next_id;
+    n->messages++;
+    n->round_trips++;
+    if (tb_msg_send(n->tp, cmd, 0, id, a, a_len, b, b_len) != 0 || tb_flush(n->tp) != 0) {
+        node_fail(n, step, n->tp->error);
+        return -1;
+    }
+    struct tb_header h;
+    char err[512];
+    if (tb_msg_recv_header(n->tp, &h, err, sizeof err) != 0) { node_fail(n, step, err); return -1; }
+    if (!(h.flags & TB_FLAG_REPLY) || h.id != id || h.cmd != cmd || h.len < sizeof(struct tb_reply_status)) {
+        snprintf(err, sizeof err, "out-of-order reply (%s #%llu to %s #%llu)", tb_cmd_name(h.cmd),
+                 (unsigned long long) h.id, step, (unsigned long long) id);
+        node_fail(n, step, err);
+        return -1;
+    }
+    struct tb_reply_status st;
+    if (tb_recv(n->tp, &st, sizeof st) != 0) { node_fail(n, step, n->tp->error); return -1; }
+    const uint64_t body = h.len - sizeof st;
+    if (st.status != 0) {
+        char msg[512];
+        size_t keep = body < sizeof msg - 1 ? (size_t) body : sizeof msg - 1;
+        if (tb_recv(n->tp, msg, keep) != 0) { node_fail(n, step, n->tp->error); return -1; }
+        msg[keep] = '\0';
+        node_fail(n, step, msg);   // the stream is not resynchronised past an error: stop using it
+        return -1;
+    }
+    if (body != out_len) {
+        snprintf(err, sizeof err, "reply of %llu bytes, expected %zu", (unsigned long long) body, out_len);
+        node_fail(n, step, err);
+        return -1;
+    }
+    if (out_len && tb_recv(n->tp, out, out_len) != 0) { node_fail(n, step, n->tp->error); return -1; }
+    n->dirty = false;
+    return 0;
+}
+
+static int node_call(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, void * out, size_t out_len) {
+    pthread_mutex_lock(&n->lock);
+    int rc = node_call_locked(n, cmd, a, a_len, NULL, 0, out, out_len);
+    pthread_mutex_unlock(&n->lock);
+    return rc;
+}
+
+// Queue a request that has no reply. Caller holds n->lock.
+static int node_post_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len) {
+    if (n->failed) return -1;
+    n->messages++;
+    if (tb_msg_send(n->tp, cmd, 0, ++n->next_id, a, a_len, b, b_len) != 0) {
+        node_fail(n, tb_cmd_name(cmd), n->tp->error);
+        return -1;
+    }
+    n->dirty = true;
+    return 0;
+}
+
+static int node_post(struct client_node * n, uint16_t cmd, const void * a, size_t a_len) {
+    pthread_mutex_lock(&n->lock);
+    int rc = node_post_locked(n, cmd, a, a_len, NULL, 0);
+    pthread_mutex_unlock(&n->lock);
+    return rc;
+}
+
+// ---- buffer -----------------------------------------------------------------
+
+static const char * buft_get_name(ggml_backend_buffer_type_t buft);
+
+static bool is_our_buffer(ggml_backend_buffer_t b) {
+    return b && b->buft && b->buft->iface.get_name == buft_get_name;
+}
+
+static uint64_t tensor_offset(const struct client_buffer * cb, const struct ggml_tensor * t) {
+    return (uint64_t) (uintptr_t) t->data - cb->base;
+}
+
+static void buffer_free(ggml_backend_buffer_t buffer) {
+    struct client_buffer * cb = buffer->context;
+    struct client_node * n = cb->node;
+    struct tb_buffer_req req = { .handle = cb->handle };
+    pthread_mutex_lock(&n->lock);
+    n->last_graph_len = 0;                  // the node drops its kept graph with the buffer
+    node_post_locked(n, TB_CMD_FREE_BUFFER, &req, sizeof req, NULL, 0);
+    if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "FREE_BUFFER", n->tp->error);
+    pthread_mutex_unlock(&n->lock);
+    free(cb);
+}
+
+static void * buffer_get_base(ggml_backend_buffer_t buffer) {
+    struct client_buffer * cb = buffer->context;
+    return (void *) (uintptr_t) cb->base;
+}
+
+static void buffer_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * tensor, const void * data, size_t offset, size_t size) {
+    struct client_buffer * cb = buffer->context;
+    struct client_node * n = cb->node;
+    const uint8_t * p = data;
+    uint64_t at = tensor_offset(cb, tensor) + offset;
+    pthread_mutex_lock(&n->lock);
+    while (size > 0 && !n->failed) {
+        size_t chunk = size < SET_CHUNK ? size : (size_t) SET_CHUNK;
+        struct tb_range req = { .handle = cb->handle, .offset = at, .size = chunk };
+        node_post_locked(n, TB_CMD_SET_TENSOR, &req, sizeof req, p, chunk);
+        p += chunk; at += chunk; size -= chunk;
+    }
+    pthread_mutex_unlock(&n->lock);
+}
+
+static void buffer_get_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * tensor, void * data, size_t offset, size_t size) {
+    struct client_buffer * cb = buffer->context;
+    struct client_node * n = cb->node;
+    uint8_t * p = data;
+    uint64_t at = tensor_offset(cb, tensor) + offset;
+    pthread_mutex_lock(&n->lock);
+    while (size > 0) {
+        size_t chunk = size < SET_CHUNK ? size : (size_t) SET_CHUNK;
+        struct tb_range req = { .handle = cb->handle, .offset = at, .size = chunk };
+        if (node_call_locked(n, TB_CMD_GET_TENSOR, &req, sizeof req, NULL, 0, p, chunk) != 0) {
+            memset(p, 0, size);             // never hand back uninitialised memory
+            break;
+        }
+        p += chunk; at += chunk; size -= chunk;
+    }
+    pthread_mutex_unlock(&n->lock);
+}
+
+static void buffer_memset_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * tensor, uint8_t value, size_t offset, size_t size) {
+    struct client_buffer * cb = buffer->context;
+    struct tb_memset_req req = { .handle = cb->handle, .offset = tensor_offset(cb, tensor) + offset, .size = size, .value = value };
+    node_post(cb->node, TB_CMD_MEMSET_TENSOR, &req, sizeof req);
+}
+
+static bool buffer_cpy_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * src, struct ggml_tensor * dst) {
+    struct client_buffer * dcb = buffer->context;
+    if (!is_our_buffer(src->buffer)) return false;
+    struct client_buffer * scb = src->buffer->context;
+    if (scb->node != dcb->node) return false;   // different nodes: ggml copies through the head
+    struct tb_copy_req req = {
+        .src_handle = scb->handle, .src_offset = tensor_offset(scb, src),
+        .dst_handle = dcb->handle, .dst_offset = tensor_offset(dcb, dst), .size = ggml_nbytes(src),
+    };
+    return node_post(dcb->node, TB_CMD_COPY_TENSOR, &req, sizeof req) == 0;
+}
+
+static void buffer_clear(ggml_backend_buffer_t buffer, uint8_t value) {
+    struct client_buffer * cb = buffer->context;
+    struct tb_memset_req req = { .handle = cb->handle, .offset = 0, .size = cb->size, .value = value };
+    node_post(cb->node, TB_CMD_BUFFER_CLEAR, &req, sizeof req);
+}
+
+static const struct ggml_backend_buffer_i buffer_iface = {
+    .free_buffer   = buffer_free,
+    .get_base      = buffer_get_base,
+    .init_tensor   = NULL,
+    .memset_tensor = buffer_memset_tensor,
+    .set_tensor    = buffer_set_tensor,
+    .get_tensor    = buffer_get_tensor,
+    .set_tensor_2d = NULL,
+    .get_tensor_2d = NULL,
+    .cpy_tensor    = buffer_cpy_tensor,
+    .clear         = buffer_clear,
+    .reset         = NULL,
+};
+
+// ---- buffer type ------------------------------------------------------------
+
+static const char * buft_get_name(ggml_backend_buffer_type_t buft) {
+    return ((struct client_node *) buft->context)->name;
+}
+
+static ggml_backend_buffer_t buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
+    struct client_node * n = buft->context;
+    struct tb_alloc_req req = { .size = size };
+    struct tb_alloc_reply rep;
+    if (node_call(n, TB_CMD_ALLOC_BUFFER, &req, sizeof req, &rep, sizeof rep) != 0) return NULL;
+    struct client_buffer * cb = calloc(1, sizeof *cb);
+    if (!cb) return NULL;
+    *cb = (struct client_buffer) { .node = n, .handle = rep.handle, .base = rep.base, .size = rep.size };
+    return ggml_backend_buffer_init(buft, buffer_iface, cb, size);
+}
+
+static size_t buft_get_alignment(ggml_backend_buffer_type_t buft) {
+    return (size_t) ((struct client_node *) buft->context)->info.alignment;
+}
+
+static size_t buft_get_max_size(ggml_backend_buffer_type_t buft) {
+    return (size_t) ((struct client_node *) buft->context)->info.max_size;
+}
+
+static const struct ggml_backend_buffer_type_i buft_iface = {
+    .get_name       = buft_get_name,
+    .alloc_buffer   = buft_alloc_buffer,
+    .get_alignment  = buft_get_alignment,
+    .get_max_size   = buft_get_max_size,
+    .get_alloc_size = NULL,     // nodes run CPU or Metal, where a tensor needs exactly ggml_nbytes
+    .is_host        = NULL,
+};
+
+// ---- graph encoding -----------------------------------------------------------
+
+// Pointer -> position in the message, for linking src/view_src.
+struct tensor_index {
+    const struct ggml_tensor ** keys;
+    int32_t * vals;
+    size_t cap;
+};
+
+static size_t ptr_hash(const void * p, size_t cap) {
+    uint64_t x = (uint64_t) (uintptr_t) p;
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33;
+    return (size_t) x & (cap - 1);
+}
+
+static int32_t index_get(const struct tensor_index * ix, const struct ggml_tensor * t) {
+    for (size_t i = ptr_hash(t, ix->cap);; i = (i + 1) & (ix->cap - 1)) {
+        if (ix->keys[i] == t) return ix->vals[i];
+        if (ix->keys[i] == NULL) return -1;
+    }
+}
+
+static void index_put(struct tensor_index * ix, const struct ggml_tensor * t, int32_t v) {
+    size_t i = ptr_hash(t, ix->cap);
+    while (ix->keys[i] != NULL) i = (i + 1) & (ix->cap - 1);
+    ix->keys[i] = t;
+    ix->vals[i] = v;
+}
+
+struct graph_encoder {
+    struct client_node * node;
+    struct tb_wire_tensor * tensors;
+    uint32_t n, cap;
+    struct tensor_index ix;
+    char err[256];
+};
+
+static int encode_tensor_fields(struct graph_encoder * e, const struct ggml_tensor * t, struct tb_wire_tensor * w) {
+    memset(w, 0, sizeof *w);
+    if (t->data != NULL) {
+        if (!is_our_buffer(t->buffer) || ((struct client_buffer *) t->buffer->context)->node != e->node) {
+            if (e->err[0] == '\0')
+                snprintf(e->err, sizeof e->err, "tensor '%s' is not in a buffer of this node", t->name);
+            return -1;
+        }
+        struct client_buffer * cb = t->buffer->context;
+        w->buffer = cb->handle;
+        w->offset = tensor_offset(cb, t);
+    }
+    for (int d = 0; d < GGML_MAX_DIMS; d++) { w->ne[d] = t->ne[d]; w->nb[d] = t->nb[d]; }
+    w->type = (uint32_t) t->type;
+    w->op = (uint32_t) t->op;
+    memcpy(w->op_params, t->op_params, sizeof w->op_params);
+    w->flags = t->flags;
+    w->view_offs = t->view_offs;
+    memcpy(w->name, t->name, GGML_MAX_NAME);
+    return 0;
+}
+
+// Append t after its sources (depth-first), once. Returns its position.
+static int32_t encode_tensor(struct graph_encoder * e, const struct ggml_tensor * t) {
+    if (t == NULL) return -1;
+    int32_t have = index_get(&e->ix, t);
+    if (have >= 0) return have;
+    int32_t src[GGML_MAX_SRC];
+    for (int s = 0; s < GGML_MAX_SRC; s++) src[s] = encode_tensor(e, t->src[s]);
+    int32_t view_src = encode_tensor(e, t->view_src);
+    if (e->n == e->cap) {
+        snprintf(e->err, sizeof e->err, "graph has more than %u tensors", e->cap);
+        return -1;
+    }
+    struct tb_wire_tensor * w = &e->tensors[e->n];
+    if (encode_tensor_fields(e, t, w) != 0) return -1;
+    memcpy(w->src, src, sizeof src);
+    w->view_src = view_src;
+    index_put(&e->ix, t, (int32_t) e->n);
+    return (int32_t) e->n++;
+}
+
+static int ensure_encode_cap(struct client_node * n, size_t need) {
+    if (need <= n->encode_cap) return 0;
+    uint8_t * p = realloc(n->encode, need);
+    if (!p) return -1;
+    n->encode = p;
+    n->encode_cap = need;
+    return 0;
+}
+
+// Build the GRAPH_COMPUTE payload in n->encode. Returns its length or 0.
+static size_t encode_graph(struct client_node * n, struct ggml_cgraph * g, char * err, size_t err_len) {
+    const int n_nodes = ggml_graph_n_nodes(g);
+    // every node has at most GGML_MAX_SRC + 1 distinct inputs: a safe bound
+    const size_t max_tensors = (size_t) n_nodes * (GGML_MAX_SRC + 2);
+    size_t cap = 16;
+    while (cap < 2 * max_tensors) cap <<= 1;
+    const size_t bytes = sizeof(struct tb_graph_header) + max_tensors * sizeof(struct tb_wire_tensor) + (size_t) n_nodes * sizeof(uint32_t);
+    struct graph_encoder e = { .node = n, .cap = (uint32_t) max_tensors };
+    e.ix.cap = cap;
+    e.ix.keys = calloc(cap, sizeof *e.ix.keys);
+    e.ix.vals = calloc(cap, sizeof *e.ix.vals);
+    size_t len = 0;
+    if (!e.ix.keys || !e.ix.vals || ensure_encode_cap(n, bytes) != 0) {
+        snprintf(err, err_len, "out of memory encoding a graph of %d nodes", n_nodes);
+        goto done;
+    }
+    e.tensors = (struct tb_wire_tensor *) (n->encode + sizeof(struct tb_graph_header));
+    uint32_t * node_idx = malloc((size_t) n_nodes * sizeof *node_idx);
+    if (!node_idx) { snprintf(err, err_len, "out of memory"); goto done; }
+    for (int i = 0; i < n_nodes; i++) {
+        int32_t at = encode_tensor(&e, ggml_graph_node(g, i));
+        if (at < 0) { snprintf(err, err_len, "%s", e.err); free(node_idx); goto done; }
+        node_idx[i] = (uint32_t) at;
+    }
+    struct tb_graph_header gh = { .n_tensors = e.n, .n_nodes = (uint32_t) n_nodes };
+    memcpy(n->encode, &gh, sizeof gh);
+    len = sizeof gh + (size_t) e.n * sizeof(struct tb_wire_tensor);
+    memcpy(n->encode + len, node_idx, (size_t) n_nodes * sizeof *node_idx);
+    len += (size_t) n_nodes * sizeof *node_idx;
+    free(node_idx);
+done:
+    free(e.ix.keys);
+    free(e.ix.vals);
+    return len;
+}
+
+// ---- backend (stream) ---------------------------------------------------------
+
+static struct client_node * backend_node(ggml_backend_t backend) { return backend->context; }
+
+static const char * backend_get_name(ggml_backend_t backend) { return backend_node(backend)->name; }
+
+static void backend_free(ggml_backend_t backend) { free(backend); }
+
+static void backend_set_tensor_async(ggml_backend_t backend, struct ggml_tensor * tensor, const void * data, size_t offset, size_t size) {
+    (void) backend;
+    buffer_set_tensor(tensor->view_src ? tensor->view_src->buffer : tensor->buffer, tensor, data, offset, size);
+}
+
+static void backend_get_tensor_async(ggml_backend_t backend, const struct ggml_tensor * tensor, void * data, size_t offset, size_t size) {
+    (void) backend;
+    buffer_get_tensor(tensor->view_src ? tensor->view_src->buffer : tensor->buffer, tensor, data, offset, size);
+}
+
+// Waits only when something was posted since the last answer.
+static void backend_synchronize(ggml_backend_t backend) {
+    struct client_node * n = backend_node(backend);
+    pthread_mutex_lock(&n->lock);
+    if (n->dirty) node_call_locked(n, TB_CMD_SYNC, NULL, 0, NULL, 0, NULL, 0);
+    pthread_mutex_unlock(&n->lock);
+}
+
+// Posts the graph; when the node already holds an identical one (the usual
+// case from one generated token to the next), posts only "run it again".
+static enum ggml_status backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * g) {
+    struct client_node * n = backend_node(backend);
+    char err[256] = "";
+    pthread_mutex_lock(&n->lock);
+    size_t len = n->failed ? 0 : encode_graph(n, g, err, sizeof err);
+    if (len == 0 && !n->failed) node_fail(n, "GRAPH_COMPUTE", err);
+    if (!n->failed) {
+        if (len == n->last_graph_len && memcmp(n->encode, n->last_graph, len) == 0) {
+            n->graphs_reused++;
+            node_post_locked(n, TB_CMD_GRAPH_RECOMPUTE, NULL, 0, NULL, 0);
+        } else {
+            n->graphs_sent++;
+            node_post_locked(n, TB_CMD_GRAPH_COMPUTE, n->encode, len, NULL, 0);
+            if (len > n->last_graph_cap) {
+                uint8_t * p = realloc(n->last_graph, len);
+                if (p) { n->last_graph = p; n->last_graph_cap = len; }
+            }
+            n->last_graph_len = len <= n->last_graph_cap ? len : 0;
+            if (n->last_graph_len) memcpy(n->last_graph, n->encode, len);
+        }
+        // start the node now: the head may have its own work before it reads results
+        if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "GRAPH_COMPUTE", n->tp->error);
+    }
+    enum ggml_status st = n->failed ? GGML_STATUS_FAILED : GGML_STATUS_SUCCESS;
+    pthread_mutex_unlock(&n->lock);
+    return st;
+}
+
+static const struct ggml_backend_i backend_iface = {
+    .get_name            = backend_get_name,
+    .free                = backend_free,
+    .set_tensor_async    = backend_set_tensor_async,
+    .get_tensor_async    = backend_get_tensor_async,
+    .set_tensor_2d_async = NULL,
+    .get_tensor_2d_async = NULL,
+    .cpy_tensor_async    = NULL,
+    .synchronize         = backend_synchronize,
+    .graph_plan_create   = NULL,
+    .graph_plan_free     = NULL,
+    .graph_plan_update   = NULL,
+    .graph_plan_compute  = NULL,
+    .graph_compute       = backend_graph_compute,
+    .event_record        = NULL,
+    .event_wait          = NULL,
+    .graph_optimize      = NULL,
+};
+
+static ggml_guid_t tbrpc_guid(void) {
+    static ggml_guid guid = { 0x74, 0x62, 0x72, 0x70, 0x63, 0x2d, 0x67, 0x67, 0x6d, 0x6c, 0x2d, 0x62, 0x61, 0x63, 0x6b, 0x01 };
+    return &guid;
+}
+
+// ---- device -------------------------------------------------------------------
+
+static struct client_node * dev_node(ggml_backend_dev_t dev) { return dev->context; }
+
+static const char * dev_get_name(ggml_backend_dev_t dev) { return dev_node(dev)->name; }
+static const char * dev_get_description(ggml_backend_dev_t dev) { return dev_node(dev)->description; }
+
+static void dev_get_memory(ggml_backend_dev_t dev, size_t * free_mem, size_t * total) {
+    struct tb_memory m = { 0, 0 };
+    node_call(dev_node(dev), TB_CMD_GET_MEMORY, NULL, 0, &m, sizeof m);
+    *free_mem = (size_t) m.free;
+    *total = (size_t) m.total;
+}
+
+static enum ggml_backend_dev_type dev_get_type(ggml_backend_dev_t dev) {
+    (void) dev;
+    return GGML_BACKEND_DEVICE_TYPE_GPU;   // llama.cpp offloads layers only to GPU-type devices
+}
+
+static void dev_get_props(ggml_backend_dev_t dev, struct ggml_backend_dev_props * props) {
+    props->name = dev_get_name(dev);
+    props->description = dev_get_description(dev);
+    dev_get_memory(dev, &props->memory_free, &props->memory_total);
+    props->type = dev_get_type(dev);
+    props->device_id = dev_node(dev)->endpoint;   // distinct per node, so llama.cpp keeps them all
+    props->caps.async = true;
+    props->caps.host_buffer = false;
+    props->caps.buffer_from_host_ptr = false;
+    props->caps.events = false;
+    props->caps.mmap_support = false;
+}
+
+static ggml_backend_t dev_init_backend(ggml_backend_dev_t dev, const char * params) {
+    (void) params;
+    ggml_backend_t b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    b->guid = tbrpc_guid();
+    b->iface = backend_iface;
+    b->device = dev;
+    b->context = dev_node(dev);
+    return b;
+}
+
+static ggml_backend_buffer_type_t dev_get_buffer_type(ggml_backend_dev_t dev) { return &dev_node(dev)->buft; }
+
+static uint64_t op_key(const struct ggml_tensor * op) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    #define MIX(v) do { uint64_t _v = (uint64_t) (v); for (int _b = 0; _b < 8; _b++) { h ^= (_v >> (8 * _b)) & 0xff; h *= 0x100000001b3ull; } } while (0)
+    MIX(op->op); MIX(op->type); MIX(op->ne[0]);
+    for (size_t i = 0; i < GGML_MAX_OP_PARAMS / sizeof(int32_t); i++) MIX(op->op_params[i]);
+    for (int s = 0; s < GGML_MAX_SRC; s++) {
+        const struct ggml_tensor * t = op->src[s];
+        if (!t) { MIX(-1); continue; }
+        MIX(t->type); MIX(t->ne[0]); MIX(ggml_is_contiguous(t));
+    }
+    #undef MIX
+    return h;
+}
+
+// Ask the node whether its real device runs this op; remembered per op shape
+// class (op, types, op params, row length, contiguity) so the scheduler's
+// many questions cost one round trip each the first time only.
+static bool dev_supports_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
+    struct client_node * n = dev_node(dev);
+    if (op->op == GGML_OP_MAP_CUSTOM1 || op->op == GGML_OP_MAP_CUSTOM2 || op->op == GGML_OP_MAP_CUSTOM3 || op->op == GGML_OP_CUSTOM)
+        return false;
+    const uint64_t key = op_key(op);
+    pthread_mutex_lock(&n->lock);
+    struct op_cache_entry * slot = &n->op_cache[key & (OP_CACHE_SIZE - 1)];
+    if (slot->used && slot->key == key) {
+        bool ok = slot->supported;
+        pthread_mutex_unlock(&n->lock);
+        return ok;
+    }
+    // Message: the sources (without their own sources), then the op.
+    struct { struct tb_graph_header h; struct tb_wire_tensor t[GGML_MAX_SRC + 1]; } msg;
+    memset(&msg, 0, sizeof msg);
+    uint32_t count = 0;
+    int32_t src_at[GGML_MAX_SRC];
+    struct graph_encoder e = { .node = n };
+    for (int s = 0; s < GGML_MAX_SRC; s++) {
+        src_at[s] = -1;
+        if (!op->src[s]) continue;
+        encode_tensor_fields(&e, op->src[s], &msg.t[count]);
+        if (!is_our_buffer(op->src[s]->buffer)) msg.t[count].buffer = msg.t[count].offset = 0;
+        for (int k = 0; k < GGML_MAX_SRC; k++) msg.t[count].src[k] = -1;
+        msg.t[count].view_src = -1;
+        src_at[s] = (int32_t) count++;
+    }
+    encode_tensor_fields(&e, op, &msg.t[count]);
+    msg.t[count].buffer = msg.t[count].offset = 0;
+    memcpy(msg.t[count].src, src_at, sizeof src_at);
+    msg.t[count].view_src = -1;
+    count++;
+    msg.h.n_tensors = count;
+    uint8_t supported = 0;
+    size_t len = sizeof msg.h + count * sizeof(struct tb_wire_tensor);
+    if (node_call_locked(n, TB_CMD_SUPPORTS_OP, &msg, len, NULL, 0, &supported, 1) == 0) {
+        *slot = (struct op_cache_entry) { .key = key, .used = 1, .supported = supported };
+    }
+    pthread_mutex_unlock(&n->lock);
+    return supported != 0;
+}
+
+static bool dev_supports_buft(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft) {
+    return buft == &dev_node(dev)->buft;
+}
+
+static const struct ggml_backend_device_i dev_iface = {
+    .get_name             = dev_get_name,
+    .get_description      = dev_get_description,
+    .get_memory           = dev_get_memory,
+    .get_type             = dev_get_type,
+    .get_props            = dev_get_props,
+    .init_backend         = dev_init_backend,
+    .get_buffer_type      = dev_get_buffer_type,
+    .get_host_buffer_type = NULL,
+    .buffer_from_host_ptr = NULL,
+    .supports_op          = dev_supports_op,
+    .supports_buft        = dev_supports_buft,
+    .offload_op           = NULL,
+    .event_new            = NULL,
+    .event_free           = NULL,
+    .event_synchronize    = NULL,
+};
+
+// ---- registry -----------------------------------------------------------------
+
+static const char * reg_get_name(ggml_backend_reg_t reg) { (void) reg; return "TBRPC"; }
+
+static size_t reg_get_device_count(ggml_backend_reg_t reg) {
+    struct tbrpc_client * c = reg->context;
+    pthread_mutex_lock(&c->lock);
+    size_t n = c->n_nodes;
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
+static ggml_backend_dev_t reg_get_device(ggml_backend_reg_t reg, size_t i) {
+    struct tbrpc_client * c = reg->context;
+    pthread_mutex_lock(&c->lock);
+    ggml_backend_dev_t d = i < c->n_nodes ? &c->nodes[i]->dev : NULL;
+    pthread_mutex_unlock(&c->lock);
+    return d;
+}
+
+static const struct ggml_backend_reg_i reg_iface = {
+    .get_name = reg_get_name,
+    .get_device_count = reg_get_device_count,
+    .get_device = reg_get_device,
+    .get_proc_address = NULL,
+};
+
+struct tbrpc_client * tbrpc_client_new(void) {
+    struct tbrpc_client * c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    c->reg.api_version = TBRPC_GGML_BACKEND_API_VERSION;
+    c->reg.iface = reg_iface;
+    c->reg.context = c;
+    pthread_mutex_init(&c->lock, NULL);
+    return c;
+}
+
+// Connect + HELLO. Both sides compare ABI; the node's refusal arrives as an
+// error reply that names both versions.
+static int handshake(struct client_node * n, char * err, size_t err_len) {
+    struct tb_hello req;
+    memset(&req, 0, sizeof req);
+    tb_abi_fill(&req.abi);
+    if (node_call(n, TB_CMD_HELLO, &req, sizeof req, &n->info, sizeof n->info) != 0) {
+        snprintf(err, err_len, "%s", n->error);
+        return -1;
+    }
+    n->info.device_name[sizeof n->info.device_name - 1] = '\0';
+    n->info.device_description[sizeof n->info.device_description - 1] = '\0';
+    n->info.node_name[sizeof n->info.node_name - 1] = '\0';
+    char why[512];
+    if (tb_abi_compare(&req.abi, &n->info.abi, "node", why, sizeof why) != 0) {
+        snprintf(err, err_len, "tbrpc node %s: handshake refused: %s", n->endpoint, why);
+        return -1;
+    }
+    if (n->info.alignment == 0 || (n->info.alignment & (n->info.alignment - 1)) != 0) {
+        snprintf(err, err_len, "tbrpc node %s: handshake: invalid alignment %llu", n->endpoint, (unsigned long long) n->info.alignment);
+        return -1;
+    }
+    return 0;
+}
+
+static void node_destroy(struct client_node * n) {
+    if (!n) return;
+    tb_close(n->tp);
+    pthread_mutex_destroy(&n->lock);
+    free(n->encode);
+    free(n->last_graph);
+    free(n);
+}
+
+int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, char * err, size_t err_len) {
+    char host[256];
+    int port = 0;
+    if (tb_parse_endpoint(endpoint, host, sizeof host, &port, err, err_len) != 0) return -1;
+    struct client_node * n = calloc(1, sizeof *n);
+    if (!n) { snprintf(err, err_len, "out of memory"); return -1; }
+    pthread_mutex_init(&n->lock, NULL);
+    n->client = c;
+    n->timeout_ms = timeout_ms;
+    snprintf(n->endpoint, sizeof n->endpoint, "%s", endpoint);
+    char why[256];
+    n->tp = tb_tcp_connect(host, port, timeout_ms, why, sizeof why);
+    if (!n->tp) {
+        snprintf(err, err_len, "tbrpc node %s: unreachable: %s", endpoint, why);
+        node_destroy(n);
+        return -1;
+    }
+    pthread_mutex_lock(&c->lock);
+    const size_t index = c->n_nodes;
+    pthread_mutex_unlock(&c->lock);
+    snprintf(n->name, sizeof n->name, "TBRPC%zu", index);
+    if (handshake(n, err, err_len) != 0) { node_destroy(n); return -1; }
+    snprintf(n->description, sizeof n->description, "tbrpc node %s at %s: %s (%s)", n->info.node_name, endpoint,
+             n->info.device_name, n->info.device_description);
+    n->buft = (struct ggml_backend_buffer_type) { .iface = buft_iface, .device = &n->dev, .context = n };
+    n->dev = (struct ggml_backend_device) { .iface = dev_iface, .reg = &c->reg, .context = n };
+
+    pthread_mutex_lock(&c->lock);
+    if (c->n_nodes == c->cap_nodes) {
+        size_t cap = c->cap_nodes ? 2 * c->cap_nodes : 8;
+        struct client_node ** p = realloc(c->nodes, cap * sizeof *p);
+        if (!p) { pthread_mutex_unlock(&c->lock); node_destroy(n); snprintf(err, err_len, "out of memory"); return -1; }
+        c->nodes = p;
+        c->cap_nodes = cap;
+    }
+    c->nodes[c->n_nodes++] = n;
+    const bool registered = c->registered;
+    pthread_mutex_unlock(&c->lock);
+    if (registered) ggml_backend_device_register(&n->dev);
+    return (int) index;
+}
+
+int tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len) {
+    (void) err; (void) err_len;
+    if (c->registered) return 0;
+    c->registered = true;
+    ggml_backend_register(&c->reg);   // also registers the devices it has now
+    return 0;
+}
+
+size_t tbrpc_client_node_count(struct tbrpc_client * c) { return reg_get_device_count(&c->reg); }
+
+static struct client_node * node_at(struct tbrpc_client * c, size_t i) {
+    pthread_mutex_lock(&c->lock);
+    struct client_node * n = i < c->n_nodes ? c->nodes[i] : NULL;
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
+int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out) {
+    struct client_node * n = node_at(c, i);
+    if (!n) return -1;
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&n->lock);
+    snprintf(out->endpoint, sizeof out->endpoint, "%s", n->endpoint);
+    snprintf(out->device_name, sizeof out->device_name, "%s", n->name);
+    out->hello = n->info;
+    out->failed = n->failed;
+    snprintf(out->error, sizeof out->error, "%s", n->error);
+    out->bytes_sent = n->tp->bytes_sent;
+    out->bytes_received = n->tp->bytes_received;
+    out->round_trips = n->round_trips;
+    out->messages = n->messages;
+    out->graphs_sent = n->graphs_sent;
+    out->graphs_reused = n->graphs_reused;
+    pthread_mutex_unlock(&n->lock);
+    return 0;
+}
+
+int tbrpc_client_node_status(struct tbrpc_client * c, size_t i, struct tb_status * out, char * err, size_t err_len) {
+    struct client_node * n = node_at(c, i);
+    if (!n) { snprintf(err, err_len, "no node %zu", i); return -1; }
+    if (node_call(n, TB_CMD_STATUS, NULL, 0, out, sizeof *out) != 0) {
+        snprintf(err, err_len, "%s", n->error);
+        return -1;
+    }
+    return 0;
+}
+
+int tbrpc_client_failed(struct tbrpc_client * c, char * err, size_t err_len) {
+    for (size_t i = 0; i < tbrpc_client_node_count(c); i++) {
+        struct client_node * n = node_at(c, i);
+        pthread_mutex_lock(&n->lock);
+        bool failed = n->failed;
+        if (failed) snprintf(err, err_len, "%s", n->error);
+        pthread_mutex_unlock(&n->lock);
+        if (failed) return 1;
+    }
+    return 0;
+}
+
+void tbrpc_client_reset_stats(struct tbrpc_client * c) {
+    for (size_t i = 0; i < tbrpc_client_node_count(c); i++) {
+        struct client_node * n = node_at(c, i);
+        pthread_mutex_lock(&n->lock);
+        n->round_trips = n->messages = n->graphs_sent = n->graphs_reused = 0;
+        n->tp->bytes_sent = n->tp->bytes_received = 0;
+        pthread_mutex_unlock(&n->lock);
+    }
+}
+
+int tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status, char * err, size_t err_len) {
+    struct tbrpc_client tmp;
+    memset(&tmp, 0, sizeof tmp);
+    char host[256];
+    int port = 0;
+    if (tb_parse_endpoint(endpoint, host, sizeof host, &port, err, err_len) != 0) return -1;
+    struct client_node * n = calloc(1, sizeof *n);
+    if (!n) { snprintf(err, err_len, "out of memory"); return -1; }
+    pthread_mutex_init(&n->lock, NULL);
+    snprintf(n->endpoint, sizeof n->endpoint, "%s", endpoint);
+    snprintf(n->name, sizeof n->name, "probe");
+    char why[256];
+    n->tp = tb_tcp_connect(host, port, timeout_ms, why, sizeof why);
+    int rc = -1;
+    if (!n->tp) {
+        snprintf(err, err_len, "tbrpc node %s: unreachable: %s", endpoint, why);
+    } else if (handshake(n, err, err_len) == 0) {
+        *hello = n->info;
+        rc = node_call(n, TB_CMD_STATUS, NULL, 0, status, sizeof *status);
+        if (rc != 0) snprintf(err, err_len, "%s", n->error);
+    }
+    node_destroy(n);
+    return rc;
+}
+
+const char * tbrpc_runtime_ggml_version(void) { return ggml_version(); }

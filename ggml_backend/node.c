@@ -1,0 +1,708 @@
+// node.c - executes tbrpc requests on the local ggml device.
+//
+// Layout: tb_node (listener, device, shared counters) and one node_conn per
+// client, served by its own thread. A connection owns its buffers and its
+// ggml backend (stream). Requests are decoded and validated once, here at
+// the edge; the execution code below trusts what decoding produced.
+#include "node.h"
+#include "ggml_abi.h"
+#include "ggml-backend.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define IDLE_POLL_MS 250
+
+struct tb_node {
+    struct tb_node_config cfg;
+    char     name[TB_NAME_LEN];
+    int      listen_fd;
+    int      port;
+    int      stop_pipe[2];        // written by tb_node_stop, watched by the accept loop
+    volatile int stopping;
+    ggml_backend_dev_t dev;
+    FILE *   log;                 // owned when it is not stderr
+
+    pthread_mutex_t lock;         // guards everything below
+    pthread_cond_t  conn_done;
+    int      n_conns;
+    uint64_t buffers, bytes_allocated, graphs_computed, bytes_received;
+};
+
+struct node_buffer {
+    uint64_t handle;
+    ggml_backend_buffer_t buf;
+    uint8_t * base;
+    uint64_t size;
+};
+
+struct node_conn {
+    struct tb_node *      node;
+    struct tb_transport * tp;
+    ggml_backend_t        backend;
+    struct node_buffer *  buffers;   // dense array; few per client (weights, KV, compute)
+    size_t   n_buffers, cap_buffers;
+    uint64_t next_handle;
+    uint8_t * payload;              // scratch for request payloads
+    size_t   payload_cap;
+    char     sticky[512];           // first failure of a posted request, reported with the next reply
+    struct ggml_context * graph_ctx; // the last graph, kept for GRAPH_RECOMPUTE
+    struct ggml_cgraph *  graph;
+};
+
+// ---- logging ----------------------------------------------------------------
+
+static void node_log(struct tb_node * node, const char * fmt, ...) {
+    char when[32];
+    time_t now = time(NULL);
+    struct tm tm;
+    localtime_r(&now, &tm);
+    strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
+    va_list ap;
+    va_start(ap, fmt);
+    pthread_mutex_lock(&node->lock);
+    fprintf(node->log, "%s tbrpc-node %s: ", when, node->name);
+    vfprintf(node->log, fmt, ap);
+    fputc('\n', node->log);
+    fflush(node->log);
+    pthread_mutex_unlock(&node->lock);
+    va_end(ap);
+}
+
+// ---- buffers ----------------------------------------------------------------
+
+static bool lookup_buffer(void * ctx, uint64_t handle, struct tb_buffer_view * out) {
+    struct node_conn * c = ctx;
+    for (size_t i = 0; i < c->n_buffers; i++) {
+        if (c->buffers[i].handle == handle) {
+            out->base = c->buffers[i].base;
+            out->size = c->buffers[i].size;
+            out->ggml_buffer = c->buffers[i].buf;
+            return true;
+        }
+    }
+    return false;
+}
+
+static struct node_buffer * find_buffer(struct node_conn * c, uint64_t handle) {
+    for (size_t i = 0; i < c->n_buffers; i++) {
+        if (c->buffers[i].handle == handle) return &c->buffers[i];
+    }
+    return NULL;
+}
+
+// A byte range [offset, offset+size) of a buffer, checked without overflow.
+static struct node_buffer * checked_range(struct node_conn * c, uint64_t handle, uint64_t offset, uint64_t size,
+                                          char * err, size_t err_len) {
+    struct node_buffer * b = find_buffer(c, handle);
+    if (!b) {
+        snprintf(err, err_len, "unknown buffer handle %llu", (unsigned long long) handle);
+        return NULL;
+    }
+    if (offset > b->size || size > b->size - offset) {
+        snprintf(err, err_len, "range [%llu, +%llu) lies outside buffer %llu of %llu bytes", (unsigned long long) offset,
+                 (unsigned long long) size, (unsigned long long) handle, (unsigned long long) b->size);
+        return NULL;
+    }
+    return b;
+}
+
+static void release_buffer(struct node_conn * c, size_t i) {
+    struct tb_node * n = c->node;
+    pthread_mutex_lock(&n->lock);
+    n->buffers--;
+    n->bytes_allocated -= c->buffers[i].size;
+    pthread_mutex_unlock(&n->lock);
+    ggml_backend_buffer_free(c->buffers[i].buf);
+    c->buffers[i] = c->buffers[--c->n_buffers];
+}
+
+// A 1-D byte view of a buffer range: lets us use ggml's generic tensor
+// set/get/memset, which work on any device (not only host memory).
+static struct ggml_tensor byte_view(struct node_buffer * b, uint64_t offset, uint64_t size) {
+    struct ggml_tensor t;
+    memset(&t, 0, sizeof t);
+    t.type = GGML_TYPE_I8;
+    t.buffer = b->buf;
+    t.ne[0] = (int64_t) size; t.ne[1] = t.ne[2] = t.ne[3] = 1;
+    t.nb[0] = 1; t.nb[1] = t.nb[2] = t.nb[3] = size;
+    t.data = b->base + offset;
+    return t;
+}
+
+// ---- request handlers -------------------------------------------------------
+// Each returns 0 or -1 with err filled; `reply`/`reply_len` point at the body
+// for requests that have one.
+
+struct reply { const void * data; size_t len; uint8_t small[sizeof(struct tb_hello)]; };
+
+static int expect_len(uint64_t got, size_t want, const char * what, char * err, size_t err_len) {
+    if (got == want) return 0;
+    snprintf(err, err_len, "%s: payload is %llu bytes, expected %zu", what, (unsigned long long) got, want);
+    return -1;
+}
+
+static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(n->dev);
+    size_t free_mem = 0, total_mem = 0;
+    ggml_backend_dev_memory(n->dev, &free_mem, &total_mem);
+    h->mem_free = free_mem;
+    h->mem_total = total_mem;
+    h->alignment = ggml_backend_buft_get_alignment(buft);
+    h->max_size = ggml_backend_buft_get_max_size(buft);
+    h->device_type = (uint32_t) ggml_backend_dev_type(n->dev);
+    snprintf(h->device_name, sizeof h->device_name, "%s", ggml_backend_dev_name(n->dev));
+    snprintf(h->device_description, sizeof h->device_description, "%s", ggml_backend_dev_description(n->dev));
+    snprintf(h->node_name, sizeof h->node_name, "%s", n->name);
+}
+
+static int handle_hello(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_hello), "HELLO", err, err_len) != 0) return -1;
+    const struct tb_hello * req = (const struct tb_hello *) c->payload;
+    struct tb_hello * rep = (struct tb_hello *) r->small;
+    memset(rep, 0, sizeof *rep);
+    tb_abi_fill(&rep->abi);
+    if (tb_abi_compare(&rep->abi, &req->abi, "client", err, err_len) != 0) return -1;
+    fill_device_info(c->node, rep);
+    r->data = rep;
+    r->len = sizeof *rep;
+    return 0;
+}
+
+static int handle_alloc(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_alloc_req), "ALLOC_BUFFER", err, err_len) != 0) return -1;
+    const struct tb_alloc_req * req = (const struct tb_alloc_req *) c->payload;
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(c->node->dev);
+    if (req->size > ggml_backend_buft_get_max_size(buft)) {
+        snprintf(err, err_len, "ALLOC_BUFFER of %llu bytes exceeds the device's maximum buffer size", (unsigned long long) req->size);
+        return -1;
+    }
+    if (c->n_buffers == c->cap_buffers) {
+        size_t cap = c->cap_buffers ? 2 * c->cap_buffers : 16;
+        struct node_buffer * nb = realloc(c->buffers, cap * sizeof *nb);
+        if (!nb) { snprintf(err, err_len, "out of memory"); return -1; }
+        c->buffers = nb;
+        c->cap_buffers = cap;
+    }
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, (size_t) req->size);
+    if (!buf) {
+        snprintf(err, err_len, "device %s could not allocate %llu bytes", ggml_backend_dev_name(c->node->dev),
+                 (unsigned long long) req->size);
+        return -1;
+    }
+    struct node_buffer * b = &c->buffers[c->n_buffers++];
+    b->handle = c->next_handle++;
+    b->buf = buf;
+    b->base = ggml_backend_buffer_get_base(buf);
+    b->size = ggml_backend_buffer_get_size(buf);
+    struct tb_node * n = c->node;
+    pthread_mutex_lock(&n->lock);
+    n->buffers++;
+    n->bytes_allocated += b->size;
+    pthread_mutex_unlock(&n->lock);
+    struct tb_alloc_reply * rep = (struct tb_alloc_reply *) r->small;
+    rep->handle = b->handle;
+    rep->base = (uint64_t) (uintptr_t) b->base;
+    rep->size = b->size;
+    r->data = rep;
+    r->len = sizeof *rep;
+    return 0;
+}
+
+static int handle_free(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_buffer_req), "FREE_BUFFER", err, err_len) != 0) return -1;
+    const struct tb_buffer_req * req = (const struct tb_buffer_req *) c->payload;
+    for (size_t i = 0; i < c->n_buffers; i++) {
+        if (c->buffers[i].handle == req->handle) {
+            // the kept graph may point into this buffer: forget it
+            if (c->graph_ctx) { ggml_free(c->graph_ctx); c->graph_ctx = NULL; c->graph = NULL; }
+            release_buffer(c, i);
+            return 0;
+        }
+    }
+    snprintf(err, err_len, "FREE_BUFFER: unknown buffer handle %llu", (unsigned long long) req->handle);
+    return -1;
+}
+
+static int handle_memset(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_memset_req), tb_cmd_name(h->cmd), err, err_len) != 0) return -1;
+    const struct tb_memset_req * req = (const struct tb_memset_req *) c->payload;
+    struct node_buffer * b = checked_range(c, req->handle, req->offset, req->size, err, err_len);
+    if (!b) return -1;
+    if (h->cmd == TB_CMD_BUFFER_CLEAR) {
+        ggml_backend_buffer_clear(b->buf, req->value);
+    } else if (req->size > 0) {
+        struct ggml_tensor t = byte_view(b, req->offset, req->size);
+        ggml_backend_tensor_memset(&t, req->value, 0, (size_t) req->size);
+    }
+    return 0;
+}
+
+static int handle_get(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_range), "GET_TENSOR", err, err_len) != 0) return -1;
+    const struct tb_range req = *(const struct tb_range *) c->payload;
+    if (req.size > TB_MAX_PAYLOAD) {
+        snprintf(err, err_len, "GET_TENSOR of %llu bytes exceeds the message limit", (unsigned long long) req.size);
+        return -1;
+    }
+    struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
+    if (!b) return -1;
+    if (ggml_backend_buffer_is_host(b->buf)) {
+        r->data = b->base + req.offset;    // reply straight from the buffer, no copy
+    } else {
+        if (req.size > c->payload_cap) {
+            uint8_t * p = realloc(c->payload, (size_t) req.size);
+            if (!p) { snprintf(err, err_len, "out of memory"); return -1; }
+            c->payload = p;
+            c->payload_cap = (size_t) req.size;
+        }
+        struct ggml_tensor t = byte_view(b, req.offset, req.size);
+        ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
+        r->data = c->payload;
+    }
+    r->len = (size_t) req.size;
+    return 0;
+}
+
+static int handle_copy(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_copy_req), "COPY_TENSOR", err, err_len) != 0) return -1;
+    const struct tb_copy_req * req = (const struct tb_copy_req *) c->payload;
+    struct node_buffer * src = checked_range(c, req->src_handle, req->src_offset, req->size, err, err_len);
+    struct node_buffer * dst = src ? checked_range(c, req->dst_handle, req->dst_offset, req->size, err, err_len) : NULL;
+    if (!dst) return -1;
+    if (req->size == 0) return 0;
+    struct ggml_tensor s = byte_view(src, req->src_offset, req->size);
+    struct ggml_tensor d = byte_view(dst, req->dst_offset, req->size);
+    ggml_backend_tensor_copy(&s, &d);
+    return 0;
+}
+
+// Decode a tensor table (+ node list for graphs) into a fresh context.
+static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_header * h, bool with_nodes,
+                                          struct ggml_tensor *** tensors_out, struct ggml_cgraph ** graph_out,
+                                          uint32_t * n_tensors_out, char * err, size_t err_len) {
+    if (h->len < sizeof(struct tb_graph_header)) {
+        snprintf(err, err_len, "%s: payload too short", tb_cmd_name(h->cmd));
+        return NULL;
+    }
+    const struct tb_graph_header * gh = (const struct tb_graph_header *) c->payload;
+    const uint32_t nt = gh->n_tensors, nn = with_nodes ? gh->n_nodes : 0;
+    if (nt == 0 || nt > TB_MAX_GRAPH_TENSORS || nn > TB_MAX_GRAPH_NODES || (with_nodes && nn == 0)) {
+        snprintf(err, err_len, "%s: %u tensors / %u nodes out of range", tb_cmd_name(h->cmd), nt, nn);
+        return NULL;
+    }
+    const uint64_t want = sizeof *gh + (uint64_t) nt * sizeof(struct tb_wire_tensor) + (uint64_t) nn * sizeof(uint32_t);
+    if (h->len != want) {
+        snprintf(err, err_len, "%s: payload is %llu bytes, %u tensors and %u nodes need %llu", tb_cmd_name(h->cmd),
+                 (unsigned long long) h->len, nt, nn, (unsigned long long) want);
+        return NULL;
+    }
+    const struct tb_wire_tensor * wire = (const struct tb_wire_tensor *) (gh + 1);
+    const uint32_t * node_idx = (const uint32_t *) (wire + nt);
+    struct ggml_init_params ip = {
+        .mem_size = ggml_tensor_overhead() * nt + (with_nodes ? ggml_graph_overhead_custom(nn, false) : 0) + nt * sizeof(void *) + 1024,
+        .mem_buffer = NULL,
+        .no_alloc = true,
+    };
+    struct ggml_context * ctx = ggml_init(ip);
+    struct ggml_tensor ** tensors = calloc(nt, sizeof *tensors);
+    if (!ctx || !tensors) {
+        snprintf(err, err_len, "out of memory decoding %u tensors", nt);
+        goto fail;
+    }
+    if (tb_decode_tensors(ctx, wire, nt, lookup_buffer, c, with_nodes, tensors, err, err_len) != 0) goto fail;
+    if (with_nodes) {
+        struct ggml_cgraph * g = ggml_new_graph_custom(ctx, nn, false);
+        for (uint32_t i = 0; i < nn; i++) {
+            if (node_idx[i] >= nt) {
+                snprintf(err, err_len, "GRAPH_COMPUTE: node %u refers to tensor %u of %u", i, node_idx[i], nt);
+                goto fail;
+            }
+            ggml_graph_add_node(g, tensors[node_idx[i]]);
+        }
+        *graph_out = g;
+    }
+    *tensors_out = tensors;
+    *n_tensors_out = nt;
+    return ctx;
+fail:
+    free(tensors);
+    if (ctx) ggml_free(ctx);
+    return NULL;
+}
+
+static int run_graph(struct node_conn * c, char * err, size_t err_len) {
+    enum ggml_status st = ggml_backend_graph_compute(c->backend, c->graph);
+    pthread_mutex_lock(&c->node->lock);
+    c->node->graphs_computed++;
+    pthread_mutex_unlock(&c->node->lock);
+    if (st != GGML_STATUS_SUCCESS) {
+        snprintf(err, err_len, "graph compute on %s failed with status %d", ggml_backend_dev_name(c->node->dev), (int) st);
+        return -1;
+    }
+    return 0;
+}
+
+static int handle_graph_compute(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    struct ggml_tensor ** tensors = NULL;
+    struct ggml_cgraph * g = NULL;
+    uint32_t nt = 0;
+    struct ggml_context * ctx = decode_graph(c, h, true, &tensors, &g, &nt, err, err_len);
+    if (!ctx) return -1;
+    free(tensors);
+    if (c->graph_ctx) ggml_free(c->graph_ctx);
+    c->graph_ctx = ctx;
+    c->graph = g;
+    return run_graph(c, err, err_len);
+}
+
+static int handle_graph_recompute(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, 0, "GRAPH_RECOMPUTE", err, err_len) != 0) return -1;
+    if (!c->graph) {
+        snprintf(err, err_len, "GRAPH_RECOMPUTE without a previous graph");
+        return -1;
+    }
+    return run_graph(c, err, err_len);
+}
+
+static int handle_supports_op(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    struct ggml_tensor ** tensors = NULL;
+    uint32_t nt = 0;
+    struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, &nt, err, err_len);
+    if (!ctx) return -1;
+    r->small[0] = ggml_backend_dev_supports_op(c->node->dev, tensors[nt - 1]) ? 1 : 0;
+    free(tensors);
+    ggml_free(ctx);
+    r->data = r->small;
+    r->len = 1;
+    return 0;
+}
+
+static int handle_status(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, 0, "STATUS", err, err_len) != 0) return -1;
+    struct tb_status * s = (struct tb_status *) r->small;
+    tb_node_get_status(c->node, s);
+    r->data = s;
+    r->len = sizeof *s;
+    return 0;
+}
+
+static int handle_memory(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, 0, "GET_MEMORY", err, err_len) != 0) return -1;
+    struct tb_memory * m = (struct tb_memory *) r->small;
+    size_t free_mem = 0, total_mem = 0;
+    ggml_backend_dev_memory(c->node->dev, &free_mem, &total_mem);
+    m->free = free_mem;
+    m->total = total_mem;
+    r->data = m;
+    r->len = sizeof *m;
+    return 0;
+}
+
+// ---- the connection loop ----------------------------------------------------
+
+static bool is_posted(uint16_t cmd) {
+    switch (cmd) {
+        case TB_CMD_FREE_BUFFER: case TB_CMD_BUFFER_CLEAR: case TB_CMD_SET_TENSOR: case TB_CMD_MEMSET_TENSOR:
+        case TB_CMD_COPY_TENSOR: case TB_CMD_GRAPH_COMPUTE: case TB_CMD_GRAPH_RECOMPUTE:
+            return true;
+        default:
+            return false;
+    }
+}
+
+static int read_payload(struct node_conn * c, size_t len) {
+    if (len > c->payload_cap) {
+        uint8_t * p = realloc(c->payload, len);
+        if (!p) return -1;
+        c->payload = p;
+        c->payload_cap = len;
+    }
+    return len ? tb_recv(c->tp, c->payload, len) : 0;
+}
+
+// SET_TENSOR streams weights: read the range first, then receive the bytes
+// straight into host buffers instead of through the scratch payload.
+static int handle_set(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len, bool * io_failed) {
+    struct tb_range req;
+    if (h->len < sizeof req) { snprintf(err, err_len, "SET_TENSOR: payload too short"); *io_failed = true; return -1; }
+    if (tb_recv(c->tp, &req, sizeof req) != 0) { *io_failed = true; return -1; }
+    const uint64_t data_len = h->len - sizeof req;
+    struct node_buffer * b = NULL;
+    if (data_len != req.size) {
+        snprintf(err, err_len, "SET_TENSOR: header says %llu bytes, message carries %llu",
+                 (unsigned long long) req.size, (unsigned long long) data_len);
+    } else {
+        b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
+    }
+    if (b && ggml_backend_buffer_is_host(b->buf)) {
+        if (tb_recv(c->tp, b->base + req.offset, (size_t) req.size) != 0) { *io_failed = true; return -1; }
+        return 0;
+    }
+    // Either invalid (still consume the bytes to stay in sync) or a device buffer.
+    if (read_payload(c, (size_t) data_len) != 0) { *io_failed = true; return -1; }
+    if (!b) return -1;
+    struct ggml_tensor t = byte_view(b, req.offset, req.size);
+    if (req.size) ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
+    return 0;
+}
+
+static int dispatch(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    switch (h->cmd) {
+        case TB_CMD_HELLO:           return handle_hello(c, h, r, err, err_len);
+        case TB_CMD_GET_MEMORY:      return handle_memory(c, h, r, err, err_len);
+        case TB_CMD_ALLOC_BUFFER:    return handle_alloc(c, h, r, err, err_len);
+        case TB_CMD_FREE_BUFFER:     return handle_free(c, h, err, err_len);
+        case TB_CMD_BUFFER_CLEAR:
+        case TB_CMD_MEMSET_TENSOR:   return handle_memset(c, h, err, err_len);
+        case TB_CMD_GET_TENSOR:      return handle_get(c, h, r, err, err_len);
+        case TB_CMD_COPY_TENSOR:     return handle_copy(c, h, err, err_len);
+        case TB_CMD_GRAPH_COMPUTE:   return handle_graph_compute(c, h, err, err_len);
+        case TB_CMD_GRAPH_RECOMPUTE: return handle_graph_recompute(c, h, err, err_len);
+        case TB_CMD_SUPPORTS_OP:     return handle_supports_op(c, h, r, err, err_len);
+        case TB_CMD_SYNC:            return expect_len(h->len, 0, "SYNC", err, err_len);
+        case TB_CMD_STATUS:          return handle_status(c, h, r, err, err_len);
+        default:
+            snprintf(err, err_len, "unknown command %u", h->cmd);
+            return -1;
+    }
+}
+
+static int send_reply(struct node_conn * c, const struct tb_header * h, int rc, const struct reply * r, const char * err) {
+    struct tb_reply_status st = { .status = rc == 0 ? 0 : 1 };
+    const void * body = r->data;
+    size_t body_len = r->len;
+    if (rc == 0 && c->sticky[0]) {       // an earlier posted request failed: report that instead
+        st.status = 1;
+        err = c->sticky;
+    }
+    if (st.status != 0) { body = err; body_len = strlen(err); }
+    int io = tb_msg_send(c->tp, h->cmd, TB_FLAG_REPLY, h->id, &st, sizeof st, body, body_len);
+    if (io == 0) io = tb_flush(c->tp);
+    c->sticky[0] = '\0';
+    return io;
+}
+
+// Serve one request. Returns -1 when the connection must be dropped.
+static int serve_one(struct node_conn * c, bool * said_hello) {
+    struct tb_header h;
+    char err[512] = "";
+    if (tb_msg_recv_header(c->tp, &h, err, sizeof err) != 0) {
+        if (strstr(err, "closed by peer") == NULL) node_log(c->node, "client %s: %s; dropping it", c->tp->peer, err);
+        return -1;
+    }
+    if (!*said_hello && h.cmd != TB_CMD_HELLO) {
+        node_log(c->node, "client %s: sent %s before HELLO; dropping it", c->tp->peer, tb_cmd_name(h.cmd));
+        return -1;
+    }
+    pthread_mutex_lock(&c->node->lock);
+    c->node->bytes_received += h.len;
+    pthread_mutex_unlock(&c->node->lock);
+
+    struct reply r = { 0 };
+    bool io_failed = false;
+    int rc;
+    if (h.cmd == TB_CMD_SET_TENSOR) {
+        rc = handle_set(c, &h, err, sizeof err, &io_failed);
+    } else if (read_payload(c, (size_t) h.len) != 0) {
+        io_failed = true;
+        rc = -1;
+    } else {
+        rc = dispatch(c, &h, &r, err, sizeof err);
+    }
+    if (io_failed) {
+        node_log(c->node, "client %s: %s: %s; dropping it", c->tp->peer, tb_cmd_name(h.cmd), err[0] ? err : c->tp->error);
+        return -1;
+    }
+    if (rc != 0) node_log(c->node, "client %s: request %llu %s rejected: %s", c->tp->peer, (unsigned long long) h.id, tb_cmd_name(h.cmd), err);
+    if (h.cmd == TB_CMD_HELLO) {
+        if (rc != 0) { send_reply(c, &h, rc, &r, err); return -1; }
+        *said_hello = true;
+    }
+    if (is_posted(h.cmd)) {
+        if (rc != 0 && !c->sticky[0]) snprintf(c->sticky, sizeof c->sticky, "earlier %s (request %llu) failed: %s",
+                                               tb_cmd_name(h.cmd), (unsigned long long) h.id, err);
+        return 0;
+    }
+    return send_reply(c, &h, rc, &r, err) == 0 ? 0 : -1;
+}
+
+static void conn_free(struct node_conn * c) {
+    while (c->n_buffers > 0) release_buffer(c, c->n_buffers - 1);
+    if (c->graph_ctx) ggml_free(c->graph_ctx);
+    if (c->backend) ggml_backend_free(c->backend);
+    free(c->buffers);
+    free(c->payload);
+    tb_close(c->tp);
+    free(c);
+}
+
+static void * conn_thread(void * arg) {
+    struct node_conn * c = arg;
+    struct tb_node * n = c->node;
+    char peer[sizeof c->tp->peer];
+    snprintf(peer, sizeof peer, "%s", c->tp->peer);
+    node_log(n, "client %s connected", peer);
+    bool said_hello = false;
+    while (!n->stopping) {
+        int ready = tb_poll(c->tp, IDLE_POLL_MS);
+        if (ready == 0) continue;
+        if (ready < 0 || serve_one(c, &said_hello) != 0) break;
+    }
+    conn_free(c);
+    node_log(n, "client %s disconnected; its buffers are freed", peer);
+    pthread_mutex_lock(&n->lock);
+    n->n_conns--;
+    pthread_cond_broadcast(&n->conn_done);
+    pthread_mutex_unlock(&n->lock);
+    return NULL;
+}
+
+static void start_connection(struct tb_node * n, int fd) {
+    struct node_conn * c = calloc(1, sizeof *c);
+    if (c) c->tp = tb_tcp_from_fd(fd, n->cfg.timeout_ms);
+    if (c && c->tp) c->backend = ggml_backend_dev_init(n->dev, NULL);
+    if (!c || !c->tp || !c->backend) {
+        node_log(n, "cannot serve a new client: out of memory or device init failed");
+        if (c && c->tp) tb_close(c->tp); else close(fd);
+        free(c);
+        return;
+    }
+    c->node = n;
+    c->next_handle = 1;
+    if (n->cfg.threads > 0) {
+        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
+        ggml_backend_set_n_threads_t set_threads =
+            (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
+        if (set_threads) set_threads(c->backend, n->cfg.threads);
+    }
+    pthread_mutex_lock(&n->lock);
+    n->n_conns++;
+    pthread_mutex_unlock(&n->lock);
+    pthread_t th;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&th, &attr, conn_thread, c) != 0) {
+        node_log(n, "cannot start a thread for client %s", c->tp->peer);
+        pthread_mutex_lock(&n->lock);
+        n->n_conns--;
+        pthread_mutex_unlock(&n->lock);
+        conn_free(c);
+    }
+    pthread_attr_destroy(&attr);
+}
+
+// ---- node lifecycle ---------------------------------------------------------
+
+static ggml_backend_dev_t pick_device(const char * wanted, char * err, size_t err_len) {
+    if (wanted && *wanted) {
+        ggml_backend_dev_t d = ggml_backend_dev_by_name(wanted);
+        if (!d) {
+            int len = snprintf(err, err_len, "no ggml device named '%s'; available:", wanted);
+            for (size_t i = 0; i < ggml_backend_dev_count() && len > 0 && (size_t) len < err_len; i++)
+                len += snprintf(err + len, err_len - (size_t) len, " %s", ggml_backend_dev_name(ggml_backend_dev_get(i)));
+        }
+        return d;
+    }
+    ggml_backend_dev_t d = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+    if (!d) d = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_IGPU);
+    if (!d) d = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (!d) snprintf(err, err_len, "this machine's ggml has no usable device");
+    return d;
+}
+
+struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, size_t err_len) {
+    struct tb_node * n = calloc(1, sizeof *n);
+    if (!n) { snprintf(err, err_len, "out of memory"); return NULL; }
+    n->cfg = *cfg;
+    n->listen_fd = -1;
+    n->stop_pipe[0] = n->stop_pipe[1] = -1;
+    pthread_mutex_init(&n->lock, NULL);
+    pthread_cond_init(&n->conn_done, NULL);
+    n->log = stderr;
+    if (cfg->log_path && *cfg->log_path) {
+        n->log = fopen(cfg->log_path, "a");
+        if (!n->log) { snprintf(err, err_len, "cannot open log file %s: %s", cfg->log_path, strerror(errno)); n->log = stderr; goto fail; }
+    }
+    n->dev = pick_device(cfg->device, err, err_len);
+    if (!n->dev) goto fail;
+    n->listen_fd = tb_tcp_listen(cfg->host, cfg->port, err, err_len);
+    if (n->listen_fd < 0) goto fail;
+    n->port = tb_tcp_bound_port(n->listen_fd);
+    if (cfg->name && *cfg->name) snprintf(n->name, sizeof n->name, "%s", cfg->name);
+    else snprintf(n->name, sizeof n->name, "%s:%d", cfg->host && *cfg->host ? cfg->host : "*", n->port);
+    if (pipe(n->stop_pipe) != 0) { snprintf(err, err_len, "pipe: %s", strerror(errno)); goto fail; }
+    fcntl(n->stop_pipe[1], F_SETFL, O_NONBLOCK);
+    n->cfg.host = n->cfg.device = n->cfg.name = n->cfg.log_path = NULL;   // not owned; do not keep
+    return n;
+fail:
+    tb_node_free(n);
+    return NULL;
+}
+
+int tb_node_port(const struct tb_node * n) { return n->port; }
+
+int tb_node_serve(struct tb_node * n) {
+    node_log(n, "serving %s (%s) on port %d", ggml_backend_dev_name(n->dev), ggml_backend_dev_description(n->dev), n->port);
+    struct pollfd p[2] = { { .fd = n->listen_fd, .events = POLLIN }, { .fd = n->stop_pipe[0], .events = POLLIN } };
+    while (!n->stopping) {
+        int rc = poll(p, 2, -1);
+        if (rc < 0 && errno == EINTR) continue;
+        if (rc < 0 || (p[1].revents & POLLIN)) break;
+        if (p[0].revents & POLLIN) {
+            int fd = accept(n->listen_fd, NULL, NULL);
+            if (fd >= 0) start_connection(n, fd);
+        }
+    }
+    n->stopping = 1;
+    pthread_mutex_lock(&n->lock);
+    while (n->n_conns > 0) pthread_cond_wait(&n->conn_done, &n->lock);
+    pthread_mutex_unlock(&n->lock);
+    node_log(n, "stopped");
+    return 0;
+}
+
+void tb_node_stop(struct tb_node * n) {
+    n->stopping = 1;
+    if (n->stop_pipe[1] >= 0) {
+        ssize_t ignored = write(n->stop_pipe[1], "x", 1);
+        (void) ignored;
+    }
+}
+
+void tb_node_get_status(struct tb_node * n, struct tb_status * s) {
+    memset(s, 0, sizeof *s);
+    size_t free_mem = 0, total_mem = 0;
+    ggml_backend_dev_memory(n->dev, &free_mem, &total_mem);
+    pthread_mutex_lock(&n->lock);
+    s->buffers = n->buffers;
+    s->bytes_allocated = n->bytes_allocated;
+    s->clients = (uint64_t) n->n_conns;
+    s->graphs_computed = n->graphs_computed;
+    s->bytes_received = n->bytes_received;
+    pthread_mutex_unlock(&n->lock);
+    s->mem_free = free_mem;
+    s->mem_total = total_mem;
+    snprintf(s->device_name, sizeof s->device_name, "%s", ggml_backend_dev_name(n->dev));
+}
+
+void tb_node_free(struct tb_node * n) {
+    if (!n) return;
+    if (n->listen_fd >= 0) close(n->listen_fd);
+    if (n->stop_pipe[0] >= 0) close(n->stop_pipe[0]);
+    if (n->stop_pipe[1] >= 0) close(n->stop_pipe[1]);
+    if (n->log && n->log != stderr) fclose(n->log);
+    pthread_cond_destroy(&n->conn_done);
+    pthread_mutex_destroy(&n->lock);
+    free(n);
+}

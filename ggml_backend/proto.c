@@ -1,0 +1,218 @@
+// proto.c - framing, the ABI handshake data, and validated decoding of
+// tensors on the node. See proto.h and docs/protocol.md.
+#include "proto.h"
+#include "ggml_abi.h"
+
+#include <stdio.h>
+#include <string.h>
+
+_Static_assert(sizeof(struct tb_header) == 24, "header is 24 bytes on the wire");
+_Static_assert(sizeof(struct tb_wire_tensor) % 8 == 0, "wire tensor keeps 8-byte alignment");
+_Static_assert(sizeof(struct tb_hello) % 8 == 0, "hello keeps 8-byte alignment");
+
+static const char * const cmd_names[TB_CMD_COUNT_] = {
+    [TB_CMD_HELLO] = "HELLO", [TB_CMD_GET_MEMORY] = "GET_MEMORY", [TB_CMD_ALLOC_BUFFER] = "ALLOC_BUFFER",
+    [TB_CMD_FREE_BUFFER] = "FREE_BUFFER", [TB_CMD_BUFFER_CLEAR] = "BUFFER_CLEAR", [TB_CMD_SET_TENSOR] = "SET_TENSOR",
+    [TB_CMD_GET_TENSOR] = "GET_TENSOR", [TB_CMD_MEMSET_TENSOR] = "MEMSET_TENSOR", [TB_CMD_COPY_TENSOR] = "COPY_TENSOR",
+    [TB_CMD_GRAPH_COMPUTE] = "GRAPH_COMPUTE", [TB_CMD_GRAPH_RECOMPUTE] = "GRAPH_RECOMPUTE",
+    [TB_CMD_SUPPORTS_OP] = "SUPPORTS_OP", [TB_CMD_SYNC] = "SYNC", [TB_CMD_STATUS] = "STATUS",
+};
+
+const char * tb_cmd_name(uint16_t cmd) {
+    return cmd > 0 && cmd < TB_CMD_COUNT_ ? cmd_names[cmd] : "UNKNOWN";
+}
+
+static uint64_t fnv1a(uint64_t h, const void * data, size_t len) {
+    const uint8_t * p = data;
+    for (size_t i = 0; i < len; i++) { h ^= p[i]; h *= 0x100000001b3ull; }
+    return h;
+}
+
+void tb_abi_fill(struct tb_abi * abi) {
+    memset(abi, 0, sizeof *abi);
+    abi->proto_version       = TB_PROTO_VERSION;
+    abi->backend_api_version = TBRPC_GGML_BACKEND_API_VERSION;
+    abi->ggml_op_count       = GGML_OP_COUNT;
+    abi->ggml_type_count     = GGML_TYPE_COUNT;
+    abi->max_dims            = GGML_MAX_DIMS;
+    abi->max_src             = GGML_MAX_SRC;
+    abi->max_op_params       = GGML_MAX_OP_PARAMS;
+    abi->max_name            = GGML_MAX_NAME;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int t = 0; t < GGML_TYPE_COUNT; t++) {
+        uint64_t sizes[2] = { ggml_type_size((enum ggml_type) t), (uint64_t) ggml_blck_size((enum ggml_type) t) };
+        h = fnv1a(h, sizes, sizeof sizes);
+    }
+    abi->type_table_hash = h;
+}
+
+int tb_abi_compare(const struct tb_abi * mine, const struct tb_abi * theirs, const char * their_role,
+                   char * err, size_t err_len) {
+    if (mine->proto_version != theirs->proto_version) {
+        snprintf(err, err_len, "protocol version mismatch: this side speaks tbrpc protocol %u, the %s speaks %u",
+                 mine->proto_version, their_role, theirs->proto_version);
+        return -1;
+    }
+    if (mine->backend_api_version != theirs->backend_api_version || mine->ggml_op_count != theirs->ggml_op_count ||
+        mine->ggml_type_count != theirs->ggml_type_count || mine->type_table_hash != theirs->type_table_hash ||
+        mine->max_dims != theirs->max_dims || mine->max_src != theirs->max_src ||
+        mine->max_op_params != theirs->max_op_params || mine->max_name != theirs->max_name) {
+        snprintf(err, err_len,
+                 "ggml ABI mismatch: this side has backend API %u, %u ops, %u types (type table %016llx); "
+                 "the %s has backend API %u, %u ops, %u types (type table %016llx). "
+                 "Install the same tbrpc and llama-cpp-python version on both machines.",
+                 mine->backend_api_version, mine->ggml_op_count, mine->ggml_type_count,
+                 (unsigned long long) mine->type_table_hash, their_role, theirs->backend_api_version,
+                 theirs->ggml_op_count, theirs->ggml_type_count, (unsigned long long) theirs->type_table_hash);
+        return -1;
+    }
+    return 0;
+}
+
+int tb_msg_send(struct tb_transport * t, uint16_t cmd, uint16_t flags, uint64_t id,
+                const void * a, size_t a_len, const void * b, size_t b_len) {
+    struct tb_header h = { .magic = TB_MAGIC, .cmd = cmd, .flags = flags, .id = id, .len = a_len + b_len };
+    if (tb_send(t, &h, sizeof h) != 0) return -1;
+    if (a_len && tb_send(t, a, a_len) != 0) return -1;
+    if (b_len && tb_send(t, b, b_len) != 0) return -1;
+    return 0;
+}
+
+int tb_msg_recv_header(struct tb_transport * t, struct tb_header * h, char * err, size_t err_len) {
+    if (tb_recv(t, h, sizeof *h) != 0) {
+        snprintf(err, err_len, "%s", t->error);
+        return -1;
+    }
+    if (h->magic != TB_MAGIC) {
+        snprintf(err, err_len, "%s: not a tbrpc message (magic %08x); is this a tbrpc node/client?", t->peer, h->magic);
+        return -1;
+    }
+    if (h->cmd == 0 || h->cmd >= TB_CMD_COUNT_) {
+        snprintf(err, err_len, "%s: unknown command %u", t->peer, h->cmd);
+        return -1;
+    }
+    if (h->len > TB_MAX_PAYLOAD) {
+        snprintf(err, err_len, "%s: %s payload of %llu bytes exceeds the %llu-byte limit", t->peer,
+                 tb_cmd_name(h->cmd), (unsigned long long) h->len, (unsigned long long) TB_MAX_PAYLOAD);
+        return -1;
+    }
+    return 0;
+}
+
+// ggml_nbytes, with every multiplication and addition checked.
+int tb_wire_nbytes(const struct tb_wire_tensor * w, uint64_t * out, char * err, size_t err_len) {
+    if (w->type >= GGML_TYPE_COUNT || ggml_blck_size((enum ggml_type) w->type) <= 0 || ggml_type_size((enum ggml_type) w->type) == 0) {
+        snprintf(err, err_len, "tensor '%.64s': invalid type %u", w->name, w->type);
+        return -1;
+    }
+    const uint64_t blck = (uint64_t) ggml_blck_size((enum ggml_type) w->type);
+    const uint64_t tsize = ggml_type_size((enum ggml_type) w->type);
+    for (int i = 0; i < GGML_MAX_DIMS; i++) {
+        if (w->ne[i] < 0 || w->ne[i] > TB_MAX_DIM_ELEMENTS) {
+            snprintf(err, err_len, "tensor '%.64s': ne[%d] = %lld out of range", w->name, i, (long long) w->ne[i]);
+            return -1;
+        }
+        if (w->nb[i] > (1ull << 52)) {
+            snprintf(err, err_len, "tensor '%.64s': nb[%d] = %llu out of range", w->name, i, (unsigned long long) w->nb[i]);
+            return -1;
+        }
+    }
+    if (blck > 1 && (w->ne[0] % (int64_t) blck != 0 || w->nb[0] != tsize)) {
+        snprintf(err, err_len, "tensor '%.64s': quantized rows must hold whole blocks with nb[0] = block size", w->name);
+        return -1;
+    }
+    for (int i = 0; i < GGML_MAX_DIMS; i++) {
+        if (w->ne[i] == 0) { *out = 0; return 0; }
+    }
+    uint64_t n, term;
+    if (blck == 1) {
+        n = tsize;
+        for (int i = 0; i < GGML_MAX_DIMS; i++) {
+            if (__builtin_mul_overflow((uint64_t) (w->ne[i] - 1), w->nb[i], &term) || __builtin_add_overflow(n, term, &n)) goto overflow;
+        }
+    } else {
+        if (__builtin_mul_overflow((uint64_t) w->ne[0] / blck, w->nb[0], &n)) goto overflow;
+        for (int i = 1; i < GGML_MAX_DIMS; i++) {
+            if (__builtin_mul_overflow((uint64_t) (w->ne[i] - 1), w->nb[i], &term) || __builtin_add_overflow(n, term, &n)) goto overflow;
+        }
+    }
+    *out = n;
+    return 0;
+overflow:
+    snprintf(err, err_len, "tensor '%.64s': size overflows 64 bits", w->name);
+    return -1;
+}
+
+// Ops whose op_params hold host function pointers: executing them for a
+// remote peer would run arbitrary code, so a node never accepts them.
+static bool op_is_forbidden(uint32_t op) {
+    return op == GGML_OP_MAP_CUSTOM1 || op == GGML_OP_MAP_CUSTOM2 || op == GGML_OP_MAP_CUSTOM3 || op == GGML_OP_CUSTOM;
+}
+
+static int decode_one(struct ggml_context * ctx, const struct tb_wire_tensor * w, uint32_t i,
+                      struct ggml_tensor ** out, tb_buffer_lookup_fn lookup, void * lookup_ctx,
+                      bool require_data, char * err, size_t err_len) {
+    uint64_t nbytes = 0;
+    if (tb_wire_nbytes(w, &nbytes, err, err_len) != 0) return -1;
+    if (w->op >= GGML_OP_COUNT || op_is_forbidden(w->op)) {
+        snprintf(err, err_len, "tensor %u '%.64s': op %u is not allowed", i, w->name, w->op);
+        return -1;
+    }
+    if (w->view_src < -1 || (w->view_src >= 0 && (uint32_t) w->view_src >= i)) {
+        snprintf(err, err_len, "tensor %u '%.64s': view source %d is not an earlier tensor", i, w->name, w->view_src);
+        return -1;
+    }
+    for (int s = 0; s < GGML_MAX_SRC; s++) {
+        if (w->src[s] < -1 || (w->src[s] >= 0 && (uint32_t) w->src[s] >= i)) {
+            snprintf(err, err_len, "tensor %u '%.64s': source %d = %d is not an earlier tensor", i, w->name, s, w->src[s]);
+            return -1;
+        }
+    }
+    struct tb_buffer_view view = { 0 };
+    if (w->buffer != 0) {
+        if (!lookup(lookup_ctx, w->buffer, &view)) {
+            snprintf(err, err_len, "tensor %u '%.64s': unknown buffer handle %llu", i, w->name, (unsigned long long) w->buffer);
+            return -1;
+        }
+        if (w->offset > view.size || nbytes > view.size - w->offset) {
+            snprintf(err, err_len, "tensor %u '%.64s': data [%llu, +%llu) lies outside its %llu-byte buffer", i, w->name,
+                     (unsigned long long) w->offset, (unsigned long long) nbytes, (unsigned long long) view.size);
+            return -1;
+        }
+    } else if (require_data && nbytes > 0) {
+        snprintf(err, err_len, "tensor %u '%.64s': has no buffer", i, w->name);
+        return -1;
+    }
+    if (w->view_src >= 0 && out[w->view_src]->buffer != view.ggml_buffer) {
+        snprintf(err, err_len, "tensor %u '%.64s': view lives in another buffer than its source", i, w->name);
+        return -1;
+    }
+
+    struct ggml_tensor * t = ggml_new_tensor(ctx, (enum ggml_type) w->type, GGML_MAX_DIMS, w->ne);
+    if (!t) {
+        snprintf(err, err_len, "tensor %u: out of graph context memory", i);
+        return -1;
+    }
+    for (int d = 0; d < GGML_MAX_DIMS; d++) t->nb[d] = (size_t) w->nb[d];
+    t->op = (enum ggml_op) w->op;
+    memcpy(t->op_params, w->op_params, sizeof t->op_params);
+    t->flags = w->flags;
+    t->buffer = view.ggml_buffer;
+    t->data = w->buffer ? (uint8_t *) view.base + w->offset : NULL;
+    t->view_src = w->view_src >= 0 ? out[w->view_src] : NULL;
+    t->view_offs = (size_t) w->view_offs;
+    for (int s = 0; s < GGML_MAX_SRC; s++) t->src[s] = w->src[s] >= 0 ? out[w->src[s]] : NULL;
+    memcpy(t->name, w->name, GGML_MAX_NAME);
+    t->name[GGML_MAX_NAME - 1] = '\0';
+    out[i] = t;
+    return 0;
+}
+
+int tb_decode_tensors(struct ggml_context * ctx, const struct tb_wire_tensor * w, uint32_t n,
+                      tb_buffer_lookup_fn lookup, void * lookup_ctx, bool require_data,
+                      struct ggml_tensor ** out, char * err, size_t err_len) {
+    for (uint32_t i = 0; i < n; i++) {
+        if (decode_one(ctx, &w[i], i, out, lookup, lookup_ctx, require_data, err, err_len) != 0) return -1;
+    }
+    return 0;
+}

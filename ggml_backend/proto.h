@@ -1,0 +1,176 @@
+// proto.h - tbrpc's wire format: the one place where it is defined.
+//
+// Client (head) and node both include this file, so they cannot drift.
+// docs/protocol.md is the prose version of this header.
+//
+// Every message is a 24-byte header followed by `len` payload bytes.
+// All integers are little-endian; all sizes, offsets, shapes and strides are
+// 64-bit. Requests carry an id chosen by the client; a reply echoes it.
+// Requests marked "posted" get no reply: the node executes them in order and
+// remembers the first failure, which it returns with the next reply (the
+// "sticky error"), so streaming weights and per-token inputs costs no round
+// trip.
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ggml.h"
+#include "transport.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "tbrpc's wire format is little-endian and this build copies structs as-is; port proto.c before using a big-endian host"
+#endif
+
+#define TB_MAGIC            0x43504254u   // "TBPC" on the wire
+#define TB_PROTO_VERSION    1u
+#define TB_MAX_PAYLOAD      (256ull << 20) // one message; larger tensor writes are split by the client
+#define TB_MAX_GRAPH_TENSORS (1u << 20)
+#define TB_MAX_GRAPH_NODES   (1u << 20)
+#define TB_MAX_DIM_ELEMENTS  (1ll << 48)   // per dimension; keeps size arithmetic far from overflow
+#define TB_NAME_LEN          64
+
+enum tb_cmd {
+    TB_CMD_HELLO = 1,        // reply: tb_hello
+    TB_CMD_GET_MEMORY,       // reply: tb_memory
+    TB_CMD_ALLOC_BUFFER,     // tb_alloc_req        reply: tb_alloc_reply
+    TB_CMD_FREE_BUFFER,      // tb_buffer_req       posted
+    TB_CMD_BUFFER_CLEAR,     // tb_memset_req (offset 0, size = buffer size) posted
+    TB_CMD_SET_TENSOR,       // tb_range + bytes    posted
+    TB_CMD_GET_TENSOR,       // tb_range            reply: bytes
+    TB_CMD_MEMSET_TENSOR,    // tb_memset_req       posted
+    TB_CMD_COPY_TENSOR,      // tb_copy_req         posted
+    TB_CMD_GRAPH_COMPUTE,    // tb_graph_header + tensors + node indices  posted
+    TB_CMD_GRAPH_RECOMPUTE,  // empty: run the last graph again           posted
+    TB_CMD_SUPPORTS_OP,      // tb_graph_header + tensors (last one is the op)  reply: u8
+    TB_CMD_SYNC,             // empty               reply: empty (carries the sticky error)
+    TB_CMD_STATUS,           // empty               reply: tb_status
+    TB_CMD_COUNT_,
+};
+
+enum tb_flags {
+    TB_FLAG_REPLY = 1,       // this message answers request `id`
+};
+
+struct tb_header {
+    uint32_t magic;
+    uint16_t cmd;
+    uint16_t flags;
+    uint64_t id;
+    uint64_t len;            // payload bytes after the header
+};
+
+// A reply payload starts with this. status 0: the command's reply body
+// follows. Otherwise the rest of the payload is an error message (text).
+struct tb_reply_status {
+    int32_t  status;
+    uint32_t reserved;
+};
+
+// What both sides must agree on before anything else crosses the wire.
+struct tb_abi {
+    uint32_t proto_version;
+    uint32_t backend_api_version;
+    uint32_t ggml_op_count;
+    uint32_t ggml_type_count;
+    uint64_t type_table_hash;   // FNV-1a over (type size, block size) of every type
+    uint32_t max_dims, max_src, max_op_params, max_name;
+};
+
+struct tb_hello {            // request and reply share it; the node fills the device part
+    struct tb_abi abi;
+    uint64_t mem_free;
+    uint64_t mem_total;
+    uint64_t alignment;
+    uint64_t max_size;
+    uint32_t device_type;      // enum ggml_backend_dev_type of the node's device
+    uint32_t reserved;
+    char     device_name[TB_NAME_LEN];
+    char     device_description[128];
+    char     node_name[TB_NAME_LEN];
+};
+
+struct tb_memory      { uint64_t free, total; };
+struct tb_alloc_req   { uint64_t size; };
+struct tb_alloc_reply { uint64_t handle, base, size; };
+struct tb_buffer_req  { uint64_t handle; };
+struct tb_range       { uint64_t handle, offset, size; };
+struct tb_memset_req  { uint64_t handle, offset, size; uint8_t value; uint8_t pad[7]; };
+struct tb_copy_req    { uint64_t src_handle, src_offset, dst_handle, dst_offset, size; };
+
+struct tb_status {
+    uint64_t buffers;            // live buffers, all clients
+    uint64_t bytes_allocated;    // sum of their sizes
+    uint64_t clients;            // connected clients
+    uint64_t graphs_computed;
+    uint64_t bytes_received;     // payload bytes received from all clients
+    uint64_t mem_free, mem_total;
+    char     device_name[TB_NAME_LEN];
+};
+
+// One tensor of a graph. Tensors are numbered by their position in the
+// message; src/view_src refer to earlier positions (or -1), which makes the
+// graph acyclic by construction.
+struct tb_wire_tensor {
+    uint64_t buffer;          // node buffer handle; 0 means "no data"
+    uint64_t offset;          // data offset inside that buffer
+    int64_t  ne[GGML_MAX_DIMS];
+    uint64_t nb[GGML_MAX_DIMS];
+    uint32_t type;
+    uint32_t op;
+    int32_t  op_params[GGML_MAX_OP_PARAMS / sizeof(int32_t)];
+    int32_t  flags;
+    int32_t  view_src;
+    uint64_t view_offs;
+    int32_t  src[GGML_MAX_SRC];
+    char     name[GGML_MAX_NAME];
+};
+
+struct tb_graph_header {
+    uint32_t n_tensors;
+    uint32_t n_nodes;         // for SUPPORTS_OP: 0
+};
+
+// ---- helpers shared by both sides -----------------------------------------
+
+void tb_abi_fill(struct tb_abi * abi);
+// 0 if equal; otherwise -1 with a message naming both versions.
+int  tb_abi_compare(const struct tb_abi * mine, const struct tb_abi * theirs, const char * their_role,
+                    char * err, size_t err_len);
+
+const char * tb_cmd_name(uint16_t cmd);
+
+// Send one message (header + up to two payload parts). Does not flush.
+int tb_msg_send(struct tb_transport * t, uint16_t cmd, uint16_t flags, uint64_t id,
+                const void * a, size_t a_len, const void * b, size_t b_len);
+// Read and check a header (magic, command range, payload limit).
+int tb_msg_recv_header(struct tb_transport * t, struct tb_header * h, char * err, size_t err_len);
+
+// Overflow-checked ggml_nbytes of a wire tensor. Returns 0 and sets *out on
+// success; -1 with a reason when the shape is invalid.
+int tb_wire_nbytes(const struct tb_wire_tensor * w, uint64_t * out, char * err, size_t err_len);
+
+// ---- node side: decoding with validation -----------------------------------
+
+// How the decoder reaches the node's buffers without knowing their owner.
+struct tb_buffer_view {
+    void *   base;
+    uint64_t size;
+    void *   ggml_buffer;     // ggml_backend_buffer_t
+};
+typedef bool (*tb_buffer_lookup_fn)(void * ctx, uint64_t handle, struct tb_buffer_view * out);
+
+// Validate `n` wire tensors and build ggml tensors for them in ctx (created
+// with no_alloc). out[i] receives tensor i. Returns 0, or -1 with a reason.
+int tb_decode_tensors(struct ggml_context * ctx, const struct tb_wire_tensor * w, uint32_t n,
+                      tb_buffer_lookup_fn lookup, void * lookup_ctx, bool require_data,
+                      struct ggml_tensor ** out, char * err, size_t err_len);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,57 @@
+// tbrpc.h - the C API that Python binds with cffi (tbrpc/_build.py).
+//
+// Head side: a tbrpc_client is a ggml backend registry ("TBRPC") whose
+// devices are remote nodes. Node side: tb_node_* from node.h.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "node.h"
+#include "proto.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct tbrpc_client;
+
+// What the head knows about one node (device), for Python and tests.
+struct tbrpc_node_info {
+    char     endpoint[96];
+    char     device_name[32];        // the ggml device name on the head: TBRPC0, TBRPC1, ...
+    struct tb_hello hello;           // what the node said at the handshake
+    int      failed;
+    char     error[512];
+    uint64_t bytes_sent;
+    uint64_t bytes_received;
+    uint64_t round_trips;            // requests that waited for an answer
+    uint64_t messages;               // all requests
+    uint64_t graphs_sent;            // GRAPH_COMPUTE with a full graph
+    uint64_t graphs_reused;          // GRAPH_RECOMPUTE (the node still had it)
+};
+
+struct tbrpc_client * tbrpc_client_new(void);
+// Connect and handshake. Returns the node's index, or -1 with err.
+int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, char * err, size_t err_len);
+// Register the registry and its devices with the ggml this library is
+// linked against (once; later nodes are registered as they are added).
+int    tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len);
+size_t tbrpc_client_node_count(struct tbrpc_client * c);
+int    tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out);
+// Ask node i for its live status (one round trip).
+int    tbrpc_client_node_status(struct tbrpc_client * c, size_t i, struct tb_status * out, char * err, size_t err_len);
+// Non-zero when any node failed; err receives the first failure.
+int    tbrpc_client_failed(struct tbrpc_client * c, char * err, size_t err_len);
+void   tbrpc_client_reset_stats(struct tbrpc_client * c);
+
+// One-shot: connect, handshake, read status, close (for doctor and launch).
+int tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status,
+                char * err, size_t err_len);
+
+// The ggml version string of the loaded ggml, and the one we were written for.
+const char * tbrpc_runtime_ggml_version(void);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,268 @@
+// transport/tcp.c - the TCP transport: buffered writes, timed reads.
+//
+// Small messages (set-input, graph, get-output) are coalesced in a write
+// buffer and leave in one segment at flush, so a token costs one round trip
+// per node. Large payloads (weights) bypass the buffer.
+#include "../transport.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define TCP_WBUF_SIZE (256 * 1024)
+
+struct tcp_transport {
+    struct tb_transport base;   // must be first: ops receive &base
+    int    fd;
+    size_t wlen;
+    uint8_t wbuf[TCP_WBUF_SIZE];
+};
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+// Wait until fd is readable/writable. Returns 1 ready, 0 timeout, -1 error.
+static int wait_fd(int fd, short events, int timeout_ms) {
+    struct pollfd p = { .fd = fd, .events = events };
+    for (;;) {
+        int rc = poll(&p, 1, timeout_ms > 0 ? timeout_ms : -1);
+        if (rc < 0 && errno == EINTR) continue;
+        return rc < 0 ? -1 : (rc == 0 ? 0 : 1);
+    }
+}
+
+static int write_all(struct tcp_transport * t, const uint8_t * p, size_t n) {
+    while (n > 0) {
+        ssize_t k = send(t->fd, p, n, MSG_NOSIGNAL);
+        if (k > 0) { p += k; n -= (size_t) k; t->base.bytes_sent += (uint64_t) k; continue; }
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int w = wait_fd(t->fd, POLLOUT, t->base.timeout_ms);
+            if (w == 0) {
+                snprintf(t->base.error, sizeof t->base.error, "%s: send timed out after %d ms", t->base.peer, t->base.timeout_ms);
+                return -1;
+            }
+            if (w > 0) continue;
+        }
+        snprintf(t->base.error, sizeof t->base.error, "%s: send failed: %s", t->base.peer, k == 0 ? "connection closed" : strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+static int tcp_flush(struct tb_transport * base) {
+    struct tcp_transport * t = (struct tcp_transport *) base;
+    if (t->wlen == 0) return 0;
+    int rc = write_all(t, t->wbuf, t->wlen);
+    t->wlen = 0;
+    base->flushes++;
+    return rc;
+}
+
+static int tcp_send(struct tb_transport * base, const void * data, size_t len) {
+    struct tcp_transport * t = (struct tcp_transport *) base;
+    if (t->wlen + len <= TCP_WBUF_SIZE) {
+        memcpy(t->wbuf + t->wlen, data, len);
+        t->wlen += len;
+        return 0;
+    }
+    // Too big to coalesce: drain what is queued, then write straight through.
+    if (tcp_flush(base) != 0) return -1;
+    if (len <= TCP_WBUF_SIZE / 4) {
+        memcpy(t->wbuf, data, len);
+        t->wlen = len;
+        return 0;
+    }
+    return write_all(t, data, len);
+}
+
+static int tcp_recv(struct tb_transport * base, void * data, size_t len) {
+    struct tcp_transport * t = (struct tcp_transport *) base;
+    uint8_t * p = data;
+    while (len > 0) {
+        int w = wait_fd(t->fd, POLLIN, base->timeout_ms);
+        if (w == 0) {
+            snprintf(base->error, sizeof base->error, "%s: no answer within %d ms", base->peer, base->timeout_ms);
+            return -1;
+        }
+        if (w < 0) {
+            snprintf(base->error, sizeof base->error, "%s: poll failed: %s", base->peer, strerror(errno));
+            return -1;
+        }
+        ssize_t k = recv(t->fd, p, len, 0);
+        if (k > 0) { p += k; len -= (size_t) k; base->bytes_received += (uint64_t) k; continue; }
+        if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+        snprintf(base->error, sizeof base->error, "%s: %s", base->peer, k == 0 ? "connection closed by peer" : strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+static int tcp_poll(struct tb_transport * base, int timeout_ms) {
+    struct tcp_transport * t = (struct tcp_transport *) base;
+    struct pollfd p = { .fd = t->fd, .events = POLLIN };
+    int rc;
+    do { rc = poll(&p, 1, timeout_ms); } while (rc < 0 && errno == EINTR);
+    if (rc < 0) snprintf(base->error, sizeof base->error, "%s: poll failed: %s", base->peer, strerror(errno));
+    return rc < 0 ? -1 : (rc > 0 ? 1 : 0);
+}
+
+static void tcp_close(struct tb_transport * base) {
+    struct tcp_transport * t = (struct tcp_transport *) base;
+    if (t->fd >= 0) close(t->fd);
+    free(t);
+}
+
+static const struct tb_transport_ops tcp_ops = {
+    .name = "tcp", .send = tcp_send, .flush = tcp_flush, .recv = tcp_recv, .poll = tcp_poll, .close = tcp_close,
+};
+
+static void set_socket_options(int fd) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+    int buf = 4 * 1024 * 1024;
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof buf);
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof buf);
+#ifdef SO_NOSIGPIPE
+    setsockopt(fd, SOL_SOCKET, SO_NOSIGPIPE, &one, sizeof one);
+#endif
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+static void describe_peer(int fd, char * out, size_t out_len) {
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    char host[NI_MAXHOST] = "?", port[NI_MAXSERV] = "?";
+    if (getpeername(fd, (struct sockaddr *) &ss, &sl) == 0)
+        getnameinfo((struct sockaddr *) &ss, sl, host, sizeof host, port, sizeof port, NI_NUMERICHOST | NI_NUMERICSERV);
+    snprintf(out, out_len, "%s:%s", host, port);
+}
+
+struct tb_transport * tb_tcp_from_fd(int fd, int timeout_ms) {
+    struct tcp_transport * t = calloc(1, sizeof *t);
+    if (!t) { close(fd); return NULL; }
+    t->base.ops = &tcp_ops;
+    t->base.timeout_ms = timeout_ms;
+    t->fd = fd;
+    set_socket_options(fd);
+    describe_peer(fd, t->base.peer, sizeof t->base.peer);
+    return &t->base;
+}
+
+// Non-blocking connect bounded by timeout_ms (a dead host must not hang us).
+static int connect_with_timeout(int fd, const struct sockaddr * sa, socklen_t sl, int timeout_ms) {
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    if (connect(fd, sa, sl) == 0) return 0;
+    if (errno != EINPROGRESS) return -1;
+    int w = wait_fd(fd, POLLOUT, timeout_ms);
+    if (w <= 0) { errno = w == 0 ? ETIMEDOUT : errno; return -1; }
+    int so_err = 0;
+    socklen_t len = sizeof so_err;
+    getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_err, &len);
+    if (so_err != 0) { errno = so_err; return -1; }
+    return 0;
+}
+
+struct tb_transport * tb_tcp_connect(const char * host, int port, int timeout_ms, char * err, size_t err_len) {
+    char port_str[16];
+    snprintf(port_str, sizeof port_str, "%d", port);
+    struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM }, * res = NULL;
+    int gai = getaddrinfo(host, port_str, &hints, &res);
+    if (gai != 0) {
+        snprintf(err, err_len, "%s:%d: cannot resolve host: %s", host, port, gai_strerror(gai));
+        return NULL;
+    }
+    int64_t deadline = now_ms() + timeout_ms;
+    int last_errno = 0;
+    for (struct addrinfo * ai = res; ai; ai = ai->ai_next) {
+        int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) { last_errno = errno; continue; }
+        int left = (int) (deadline - now_ms());
+        if (connect_with_timeout(fd, ai->ai_addr, ai->ai_addrlen, left > 0 ? left : 1) == 0) {
+            freeaddrinfo(res);
+            struct tb_transport * t = tb_tcp_from_fd(fd, timeout_ms);
+            if (t) snprintf(t->peer, sizeof t->peer, "%s:%d", host, port);
+            else snprintf(err, err_len, "%s:%d: out of memory", host, port);
+            return t;
+        }
+        last_errno = errno;
+        close(fd);
+    }
+    freeaddrinfo(res);
+    snprintf(err, err_len, "%s:%d: cannot connect: %s", host, port,
+             last_errno == ETIMEDOUT ? "timed out" : strerror(last_errno));
+    return NULL;
+}
+
+int tb_tcp_listen(const char * host, int port, char * err, size_t err_len) {
+    char port_str[16];
+    snprintf(port_str, sizeof port_str, "%d", port);
+    struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE }, * res = NULL;
+    int gai = getaddrinfo(host && *host ? host : NULL, port_str, &hints, &res);
+    if (gai != 0) {
+        snprintf(err, err_len, "%s:%d: cannot resolve: %s", host, port, gai_strerror(gai));
+        return -1;
+    }
+    int fd = -1, last_errno = 0;
+    for (struct addrinfo * ai = res; ai && fd < 0; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) { last_errno = errno; continue; }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 64) != 0) {
+            last_errno = errno;
+            close(fd);
+            fd = -1;
+        }
+    }
+    freeaddrinfo(res);
+    if (fd < 0) snprintf(err, err_len, "%s:%d: cannot listen: %s", host, port, strerror(last_errno));
+    return fd;
+}
+
+int tb_tcp_bound_port(int listen_fd) {
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    if (getsockname(listen_fd, (struct sockaddr *) &ss, &sl) != 0) return -1;
+    if (ss.ss_family == AF_INET)  return ntohs(((struct sockaddr_in *)  &ss)->sin_port);
+    if (ss.ss_family == AF_INET6) return ntohs(((struct sockaddr_in6 *) &ss)->sin6_port);
+    return -1;
+}
+
+int tb_parse_endpoint(const char * endpoint, char * host, size_t host_len, int * port, char * err, size_t err_len) {
+    const char * colon = strrchr(endpoint, ':');
+    if (!colon || colon == endpoint || colon[1] == '\0') {
+        snprintf(err, err_len, "'%s' is not host:port", endpoint);
+        return -1;
+    }
+    const char * h = endpoint;
+    size_t hl = (size_t) (colon - endpoint);
+    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') { h++; hl -= 2; }
+    char * end = NULL;
+    long p = strtol(colon + 1, &end, 10);
+    if (*end != '\0' || p <= 0 || p > 65535) {
+        snprintf(err, err_len, "'%s': port must be 1-65535", endpoint);
+        return -1;
+    }
+    if (hl + 1 > host_len) {
+        snprintf(err, err_len, "'%s': host name too long", endpoint);
+        return -1;
+    }
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    *port = (int) p;
+    return 0;
+}

@@ -1,0 +1,16 @@
+"""tbrpc: run GGUF models too big for one machine across several, with llama-cpp-python.
+
+    import tbrpc, llama_cpp
+    tbrpc.connect(["10.0.0.2:50052", "10.0.0.3:50052"])
+    llm = llama_cpp.Llama("model.gguf", n_gpu_layers=-1, tensor_split=[1, 1])
+"""
+
+from __future__ import annotations
+
+from tbrpc.client import Cluster, NodeError, NodeInfo, NodeStatus, cluster, connect, probe
+from tbrpc.native import TbrpcError, VersionMismatchError
+
+__all__ = [
+    "Cluster", "NodeError", "NodeInfo", "NodeStatus", "TbrpcError", "VersionMismatchError",
+    "cluster", "connect", "probe",
+]

@@ -1,0 +1,115 @@
+"""cffi build of tbrpc's C library (ggml_backend/) into ``tbrpc._native``.
+
+It compiles against the ggml headers that llama-cpp-python installs
+(``site-packages/include``) and links to the very ggml libraries that its
+``libllama`` loads (by SONAME, with an rpath to ``llama_cpp/lib``), so the
+devices we register land in the registry llama.cpp actually reads. No
+llama.cpp source tree and no second llama.cpp build are needed; pip must run
+with ``--no-build-isolation`` so this script sees the installed llama_cpp.
+"""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+from pathlib import Path
+
+from cffi import FFI
+
+ROOT = Path(__file__).resolve().parent.parent
+C_DIR = ROOT / "ggml_backend"
+C_SOURCES = ["proto.c", "client.c", "node.c", "transport/tcp.c"]
+
+CDEF = """
+struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;
+                uint32_t ggml_type_count; uint64_t type_table_hash; ...; };
+struct tb_hello { struct tb_abi abi; uint64_t mem_free; uint64_t mem_total; uint64_t alignment;
+                  uint64_t max_size; uint32_t device_type; char device_name[...];
+                  char device_description[...]; char node_name[...]; ...; };
+struct tb_status { uint64_t buffers; uint64_t bytes_allocated; uint64_t clients; uint64_t graphs_computed;
+                   uint64_t bytes_received; uint64_t mem_free; uint64_t mem_total; char device_name[...]; ...; };
+struct tb_header { uint32_t magic; uint16_t cmd; uint16_t flags; uint64_t id; uint64_t len; };
+struct tb_reply_status { int32_t status; uint32_t reserved; };
+struct tb_range { uint64_t handle, offset, size; };
+struct tb_alloc_req { uint64_t size; };
+struct tb_alloc_reply { uint64_t handle, base, size; };
+struct tb_graph_header { uint32_t n_tensors; uint32_t n_nodes; };
+struct tb_wire_tensor { uint64_t buffer; uint64_t offset; int64_t ne[4]; uint64_t nb[4]; uint32_t type;
+                        uint32_t op; int32_t op_params[16]; int32_t flags; int32_t view_src; uint64_t view_offs;
+                        int32_t src[10]; char name[64]; };
+#define TB_MAGIC ...
+#define TB_PROTO_VERSION ...
+#define TB_MAX_PAYLOAD ...
+enum tb_cmd { TB_CMD_HELLO, TB_CMD_GET_MEMORY, TB_CMD_ALLOC_BUFFER, TB_CMD_FREE_BUFFER, TB_CMD_BUFFER_CLEAR,
+              TB_CMD_SET_TENSOR, TB_CMD_GET_TENSOR, TB_CMD_MEMSET_TENSOR, TB_CMD_COPY_TENSOR,
+              TB_CMD_GRAPH_COMPUTE, TB_CMD_GRAPH_RECOMPUTE, TB_CMD_SUPPORTS_OP, TB_CMD_SYNC, TB_CMD_STATUS, ... };
+void tb_abi_fill(struct tb_abi * abi);
+
+struct tb_node_config { const char * host; int port; const char * device; int threads; const char * name;
+                        const char * log_path; int timeout_ms; };
+struct tb_node;
+struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, size_t err_len);
+int  tb_node_port(const struct tb_node * node);
+int  tb_node_serve(struct tb_node * node);
+void tb_node_stop(struct tb_node * node);
+void tb_node_get_status(struct tb_node * node, struct tb_status * out);
+void tb_node_free(struct tb_node * node);
+
+struct tbrpc_node_info { char endpoint[...]; char device_name[...]; struct tb_hello hello; int failed;
+                         char error[...]; uint64_t bytes_sent; uint64_t bytes_received; uint64_t round_trips;
+                         uint64_t messages; uint64_t graphs_sent; uint64_t graphs_reused; ...; };
+struct tbrpc_client;
+struct tbrpc_client * tbrpc_client_new(void);
+int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, char * err, size_t err_len);
+int    tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len);
+size_t tbrpc_client_node_count(struct tbrpc_client * c);
+int    tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out);
+int    tbrpc_client_node_status(struct tbrpc_client * c, size_t i, struct tb_status * out, char * err, size_t err_len);
+int    tbrpc_client_failed(struct tbrpc_client * c, char * err, size_t err_len);
+void   tbrpc_client_reset_stats(struct tbrpc_client * c);
+int    tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status,
+                   char * err, size_t err_len);
+const char * tbrpc_runtime_ggml_version(void);
+"""
+
+
+def llama_cpp_paths() -> tuple[Path, Path]:
+    """(include dir, lib dir) of the installed llama-cpp-python."""
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    candidates = [purelib] + [Path(p) for p in sys.path if p.endswith("site-packages")]
+    for base in candidates:
+        include, lib = base / "include", base / "llama_cpp" / "lib"
+        if (include / "ggml-backend.h").is_file() and (lib / "libggml.so.0").exists():
+            return include, lib
+        if (include / "ggml-backend.h").is_file() and (lib / "libggml.0.dylib").exists():
+            return include, lib
+    raise RuntimeError(
+        "tbrpc builds against the ggml of an installed llama-cpp-python, and none was found. "
+        "Install llama-cpp-python==0.3.36 first, then this project with `pip install --no-build-isolation`."
+    )
+
+
+def make_ffi() -> FFI:
+    include, lib = llama_cpp_paths()
+    ffi = FFI()
+    ffi.cdef(CDEF)
+    if sys.platform == "darwin":
+        link = [f"-L{lib}", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib}"]
+    else:
+        # by SONAME: the loader then reuses the copies libllama already loaded
+        link = [f"-L{lib}", "-l:libggml.so.0", "-l:libggml-base.so.0", f"-Wl,-rpath,{lib}"]
+    ffi.set_source(
+        "tbrpc._native",
+        '#include "tbrpc.h"',
+        sources=[str(C_DIR / s) for s in C_SOURCES],
+        include_dirs=[str(C_DIR), str(include)],
+        extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-format-truncation", "-pthread"],
+        extra_link_args=link + ["-pthread"],
+    )
+    return ffi
+
+
+ffibuilder = make_ffi() if __name__ != "__main__" else None
+
+if __name__ == "__main__":
+    make_ffi().compile(tmpdir=str(ROOT), verbose=True)

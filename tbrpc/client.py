@@ -1,0 +1,217 @@
+"""The head side: connect to nodes so llama.cpp sees them as ggml devices.
+
+ggml keeps one process-wide registry of backends, and devices cannot be
+removed from it. tbrpc mirrors that honestly: one ``Cluster`` per process
+(``tbrpc.connect`` returns it), owning one C registry named "TBRPC" whose
+devices TBRPC0, TBRPC1, ... are the nodes in the order they were first
+connected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from tbrpc.native import TbrpcError, error_buffer, load, text
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class NodeError(TbrpcError):
+    """A node is unreachable, refused the handshake, died or stopped answering."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    endpoint: str
+    device_name: str          # ggml device name on the head (TBRPC0, ...)
+    node_name: str
+    node_device: str          # the node's own ggml device (CPU, Metal, ...)
+    description: str
+    mem_free: int
+    mem_total: int
+    failed: bool
+    error: str
+    bytes_sent: int
+    bytes_received: int
+    round_trips: int
+    messages: int
+    graphs_sent: int
+    graphs_reused: int
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    buffers: int
+    bytes_allocated: int
+    clients: int
+    graphs_computed: int
+    bytes_received: int
+    mem_free: int
+    mem_total: int
+    device: str
+
+
+def _status_from_c(s: Any) -> NodeStatus:
+    return NodeStatus(
+        buffers=s.buffers, bytes_allocated=s.bytes_allocated, clients=s.clients,
+        graphs_computed=s.graphs_computed, bytes_received=s.bytes_received,
+        mem_free=s.mem_free, mem_total=s.mem_total, device=text(s.device_name),
+    )
+
+
+class Cluster:
+    """The nodes this process has connected to, as ggml devices."""
+
+    def __init__(self) -> None:
+        ffi, lib = load()
+        self._ffi, self._lib = ffi, lib
+        self._client = lib.tbrpc_client_new()
+        if self._client == ffi.NULL:
+            raise MemoryError("tbrpc: cannot allocate the client registry")
+        self._endpoints: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, endpoint: str, timeout: float) -> str:
+        """Connect to `endpoint` (once) and return its ggml device name."""
+        with self._lock:
+            if endpoint in self._endpoints:
+                info = self.info(self._endpoints.index(endpoint))
+                if info.failed:
+                    raise NodeError(f"{info.error}; restart this process to reconnect to {endpoint}")
+                return info.device_name
+            err = error_buffer()
+            index = self._lib.tbrpc_client_add_node(self._client, endpoint.encode(), int(timeout * 1000), err, len(err))
+            if index < 0:
+                raise NodeError(text(err))
+            self._endpoints.append(endpoint)
+            self._lib.tbrpc_client_register(self._client, err, len(err))
+            name = self.info(index).device_name
+            _check_visible_to_libllama(name, endpoint)
+            return name
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return list(self._endpoints)
+
+    def info(self, index: int) -> NodeInfo:
+        out = self._ffi.new("struct tbrpc_node_info *")
+        if self._lib.tbrpc_client_node_info(self._client, index, out) != 0:
+            raise IndexError(f"no tbrpc node {index}")
+        h = out.hello
+        return NodeInfo(
+            endpoint=text(out.endpoint), device_name=text(out.device_name), node_name=text(h.node_name),
+            node_device=text(h.device_name), description=text(h.device_description),
+            mem_free=h.mem_free, mem_total=h.mem_total, failed=bool(out.failed), error=text(out.error),
+            bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, round_trips=out.round_trips,
+            messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
+        )
+
+    def nodes(self) -> list[NodeInfo]:
+        return [self.info(i) for i in range(len(self._endpoints))]
+
+    def status(self, index: int) -> NodeStatus:
+        """Ask node `index` for its live status (buffers, bytes allocated, clients)."""
+        out = self._ffi.new("struct tb_status *")
+        err = error_buffer()
+        if self._lib.tbrpc_client_node_status(self._client, index, out, err, len(err)) != 0:
+            raise NodeError(text(err))
+        return _status_from_c(out)
+
+    def reset_stats(self) -> None:
+        self._lib.tbrpc_client_reset_stats(self._client)
+
+    def raise_if_failed(self) -> None:
+        err = error_buffer()
+        if self._lib.tbrpc_client_failed(self._client, err, len(err)):
+            raise NodeError(text(err))
+
+
+def _check_visible_to_libllama(device_name: str, endpoint: str) -> None:
+    """The device must be in the registry libllama reads, not in a second copy of libggml."""
+    import llama_cpp.llama_cpp as llama_lib
+
+    by_name = llama_lib._lib.ggml_backend_dev_by_name
+    by_name.restype = ctypes.c_void_p
+    by_name.argtypes = [ctypes.c_char_p]
+    if not by_name(device_name.encode()):
+        raise TbrpcError(
+            f"tbrpc registered {device_name} ({endpoint}) but libllama's ggml does not list it: "
+            "tbrpc._native is linked to a different copy of libggml than libllama"
+        )
+
+
+_cluster: Cluster | None = None
+_cluster_lock = threading.Lock()
+
+
+def cluster() -> Cluster:
+    """This process's Cluster (created on first use)."""
+    global _cluster
+    with _cluster_lock:
+        if _cluster is None:
+            _cluster = Cluster()
+            _install_error_hooks(_cluster)
+        return _cluster
+
+
+def connect(nodes: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """Connect to each "host:port" node; return their ggml device names, in order.
+
+    After this, a plain ``llama_cpp.Llama(..., n_gpu_layers=-1, tensor_split=[...])``
+    places layers on the nodes. Raises NodeError naming the first node that is
+    unreachable or refuses the handshake.
+    """
+    if isinstance(nodes, str):
+        raise TypeError('connect() takes a list of "host:port" strings')
+    c = cluster()
+    return [c.add(endpoint, timeout) for endpoint in nodes]
+
+
+def _install_error_hooks(c: Cluster) -> None:
+    """Make llama-cpp-python raise NodeError (naming the node) when a node fails.
+
+    ggml's backend interface has no error path for most calls; our C side
+    marks the node failed and makes ggml's calls fail softly. These wrappers,
+    around the two entry points llama-cpp-python uses for loading and
+    decoding, turn that state into a Python exception.
+    """
+    import llama_cpp.llama_cpp as llama_lib
+
+    def wrap(name: str) -> None:
+        original: Callable[..., Any] = getattr(llama_lib, name)
+        if getattr(original, "_tbrpc_wrapped", False):
+            return
+
+        def checked(*args: Any) -> Any:
+            result = original(*args)
+            c.raise_if_failed()
+            return result
+
+        checked._tbrpc_wrapped = True  # type: ignore[attr-defined]
+        setattr(llama_lib, name, checked)
+
+    for entry_point in ("llama_decode", "llama_model_load_from_file", "llama_init_from_model"):
+        wrap(entry_point)
+
+
+def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[NodeInfo, NodeStatus]:
+    """Connect, handshake, read status and disconnect (for doctor and launch)."""
+    ffi, lib = load()
+    hello = ffi.new("struct tb_hello *")
+    status = ffi.new("struct tb_status *")
+    err = error_buffer()
+    if lib.tbrpc_probe(endpoint.encode(), int(timeout * 1000), hello, status, err, len(err)) != 0:
+        raise NodeError(text(err))
+    info = NodeInfo(
+        endpoint=endpoint, device_name="", node_name=text(hello.node_name), node_device=text(hello.device_name),
+        description=text(hello.device_description), mem_free=hello.mem_free, mem_total=hello.mem_total,
+        failed=False, error="", bytes_sent=0, bytes_received=0, round_trips=0, messages=0, graphs_sent=0,
+        graphs_reused=0,
+    )
+    return info, _status_from_c(status)

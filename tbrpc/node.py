@@ -1,0 +1,94 @@
+"""Running a node: the C server (ggml_backend/node.c) driven from Python.
+
+The C loop runs in a thread with the GIL released; the calling thread stays
+in Python so SIGINT/SIGTERM handlers can run and stop the server cleanly.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from tbrpc.client import NodeStatus, _status_from_c
+from tbrpc.native import TbrpcError, error_buffer, load, text
+
+DEFAULT_PORT = 50052
+
+
+@dataclass
+class NodeConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    device: str | None = None     # ggml device name; None = the best one (GPU/Metal, else CPU)
+    threads: int = 0              # compute threads; 0 = ggml's default
+    name: str | None = None
+    log_path: str | None = None
+    timeout: float = 10.0         # a client silent mid-message for this long is dropped
+
+
+class NodeServer:
+    """One node. ``start()`` serves in a background thread; ``serve_forever()`` blocks."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        ffi, lib = load()
+        self._ffi, self._lib = ffi, lib
+        self.config = config
+        keep = [ffi.new("char[]", (s or "").encode()) for s in (config.host, config.device, config.name, config.log_path)]
+        c_cfg = ffi.new("struct tb_node_config *", {
+            "host": keep[0], "port": config.port, "device": keep[1], "threads": config.threads,
+            "name": keep[2],
+            "log_path": keep[3], "timeout_ms": int(config.timeout * 1000),
+        })
+        err = error_buffer()
+        self._node = lib.tb_node_create(c_cfg, err, len(err))
+        if self._node == ffi.NULL:
+            raise TbrpcError(f"tbrpc node: {text(err)}")
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._lib.tb_node_port(self._node))
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> "NodeServer":
+        self._thread = threading.Thread(target=self._lib.tb_node_serve, args=(self._node,), daemon=True,
+                                        name=f"tbrpc-node-{self.port}")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._node is None:
+            return
+        self._lib.tb_node_stop(self._node)
+        if self._thread is not None:
+            self._thread.join()
+        self._lib.tb_node_free(self._node)
+        self._node = None
+
+    def status(self) -> NodeStatus:
+        out = self._ffi.new("struct tb_status *")
+        self._lib.tb_node_get_status(self._node, out)
+        return _status_from_c(out)
+
+    def serve_forever(self) -> None:
+        """Serve until SIGINT or SIGTERM, then stop cleanly (buffers freed, clients closed)."""
+        stop = threading.Event()
+
+        def on_signal(signum: int, frame: Any) -> None:
+            stop.set()
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            while not stop.wait(0.2):
+                if self._thread is not None and not self._thread.is_alive():
+                    break
+        finally:
+            self.stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
