@@ -1,0 +1,341 @@
+// op_tests.c - op-level tests through the plugin, in C.
+//
+// Starts a node in a thread, registers it as a ggml device through the client,
+// and checks data movement (set/get/memset/copy at odd offsets, views) and
+// ops (quantized matmul, MoE, norms, rope, large graphs) against the plain CPU
+// backend of the same ggml: results must be bitwise identical, since both run
+// the same CPU kernels. Usage: op_tests CASE  (prints "PASS CASE" on success)
+#include "tbrpc.h"
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); exit(1); } } while (0)
+
+struct env {
+    struct tb_node * node;
+    pthread_t thread;
+    struct tbrpc_client * client;
+    ggml_backend_dev_t remote_dev;
+    ggml_backend_t remote, cpu;
+};
+
+static void * serve(void * arg) { tb_node_serve(arg); return NULL; }
+
+static void env_open(struct env * e) {
+    char err[512];
+    struct tb_node_config cfg = { .host = "127.0.0.1", .port = 0, .threads = 1, .name = "op-test", .timeout_ms = 10000 };
+    e->node = tb_node_create(&cfg, err, sizeof err);
+    CHECK(e->node, "node: %s", err);
+    pthread_create(&e->thread, NULL, serve, e->node);
+    char endpoint[64];
+    snprintf(endpoint, sizeof endpoint, "127.0.0.1:%d", tb_node_port(e->node));
+    e->client = tbrpc_client_new();
+    CHECK(tbrpc_client_add_node(e->client, endpoint, 10000, err, sizeof err) == 0, "add_node: %s", err);
+    CHECK(tbrpc_client_register(e->client, err, sizeof err) == 0, "register: %s", err);
+    e->remote_dev = ggml_backend_dev_by_name("TBRPC0");
+    CHECK(e->remote_dev, "TBRPC0 is not registered");
+    e->remote = ggml_backend_dev_init(e->remote_dev, NULL);
+    e->cpu = ggml_backend_dev_init(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU), NULL);
+    CHECK(e->remote && e->cpu, "backend init");
+}
+
+static void env_close(struct env * e) {
+    char err[512];
+    CHECK(!tbrpc_client_failed(e->client, err, sizeof err), "node failed: %s", err);
+    ggml_backend_free(e->remote);
+    ggml_backend_free(e->cpu);
+    tb_node_stop(e->node);
+    pthread_join(e->thread, NULL);
+    tb_node_free(e->node);
+}
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint32_t rnd(void) { rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17; return (uint32_t) rng_state; }
+static float rndf(void) { return (float) (rnd() % 20001) / 10000.0f - 1.0f; }
+
+static void fill_bytes(uint8_t * p, size_t n) { for (size_t i = 0; i < n; i++) p[i] = (uint8_t) rnd(); }
+
+// ---- data movement -------------------------------------------------------------
+
+static struct ggml_context * no_alloc_ctx(size_t n_tensors) {
+    struct ggml_init_params ip = { .mem_size = ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(65536, false), .no_alloc = true };
+    return ggml_init(ip);
+}
+
+static void case_set_get_odd(struct env * e) {
+    struct ggml_context * ctx = no_alloc_ctx(4);
+    const size_t n = 70u << 20;                      // > one 64 MiB message: exercises chunking
+    struct ggml_tensor * t = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) n);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, e->remote);
+    CHECK(buf, "alloc");
+    uint8_t * src = malloc(n), * dst = malloc(n);
+    fill_bytes(src, n);
+    ggml_backend_tensor_set(t, src, 0, n);
+    const size_t offs[] = { 0, 1, 7, 4095, 65537, n - 3 }, sizes[] = { 1, 3, 12345, 1, 1 << 20, 3 };
+    for (size_t i = 0; i < sizeof offs / sizeof *offs; i++) {
+        memset(dst, 0xAB, sizes[i]);
+        ggml_backend_tensor_get(t, dst, offs[i], sizes[i]);
+        CHECK(memcmp(dst, src + offs[i], sizes[i]) == 0, "get at %zu+%zu differs", offs[i], sizes[i]);
+    }
+    // overwrite an odd range, read everything back
+    uint8_t patch[333];
+    fill_bytes(patch, sizeof patch);
+    ggml_backend_tensor_set(t, patch, 1001, sizeof patch);
+    memcpy(src + 1001, patch, sizeof patch);
+    ggml_backend_tensor_get(t, dst, 0, n);
+    CHECK(memcmp(dst, src, n) == 0, "full read-back differs");
+    free(src); free(dst);
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
+static void case_memset_clear(struct env * e) {
+    struct ggml_context * ctx = no_alloc_ctx(4);
+    struct ggml_tensor * t = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, 10007);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, e->remote);
+    uint8_t want[10007], got[10007];
+    fill_bytes(want, sizeof want);
+    ggml_backend_tensor_set(t, want, 0, sizeof want);
+    ggml_backend_tensor_memset(t, 0x5A, 333, 4444);
+    memset(want + 333, 0x5A, 4444);
+    ggml_backend_tensor_get(t, got, 0, sizeof got);
+    CHECK(memcmp(want, got, sizeof got) == 0, "memset range differs");
+    ggml_backend_buffer_clear(buf, 0x11);
+    ggml_backend_tensor_get(t, got, 0, sizeof got);
+    for (size_t i = 0; i < sizeof got; i++) CHECK(got[i] == 0x11, "clear left byte %zu = %u", i, got[i]);
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
+static void case_copy_and_views(struct env * e) {
+    struct ggml_context * ctx = no_alloc_ctx(8);
+    struct ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 37, 11);
+    struct ggml_tensor * b = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 37, 11);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, e->remote);
+    float va[37 * 11], vb[37 * 11];
+    for (int i = 0; i < 37 * 11; i++) va[i] = rndf();
+    ggml_backend_tensor_set(a, va, 0, sizeof va);
+    ggml_backend_tensor_copy(a, b);                   // same node: a COPY_TENSOR, no trip through the head
+    ggml_backend_tensor_get(b, vb, 0, sizeof vb);
+    CHECK(memcmp(va, vb, sizeof va) == 0, "copy differs");
+    // a view of row 5 of b, written through the view
+    struct ggml_context * vctx = no_alloc_ctx(2);
+    struct ggml_tensor * row = ggml_view_1d(vctx, b, 37, 5 * b->nb[1]);
+    CHECK(ggml_backend_view_init(row) == GGML_STATUS_SUCCESS, "view init");
+    float ones[37];
+    for (int i = 0; i < 37; i++) ones[i] = 1.0f + (float) i;
+    ggml_backend_tensor_set(row, ones, 0, sizeof ones);
+    memcpy(va + 5 * 37, ones, sizeof ones);
+    ggml_backend_tensor_get(b, vb, 0, sizeof vb);
+    CHECK(memcmp(va, vb, sizeof va) == 0, "write through a view differs");
+    ggml_free(vctx);
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
+// ---- ops: the same graph on the CPU backend and on the node -------------------
+
+typedef struct ggml_tensor * (*build_fn)(struct ggml_context * ctx, struct ggml_tensor ** inputs, int * n_inputs);
+
+// Builds the graph twice (once per backend), fills inputs with the same data,
+// computes, and compares the output bytes.
+static void compare_backends(struct env * e, build_fn build, const char * what) {
+    uint8_t * results[2] = { NULL, NULL };
+    size_t out_size = 0;
+    ggml_backend_t backends[2] = { e->cpu, e->remote };
+    for (int b = 0; b < 2; b++) {
+        rng_state = 0x9e3779b97f4a7c15ull;                // same inputs on both
+        struct ggml_context * ctx = no_alloc_ctx(8192);
+        struct ggml_tensor * inputs[16];
+        int n_inputs = 0;
+        struct ggml_tensor * out = build(ctx, inputs, &n_inputs);
+        struct ggml_cgraph * g = ggml_new_graph_custom(ctx, 65536, false);
+        ggml_build_forward_expand(g, out);
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backends[b]);
+        CHECK(buf, "%s: alloc", what);
+        for (int i = 0; i < n_inputs; i++) {
+            struct ggml_tensor * t = inputs[i];
+            size_t nb = ggml_nbytes(t);
+            uint8_t * data = malloc(nb);
+            if (t->type == GGML_TYPE_F32) {
+                for (size_t k = 0; k < nb / 4; k++) ((float *) data)[k] = rndf();
+            } else if (t->type == GGML_TYPE_I32) {
+                int32_t range = (int32_t) t->op_params[0] > 0 ? t->op_params[0] : 1;   // set by the builder
+                for (size_t k = 0; k < nb / 4; k++) ((int32_t *) data)[k] = (int32_t) (rnd() % (uint32_t) range);
+            } else {                                   // quantized weights from random floats
+                int64_t n = ggml_nelements(t);
+                float * f = malloc(sizeof(float) * (size_t) n);
+                for (int64_t k = 0; k < n; k++) f[k] = rndf();
+                ggml_quantize_chunk(t->type, f, data, 0, n / t->ne[0], t->ne[0], NULL);
+                free(f);
+            }
+            ggml_backend_tensor_set(t, data, 0, nb);
+            free(data);
+        }
+        CHECK(ggml_backend_graph_compute(backends[b], g) == GGML_STATUS_SUCCESS, "%s: compute", what);
+        out_size = ggml_nbytes(out);
+        results[b] = malloc(out_size);
+        ggml_backend_tensor_get(out, results[b], 0, out_size);
+        ggml_backend_buffer_free(buf);
+        ggml_free(ctx);
+    }
+    CHECK(memcmp(results[0], results[1], out_size) == 0, "%s: node result differs from the CPU backend", what);
+    free(results[0]);
+    free(results[1]);
+}
+
+static struct ggml_tensor * input(struct ggml_context * ctx, struct ggml_tensor ** inputs, int * n, struct ggml_tensor * t) {
+    ggml_set_input(t);
+    inputs[(*n)++] = t;
+    return t;
+}
+
+static struct ggml_tensor * index_input(struct ggml_context * ctx, struct ggml_tensor ** inputs, int * n, int64_t ne0, int64_t ne1, int32_t range) {
+    struct ggml_tensor * t = input(ctx, inputs, n, ggml_new_tensor_2d(ctx, GGML_TYPE_I32, ne0, ne1));
+    t->op_params[0] = range;     // read back by compare_backends to bound the indices
+    return t;
+}
+
+static enum ggml_type matmul_type;
+static struct ggml_tensor * build_matmul(struct ggml_context * ctx, struct ggml_tensor ** in, int * n) {
+    struct ggml_tensor * w = input(ctx, in, n, ggml_new_tensor_2d(ctx, matmul_type, 256, 96));
+    struct ggml_tensor * x = input(ctx, in, n, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 256, 7));
+    return ggml_mul_mat(ctx, w, x);
+}
+
+static struct ggml_tensor * build_moe(struct ggml_context * ctx, struct ggml_tensor ** in, int * n) {
+    const int n_expert = 8, n_used = 2, n_tokens = 5;
+    struct ggml_tensor * experts = input(ctx, in, n, ggml_new_tensor_3d(ctx, GGML_TYPE_Q8_0, 64, 32, n_expert));
+    struct ggml_tensor * x = input(ctx, in, n, ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 64, 1, n_tokens));
+    struct ggml_tensor * router = input(ctx, in, n, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, n_expert));
+    struct ggml_tensor * logits = ggml_mul_mat(ctx, router, ggml_reshape_2d(ctx, x, 64, n_tokens));
+    struct ggml_tensor * probs = ggml_sigmoid(ctx, logits);
+    struct ggml_tensor * ids = ggml_argsort_top_k(ctx, probs, n_used);
+    struct ggml_tensor * weights = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens), ids);
+    struct ggml_tensor * y = ggml_mul_mat_id(ctx, experts, x, ids);          // [32, n_used, n_tokens]
+    return ggml_mul(ctx, y, weights);
+}
+
+static struct ggml_tensor * build_norm_rope_softmax(struct ggml_context * ctx, struct ggml_tensor ** in, int * n) {
+    struct ggml_tensor * x = input(ctx, in, n, ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 64, 4, 9));   // head dim, heads, tokens
+    struct ggml_tensor * pos = index_input(ctx, in, n, 9, 1, 512);
+    pos = ggml_reshape_1d(ctx, pos, 9);
+    struct ggml_tensor * normed = ggml_rms_norm(ctx, x, 1e-6f);
+    struct ggml_tensor * roped = ggml_rope_ext(ctx, normed, pos, NULL, 64, 0, 4096, 10000.0f, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+    struct ggml_tensor * kq = ggml_mul_mat(ctx, roped, roped);
+    return ggml_soft_max_ext(ctx, kq, NULL, 0.125f, 0.0f);
+}
+
+static struct ggml_tensor * build_get_rows_cpy(struct ggml_context * ctx, struct ggml_tensor ** in, int * n) {
+    struct ggml_tensor * table = input(ctx, in, n, ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_K, 256, 50));
+    struct ggml_tensor * ids = index_input(ctx, in, n, 13, 1, 50);
+    struct ggml_tensor * rows = ggml_get_rows(ctx, table, ggml_reshape_1d(ctx, ids, 13));
+    return ggml_cpy(ctx, rows, ggml_new_tensor_2d(ctx, GGML_TYPE_F16, 256, 13));
+}
+
+static struct ggml_tensor * build_many_nodes(struct ggml_context * ctx, struct ggml_tensor ** in, int * n) {
+    struct ggml_tensor * x = input(ctx, in, n, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1024));
+    struct ggml_tensor * y = input(ctx, in, n, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1024));
+    for (int i = 0; i < 3000; i++) x = (i % 3 == 0) ? ggml_add(ctx, x, y) : (i % 3 == 1 ? ggml_mul(ctx, x, y) : ggml_scale(ctx, x, 0.5f));
+    return x;
+}
+
+static void case_ops(struct env * e) {
+    const enum ggml_type types[] = { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K };
+    for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
+        matmul_type = types[i];
+        char what[64];
+        snprintf(what, sizeof what, "mul_mat %s", ggml_type_name(types[i]));
+        compare_backends(e, build_matmul, what);
+    }
+    compare_backends(e, build_moe, "MoE (sigmoid router, top-k, mul_mat_id)");
+    compare_backends(e, build_norm_rope_softmax, "rms_norm + rope + soft_max");
+    compare_backends(e, build_get_rows_cpy, "get_rows Q4_K + cpy to F16");
+}
+
+static void case_many_nodes(struct env * e) {
+    compare_backends(e, build_many_nodes, "3000-node graph");
+}
+
+// The same graph computed twice goes out once, then as GRAPH_RECOMPUTE.
+static void case_graph_reuse(struct env * e) {
+    struct ggml_context * ctx = no_alloc_ctx(16);
+    struct ggml_tensor * x = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 8);
+    struct ggml_tensor * y = ggml_scale(ctx, x, 2.0f);
+    struct ggml_cgraph * g = ggml_new_graph(ctx);
+    ggml_build_forward_expand(g, y);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, e->remote);
+    float in[8], out[8];
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < 8; i++) in[i] = (float) (round * 10 + i);
+        ggml_backend_tensor_set(x, in, 0, sizeof in);
+        CHECK(ggml_backend_graph_compute(e->remote, g) == GGML_STATUS_SUCCESS, "compute");
+        ggml_backend_tensor_get(y, out, 0, sizeof out);
+        for (int i = 0; i < 8; i++) CHECK(out[i] == 2.0f * in[i], "round %d: y[%d] = %g", round, i, out[i]);
+    }
+    struct tbrpc_node_info info;
+    tbrpc_client_node_info(e->client, 0, &info);
+    CHECK(info.graphs_sent == 1 && info.graphs_reused == 2, "graphs sent %llu reused %llu",
+          (unsigned long long) info.graphs_sent, (unsigned long long) info.graphs_reused);
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
+// Node-side accounting follows allocations and frees exactly.
+static void case_allocation_accounting(struct env * e) {
+    char err[256];
+    struct tb_status st;
+    CHECK(tbrpc_client_node_status(e->client, 0, &st, err, sizeof err) == 0, "%s", err);
+    const uint64_t before = st.bytes_allocated;
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(ggml_backend_dev_buffer_type(e->remote_dev), 3u << 20);
+    CHECK(buf && ggml_backend_buffer_get_size(buf) == (3u << 20), "alloc 3 MiB");
+    CHECK(tbrpc_client_node_status(e->client, 0, &st, err, sizeof err) == 0, "%s", err);
+    CHECK(st.bytes_allocated - before == (3u << 20), "node reports %llu new bytes", (unsigned long long) (st.bytes_allocated - before));
+    ggml_backend_buffer_free(buf);
+    CHECK(tbrpc_client_node_status(e->client, 0, &st, err, sizeof err) == 0, "%s", err);
+    CHECK(st.bytes_allocated == before, "free left %llu bytes", (unsigned long long) (st.bytes_allocated - before));
+}
+
+// supports_op is answered by the node's real device, once per op class.
+static void case_supports_op(struct env * e) {
+    struct ggml_context * ctx = no_alloc_ctx(8);
+    struct ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_K, 256, 4);
+    struct ggml_tensor * b = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 256, 3);
+    struct ggml_tensor * mm = ggml_mul_mat(ctx, a, b);
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    CHECK(ggml_backend_dev_supports_op(e->remote_dev, mm) == ggml_backend_dev_supports_op(cpu, mm), "mul_mat answer differs from CPU");
+    struct tbrpc_node_info before, after;
+    tbrpc_client_node_info(e->client, 0, &before);
+    for (int i = 0; i < 10; i++) ggml_backend_dev_supports_op(e->remote_dev, mm);
+    tbrpc_client_node_info(e->client, 0, &after);
+    CHECK(after.round_trips == before.round_trips, "cached answers still cost %llu round trips",
+          (unsigned long long) (after.round_trips - before.round_trips));
+    ggml_free(ctx);
+}
+
+int main(int argc, char ** argv) {
+    CHECK(argc == 2, "usage: op_tests CASE");
+    static const struct { const char * name; void (*fn)(struct env *); } cases[] = {
+        { "set_get_odd", case_set_get_odd }, { "memset_clear", case_memset_clear },
+        { "copy_and_views", case_copy_and_views }, { "ops", case_ops }, { "many_nodes", case_many_nodes },
+        { "graph_reuse", case_graph_reuse }, { "allocation_accounting", case_allocation_accounting },
+        { "supports_op", case_supports_op },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        if (strcmp(argv[1], cases[i].name) == 0) {
+            struct env e = { 0 };
+            env_open(&e);
+            cases[i].fn(&e);
+            env_close(&e);
+            printf("PASS %s\n", argv[1]);
+            return 0;
+        }
+    }
+    CHECK(0, "unknown case %s", argv[1]);
+}

@@ -1,0 +1,89 @@
+"""Shared fixtures: real node processes on loopback and a head runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class NodeProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def start_node(tmp_path: Path, *extra: str) -> NodeProcess:
+    """Start `tbrpc node` on a free port and wait until it listens."""
+    log = tmp_path / f"node-{time.monotonic_ns()}.log"
+    stderr = open(log, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1", *extra],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))
+        if m:
+            return NodeProcess(proc, int(m.group(1)), log)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"node did not start: {log.read_text(errors='replace')}")
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Any]:
+    """Factory: nodes(n) starts n node processes, all stopped (and checked gone) after the test."""
+    started: list[NodeProcess] = []
+
+    def factory(n: int, *extra: str) -> list[NodeProcess]:
+        new = [start_node(tmp_path, *extra) for _ in range(n)]
+        started.extend(new)
+        return new
+
+    yield factory
+    for node in started:
+        if node.proc.poll() is None:
+            node.proc.terminate()
+    for node in started:
+        try:
+            node.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait()
+            pytest.fail(f"node {node.endpoint} ignored SIGTERM")
+
+
+def run_head(tmp_path: Path, **spec: Any) -> tuple[dict[str, Any], np.ndarray | None]:
+    """Run tests/head.py in a fresh process; return its result and logits."""
+    tag = time.monotonic_ns()
+    spec.setdefault("logits_path", str(tmp_path / f"logits-{tag}.npy"))
+    spec_path, out_path = tmp_path / f"spec-{tag}.json", tmp_path / f"out-{tag}.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "head.py"), str(spec_path), str(out_path)],
+                          cwd=ROOT, capture_output=True, timeout=600)
+    assert proc.returncode == 0, f"head process died ({proc.returncode}): {proc.stderr.decode(errors='replace')[-3000:]}"
+    result = json.loads(out_path.read_text())
+    result["stderr"] = proc.stderr.decode(errors="replace")
+    logits = np.load(spec["logits_path"]) if Path(spec["logits_path"]).exists() else None
+    return result, logits

@@ -1,0 +1,87 @@
+"""A head process for tests: load a model (alone or split over nodes), run
+greedy generation, and write what happened to a JSON file (+ logits .npy).
+
+Tests run it as a subprocess because ggml's device registry is process-wide:
+each scenario needs a fresh head. Usage: python tests/head.py SPEC.json OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def single_process_params() -> None:
+    """Plain CPU buffers, like a node serves: CPU_REPACK would run other kernels."""
+    import llama_cpp.llama_cpp as lib
+
+    original = lib.llama_model_default_params
+
+    def params() -> Any:
+        p = original()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+
+
+def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None) -> tuple[list[int], np.ndarray]:
+    tokens = llm.tokenize(prompt.encode(), add_bos=True)
+    out: list[int] = []
+    rows: list[np.ndarray] = []
+    llm.eval(tokens)
+    n_vocab = llm.n_vocab()
+    for step in range(n_predict):
+        # the last row of logits llama.cpp produced (llm.scores is only kept with logits_all)
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,)).copy()
+        rows.append(logits)
+        token = int(np.argmax(logits))
+        out.append(token)
+        if kill and step == kill["after_tokens"]:
+            os.kill(kill["pid"], 9)
+        llm.eval([token])
+    return out, np.stack(rows)
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    import llama_cpp
+
+    import tbrpc
+
+    result: dict[str, Any] = {"error": None}
+    nodes = spec.get("nodes", [])
+    kwargs: dict[str, Any] = dict(n_ctx=spec.get("n_ctx", 256), n_threads=1, n_batch=spec.get("n_batch", 512),
+                                  verbose=False, seed=0)
+    if nodes:
+        tbrpc.connect(nodes, timeout=spec.get("timeout", 10.0))
+        kwargs.update(n_gpu_layers=-1, tensor_split=spec.get("tensor_split") or [1.0] * len(nodes))
+    else:
+        single_process_params()
+        kwargs.update(n_gpu_layers=0)
+    try:
+        t0 = time.time()
+        llm = llama_cpp.Llama(spec["model"], **kwargs)
+        result["load_s"] = time.time() - t0
+        if nodes:
+            result["allocated_after_load"] = [tbrpc.cluster().status(i).bytes_allocated for i in range(len(nodes))]
+        tokens, logits = generate(llm, spec["prompt"], spec["n_predict"], spec.get("kill"))
+        result["tokens"] = tokens
+        np.save(spec["logits_path"], logits)
+        if nodes:
+            result["nodes"] = [vars(n) for n in tbrpc.cluster().nodes()]
+    except Exception as e:  # the test asserts on type and message
+        result["error"] = {"type": type(e).__name__, "message": str(e)}
+    Path(out_path).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
