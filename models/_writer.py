@@ -1,0 +1,82 @@
+"""Shared plumbing for writing random-weight GGUF files deterministically."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from models import _tokenizer
+from models._quant import quantize
+
+_FLOAT = (QT.F32, QT.F16)
+
+
+class ModelWriter:
+    """Draws weights from one seeded stream, in call order, into a GGUFWriter.
+
+    Shapes are given in ggml order (ne0 = row length first), the order that
+    llama.cpp's create_tensor() uses, so specs can be checked against
+    llama-model.cpp by eye; numpy wants them reversed.
+    """
+
+    def __init__(self, path: Path, arch: str, seed: int, dequantized: bool = False) -> None:
+        self.path = Path(path)
+        self.dequantized = dequantized
+        # Write next to the target and rename, so a crash or a concurrent
+        # reader never sees a half-written model under the final name.
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self.writer = gguf.GGUFWriter(str(self._tmp), arch)
+        self.rng = np.random.default_rng(seed)
+
+    def normal(self, name: str, ne: tuple[int, ...], std: float, qtype: QT) -> np.ndarray:
+        data = (self.rng.standard_normal(ne[::-1]) * std).astype(np.float32)
+        self.add(name, data, qtype)
+        return data
+
+    def norm(self, name: str, n: int) -> None:
+        # Not exactly 1.0: a node that dropped the norm weight would then
+        # give different logits, which the distributed tests should catch.
+        data = (1.0 + 0.1 * self.rng.standard_normal(n)).astype(np.float32)
+        self.add(name, data, QT.F32)
+
+    def add(self, name: str, data: np.ndarray, qtype: QT) -> None:
+        if qtype in _FLOAT:
+            self.writer.add_tensor(name, quantize(data, qtype))
+        elif self.dequantized:
+            # Same values the quantised file holds, stored as F32: a reference
+            # model that isolates the quantised kernels (and our packing).
+            self.writer.add_tensor(name, gguf.quants.dequantize(quantize(data, qtype), qtype))
+        else:
+            self.writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+
+    def vocab(self, n_vocab: int, pre: str) -> _tokenizer.Vocab:
+        vocab = _tokenizer.build_vocab(n_vocab)
+        _tokenizer.add_to_writer(self.writer, vocab, pre)
+        return vocab
+
+    def finish(self) -> Path:
+        w = self.writer
+        try:
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
+        os.replace(self._tmp, self.path)
+        return self.path
+
+
+def output_head(mw: ModelWriter, vocab: _tokenizer.Vocab, n_embd: int, logit_std: float, qtype: QT) -> None:
+    """LM head whose control-token rows are zero.
+
+    Random weights would otherwise let greedy decoding pick EOS and stop
+    after a token or two; a zero row scores 0, which never beats the max
+    of hundreds of random logits.
+    """
+    data = (mw.rng.standard_normal((vocab.size, n_embd)) * logit_std / np.sqrt(n_embd)).astype(np.float32)
+    data[[vocab.bos_id, vocab.eos_id]] = 0.0
+    mw.add("output.weight", data, qtype)
