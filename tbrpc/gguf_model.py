@@ -287,3 +287,192 @@ def _check_split_set(paths: list[Path], headers: list[_Header]) -> None:
     total = sum(len(h.tensors) for h in headers)
     if expected_tensors is not None and total != expected_tensors:
         raise GGUFError(f"{paths[0]}: split set holds {total} tensors, header promises {expected_tensors}")
+
+
+# --- architecture hyperparameters ---------------------------------------------
+
+# Sliding-window layer patterns llama.cpp applies per architecture when the
+# file carries no `attention.sliding_window_pattern` (llama-model.cpp /
+# src/models/*.cpp: load_swa_pattern(ml, N)).  Architecture defaults, not
+# model names: a file that states its own pattern always wins.
+_SWA_PATTERN_DEFAULT: dict[str, int] = {"gemma3": 6, "gemma2": 2, "cohere2": 4}
+
+
+@dataclass(frozen=True)
+class ArchParams:
+    """The hyperparameters that decide memory, read the way llama.cpp reads them."""
+
+    arch: str
+    n_layer_all: int  # block_count, including MTP/nextn blocks
+    n_layer_nextn: int
+    n_embd: int
+    n_vocab: int
+    n_ctx_train: int
+    n_head: tuple[int, ...]  # per layer
+    n_head_kv: tuple[int, ...]
+    head_k: int  # attention.key_length (for MLA: kv_lora_rank + rope dims)
+    head_v: int
+    head_k_swa: int
+    head_v_swa: int
+    is_mla: bool  # K-only latent cache (deepseek2 with key_length_mla)
+    n_expert: int
+    n_expert_used: int
+    n_ff: tuple[int, ...]
+    n_ff_exp: int
+    n_expert_shared: int
+    n_swa: int  # 0 = no sliding window
+    is_swa: tuple[bool, ...]
+    head_k_mla: int = 0  # per-head dims after MLA "decompression" (compute graph)
+    head_v_mla: int = 0
+    n_lora_kv: int = 0
+    dense_lead: int = 0  # leading blocks with a dense FFN in a MoE model
+
+    @property
+    def n_layer(self) -> int:
+        """Trunk layers: the ones with a KV cache and in the main graph."""
+        return self.n_layer_all - self.n_layer_nextn
+
+    def kv_row_elems(self, il: int) -> tuple[int, int]:
+        """Elements per token of layer il's K and V cache (V is 0 under MLA)."""
+        k = (self.head_k_swa if self.is_swa[il] else self.head_k) * self.n_head_kv[il]
+        v = 0 if self.is_mla else (self.head_v_swa if self.is_swa[il] else self.head_v) * self.n_head_kv[il]
+        return k, v
+
+
+def _per_layer(value: Any, n: int, default: int = 0) -> tuple[int, ...]:
+    if value is None:
+        return (default,) * n
+    if isinstance(value, list):
+        if len(value) != n:
+            raise GGUFError(f"per-layer array has {len(value)} entries for {n} layers")
+        return tuple(int(v) for v in value)
+    return (int(value),) * n
+
+
+def _swa_layers(model: GGUFModel, n_layer_all: int, n_layer_nextn: int) -> tuple[int, tuple[bool, ...]]:
+    n_swa = int(model.get("attention.sliding_window", 0) or 0)
+    if n_swa <= 0:
+        return 0, (False,) * n_layer_all
+    pattern = model.get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # explicit per-layer flags
+        return n_swa, tuple(bool(p) for p in pattern) + (False,) * (n_layer_all - len(pattern))
+    n_pattern = int(pattern) if pattern is not None else _SWA_PATTERN_DEFAULT.get(model.architecture)
+    if n_pattern is None:
+        # Unknown layout: treat every layer as global, which can only overestimate the cache.
+        return 0, (False,) * n_layer_all
+    trunk = n_layer_all - n_layer_nextn
+    flags = [n_pattern == 0 or (il % n_pattern < n_pattern - 1) for il in range(trunk)]
+    return n_swa, tuple(flags) + (False,) * n_layer_nextn
+
+
+def arch_params(model: GGUFModel) -> ArchParams:
+    n_layer_all = int(model.get("block_count"))
+    n_nextn = int(model.get("nextn_predict_layers", 0) or 0)
+    n_embd = int(model.get("embedding_length"))
+    n_head = _per_layer(model.get("attention.head_count"), n_layer_all)
+    n_head_kv_raw = model.get("attention.head_count_kv")
+    n_head_kv = n_head if n_head_kv_raw is None else _per_layer(n_head_kv_raw, n_layer_all)
+    n_head0 = max(n_head) or 1
+    head_k = int(model.get("attention.key_length", n_embd // n_head0))
+    head_v = int(model.get("attention.value_length", n_embd // n_head0))
+    head_k_mla = int(model.get("attention.key_length_mla", 0) or 0)
+    head_v_mla = int(model.get("attention.value_length_mla", 0) or 0)
+    n_swa, is_swa = _swa_layers(model, n_layer_all, n_nextn)
+    embd = model.tensor("token_embd.weight")
+    n_vocab = embd.shape[1] if embd is not None and len(embd.shape) > 1 else int(model.get("vocab_size", 0) or 0)
+    n_ff_exp = model.get("expert_feed_forward_length", 0) or 0
+    return ArchParams(
+        arch=model.architecture,
+        n_layer_all=n_layer_all,
+        n_layer_nextn=n_nextn,
+        n_embd=n_embd,
+        n_vocab=n_vocab,
+        n_ctx_train=int(model.get("context_length", 0) or 0),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_k=head_k,
+        head_v=head_v,
+        head_k_swa=int(model.get("attention.key_length_swa", head_k)),
+        head_v_swa=int(model.get("attention.value_length_swa", head_v)),
+        is_mla=head_k_mla > 0 and head_v_mla > 0,
+        n_expert=int(model.get("expert_count", 0) or 0),
+        n_expert_used=int(model.get("expert_used_count", 0) or 0),
+        n_ff=_per_layer(model.get("feed_forward_length"), n_layer_all),
+        n_ff_exp=int(n_ff_exp[0] if isinstance(n_ff_exp, list) else n_ff_exp),
+        n_expert_shared=int(model.get("expert_shared_count", 0) or 0),
+        n_swa=n_swa,
+        is_swa=is_swa,
+        head_k_mla=head_k_mla,
+        head_v_mla=head_v_mla,
+        n_lora_kv=int(model.get("attention.kv_lora_rank", 0) or 0),
+        dense_lead=int(model.get("leading_dense_block_count", 0) or 0),
+    )
+
+
+# --- where each tensor lives --------------------------------------------------
+
+# Non-block tensors llama.cpp keeps with the input (always on the host CPU)
+# or with the output layer (the device of the last layer); llama-arch.cpp's
+# LLM_TENSOR_LAYER_INPUT / LLM_TENSOR_LAYER_OUTPUT.
+_INPUT_TENSORS = ("token_embd.", "token_types.", "position_embd.", "per_layer_token_embd.")
+_OUTPUT_TENSORS = ("output.", "output_norm.", "cls.", "cls_out.")
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """Bytes of one block, split the way people ask about MoE models."""
+
+    index: int
+    total: int
+    routed_experts: int  # *_exps tensors: the bulk of a MoE layer
+    shared_experts: int  # *_shexp tensors
+    n_tensors: int
+    loaded: bool  # False for MTP blocks llama.cpp skips by default
+
+    @property
+    def dense(self) -> int:
+        return self.total - self.routed_experts - self.shared_experts
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    layers: tuple[LayerWeights, ...]
+    input_bytes: int  # token embeddings: stay on the head's CPU
+    output_bytes: int  # output norm + head: on the last layer's device
+    output_tied: bool  # no output.weight: the output device holds a copy of token_embd
+    other_bytes: int  # tiny non-block tensors (rope_freqs...): one copy per device with layers
+    tensors_per_layer: tuple[int, ...]
+
+
+def weight_layout(model: GGUFModel, params: ArchParams, load_mtp: bool = False) -> WeightLayout:
+    n = params.n_layer_all
+    total = [0] * n
+    routed = [0] * n
+    shared = [0] * n
+    count = [0] * n
+    input_bytes = output_bytes = other_bytes = 0
+    for t in model.tensors:
+        il = t.block
+        if il is not None:
+            if il >= n:
+                raise GGUFError(f"tensor {t.name} belongs to block {il}, but block_count is {n}")
+            total[il] += t.n_bytes
+            count[il] += 1
+            if "_exps." in t.name:
+                routed[il] += t.n_bytes
+            elif "_shexp." in t.name:
+                shared[il] += t.n_bytes
+        elif t.name.startswith(_INPUT_TENSORS):
+            input_bytes += t.n_bytes
+        elif t.name.startswith(_OUTPUT_TENSORS):
+            output_bytes += t.n_bytes
+        else:
+            other_bytes += t.n_bytes
+    tied = model.tensor("output.weight") is None and model.tensor("token_embd.weight") is not None
+    if tied:
+        output_bytes += model.tensor("token_embd.weight").n_bytes  # type: ignore[union-attr]
+    layers = tuple(
+        LayerWeights(il, total[il], routed[il], shared[il], count[il], loaded=load_mtp or il < params.n_layer)
+        for il in range(n)
+    )
+    return WeightLayout(layers, input_bytes, output_bytes, tied, other_bytes, tuple(count))

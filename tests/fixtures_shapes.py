@@ -250,3 +250,57 @@ def llama_spec(g: LlamaGeometry, qtype: QT = QT.Q8_0) -> ModelSpec:
     add(TensorSpec("output_norm.weight", (g.n_embd,), QT.F32))
     add(TensorSpec("output.weight", (g.n_embd, g.n_vocab), qtype))
     return spec
+
+
+@dataclass(frozen=True)
+class Gemma3Geometry:
+    """Defaults are Gemma 3 270M's shapes."""
+
+    n_layer: int = 18
+    n_embd: int = 640
+    n_vocab: int = 262144
+    n_head: int = 4
+    n_head_kv: int = 1
+    head_dim: int = 256
+    n_ff: int = 2048
+    n_swa: int = 512
+    n_ctx_train: int = 32768
+
+
+def gemma3_spec(g: Gemma3Geometry, qtype: QT = QT.Q8_0) -> ModelSpec:
+    """Gemma 3: 5 sliding-window layers per global one, tied output embedding."""
+    meta: dict[str, Any] = {
+        "general.name": "shape-only gemma3",
+        "gemma3.block_count": g.n_layer,
+        "gemma3.context_length": g.n_ctx_train,
+        "gemma3.embedding_length": g.n_embd,
+        "gemma3.feed_forward_length": g.n_ff,
+        "gemma3.attention.head_count": g.n_head,
+        "gemma3.attention.head_count_kv": g.n_head_kv,
+        "gemma3.attention.key_length": g.head_dim,
+        "gemma3.attention.value_length": g.head_dim,
+        "gemma3.attention.sliding_window": g.n_swa,
+        "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+        "gemma3.rope.freq_base": 1000000.0,
+        "gemma3.vocab_size": g.n_vocab,
+        "tokenizer.ggml.model": "none",
+    }
+    spec = ModelSpec("gemma3", meta)
+    add = spec.tensors.append
+    q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+    add(TensorSpec("token_embd.weight", (g.n_embd, g.n_vocab), qtype))
+    for il in range(g.n_layer):
+        p = f"blk.{il}."
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            add(TensorSpec(p + norm + ".weight", (g.n_embd,), QT.F32))
+        add(TensorSpec(p + "attn_q.weight", (g.n_embd, q), qtype))
+        add(TensorSpec(p + "attn_k.weight", (g.n_embd, kv), qtype))
+        add(TensorSpec(p + "attn_v.weight", (g.n_embd, kv), qtype))
+        add(TensorSpec(p + "attn_q_norm.weight", (g.head_dim,), QT.F32))
+        add(TensorSpec(p + "attn_k_norm.weight", (g.head_dim,), QT.F32))
+        add(TensorSpec(p + "attn_output.weight", (q, g.n_embd), qtype))
+        add(TensorSpec(p + "ffn_gate.weight", (g.n_embd, g.n_ff), qtype))
+        add(TensorSpec(p + "ffn_up.weight", (g.n_embd, g.n_ff), qtype))
+        add(TensorSpec(p + "ffn_down.weight", (g.n_ff, g.n_embd), qtype))
+    add(TensorSpec("output_norm.weight", (g.n_embd,), QT.F32))
+    return spec

@@ -1,0 +1,651 @@
+"""Split a GGUF model's layers across nodes so that every node really fits.
+
+The memory model mirrors how llama.cpp allocates (see docs/planner.md for the
+derivation and the figures it was calibrated on):
+
+* weights: exact bytes from the GGUF headers, per layer; token embeddings stay
+  on the head's CPU (llama.cpp never offloads the input layer), the output
+  norm and head go with the *last* layer's device;
+* KV cache: per layer on the layer's device, ``kv_size`` = context padded to
+  256, K only for MLA (deepseek2), window-sized for sliding-window layers
+  unless ``swa_full`` (llama.cpp's default is a full-size SWA cache);
+* compute buffers: the worst-case prompt graph for one ubatch, per device:
+  the largest of the attention, FFN and output phases;
+* head extras: llama.cpp's output buffer and llama-cpp-python's logits array.
+
+Assignment: contiguous layer ranges, head first, minimising the largest
+fraction of usable memory any node needs (so heterogeneous nodes are loaded
+in proportion), realised exactly through ``tensor_split`` layer counts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from tbrpc.cluster import Node
+from tbrpc.gguf_model import ArchParams, GGUFModel, WeightLayout, arch_params, load_gguf, weight_layout
+from tbrpc.units import GiB, MiB, format_size, pad, parse_size
+
+KV_PAD = 256  # llama-context.cpp: n_ctx = GGML_PAD(n_ctx, 256)
+TENSOR_ALIGN = 32  # ggml CPU/RPC buffer alignment; each tensor is padded to it
+DEFAULT_CTX = 32768
+DEFAULT_MARGIN = 2 * GiB
+
+CACHE_TYPES = {name.lower(): t for name, t in GGMLQuantizationType.__members__.items()}
+
+
+class PlanError(ValueError):
+    """The request cannot be planned at all (as opposed to: it does not fit)."""
+
+
+# --- memory model ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    ctx: int
+    ubatch: int = 512
+    batch: int = 512
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: bool = False
+    swa_full: bool = True
+    n_seq: int = 1
+
+    @property
+    def kv_size(self) -> int:
+        return pad(self.ctx, KV_PAD)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the worst-case graph llama.cpp reserves: min(n_ctx, n_ubatch)."""
+        return min(self.kv_size, self.ubatch, self.batch)
+
+
+def row_bytes(type_name: str, n_elements: int) -> int:
+    block, size = GGML_QUANT_SIZES[CACHE_TYPES[type_name]]
+    if n_elements % block:
+        raise PlanError(f"cache type {type_name} needs rows divisible by {block}; this model has {n_elements}")
+    return n_elements // block * size
+
+
+def layer_kv_bytes(p: ArchParams, il: int, c: ContextParams) -> int:
+    """KV cache bytes llama.cpp allocates for layer ``il`` (0 for MTP blocks)."""
+    if il >= p.n_layer:
+        return 0  # nextn/MTP blocks are filtered out of the main context's cache
+    cells = c.kv_size
+    if p.is_swa[il] and not c.swa_full:
+        # llama-kv-cache-iswa.cpp: window + ubatch, padded to 256, never above the full size
+        cells = min(c.kv_size, pad(p.n_swa * c.n_seq + c.ubatch, 256))
+    k_elems, v_elems = p.kv_row_elems(il)
+    total = pad(row_bytes(c.cache_type_k, k_elems) * cells, TENSOR_ALIGN)
+    if v_elems:
+        total += pad(row_bytes(c.cache_type_v, v_elems) * cells, TENSOR_ALIGN)
+    return total * c.n_seq if c.n_seq > 1 else total
+
+
+F32 = 4
+
+
+# Per-head bytes of the MLA query path (q_b output, absorbed q_nope, the
+# concatenated latent query) that are live at once, as a multiple of
+# (head_k_mla + kv_lora_rank + key_length) float32s.  Fitted on llama.cpp's
+# own no_alloc reservations for deepseek2 graphs with 16, 64 and 128 heads.
+MLA_QUERY_FACTOR = 1.091
+MLA_FIXED_PER_TOKEN = 63_200  # latent KV projection and norms, per token
+
+
+def _n_kv(p: ArchParams, il: int, c: ContextParams) -> int:
+    if p.is_swa[il] and not c.swa_full:
+        return min(c.kv_size, pad(p.n_swa * c.n_seq + c.ubatch, 256))
+    return c.kv_size
+
+
+def _mask_bytes(p: ArchParams, c: ContextParams) -> int:
+    """The KQ mask: an input every layer reads, so it lives through the whole graph."""
+    return c.kv_size * c.n_tokens * (2 if c.flash_attn else F32)
+
+
+def _attention_phase(p: ArchParams, il: int, c: ContextParams) -> int:
+    """Bytes live while layer il attends (mask included)."""
+    n_kv, u, n_head = _n_kv(p, il, c), c.n_tokens, p.n_head[il]
+    per_tok = 2 * p.n_embd * F32  # residual stream + normed input
+    fixed = _mask_bytes(p, c)
+    if p.is_mla:
+        per_tok += int(n_head * (p.head_k_mla + p.n_lora_kv + p.head_k) * F32 * MLA_QUERY_FACTOR) + MLA_FIXED_PER_TOKEN
+        if not c.flash_attn:
+            fixed += n_kv * p.n_lora_kv * 2  # V = transposed F16 copy of the latent cache
+    else:
+        k_elems, v_elems = p.kv_row_elems(il)
+        per_tok += (n_head * p.head_k + k_elems + v_elems + 2 * n_head * p.head_v) * F32
+    if not c.flash_attn:
+        per_tok += n_kv * n_head * F32  # KQ scores; softmax runs in place
+    return per_tok * u + fixed
+
+
+def _ffn_phase(p: ArchParams, il: int, c: ContextParams) -> int:
+    per_tok = 2 * p.n_embd * F32
+    if _is_moe_layer(p, il):
+        per_tok += 3 * p.n_expert_used * p.n_ff_exp * F32  # gate, up, activation per chosen expert
+        per_tok += 3 * p.n_expert * F32  # router logits, probabilities, selection
+        per_tok += p.n_expert_used * p.n_embd * F32  # expert outputs before the weighted sum
+    else:
+        per_tok += 3 * p.n_ff[il] * F32
+    return per_tok * c.n_tokens + _mask_bytes(p, c)
+
+
+def _is_moe_layer(p: ArchParams, il: int) -> bool:
+    return p.n_expert > 0 and p.n_ff_exp > 0 and il >= p.dense_lead
+
+
+def _output_phase(p: ArchParams, c: ContextParams) -> int:
+    """Logits for every token of the reserve graph, plus what survives the last layer."""
+    u = c.n_tokens
+    streams = 4 if p.n_expert else 2  # MoE: the last layer's expert sum is still live
+    return u * p.n_vocab * F32 + max(streams * u * p.n_embd * F32, _mask_bytes(p, c))
+
+
+def compute_bytes(p: ArchParams, layers: range, c: ContextParams, has_output: bool, has_input: bool) -> int:
+    """Worst-case compute buffer of one device holding ``layers``.
+
+    ggml-alloc frees intermediates once their last consumer ran, so the
+    buffer is the peak of a single phase (plus what lives across phases,
+    like the KQ mask), not a sum over layers.
+    """
+    peak = max((_layer_peak(p, il, c) for il in layers), default=0)
+    return _finish_compute(p, c, peak, _output_phase(p, c) if has_output else 0, has_input)
+
+
+def _layer_peak(p: ArchParams, il: int, c: ContextParams) -> int:
+    if il >= p.n_layer:
+        return 0  # MTP blocks are not in the main graph
+    return max(_attention_phase(p, il, c), _ffn_phase(p, il, c))
+
+
+def _finish_compute(p: ArchParams, c: ContextParams, layers_peak: int, output_peak: int, has_input: bool) -> int:
+    peak = max(layers_peak, output_peak)
+    if has_input:
+        peak += c.n_tokens * p.n_embd * F32  # embeddings gathered on the host, copied to the first device
+    return pad(peak, TENSOR_ALIGN)
+
+
+def host_bytes(p: ArchParams, c: ContextParams) -> int:
+    """Head-only buffers outside the devices.
+
+    llama.cpp's output buffer holds logits for n_seq outputs; llama-cpp-python
+    keeps a float32 score array of n_batch x n_vocab.
+    """
+    return p.n_vocab * F32 * max(1, c.n_seq) + c.batch * p.n_vocab * F32
+
+
+# --- plan result ----------------------------------------------------------------
+
+
+@dataclass
+class NodePlan:
+    name: str
+    usable_bytes: int
+    limit: str
+    layers: tuple[int, int] | None  # inclusive [first, last]; None if the node holds none
+    weights_bytes: int
+    kv_bytes: int
+    compute_bytes: int
+    host_bytes: int
+    total_bytes: int
+    headroom_bytes: int  # usable - margin - total; negative means it does not fit
+    shards: list[str]
+    device: str  # llama.cpp device that holds the layers
+
+    @property
+    def n_layers(self) -> int:
+        return 0 if self.layers is None else self.layers[1] - self.layers[0] + 1
+
+
+@dataclass
+class Shortfall:
+    """Why a plan does not fit, with the nearest plans that would."""
+
+    message: str
+    over_bytes: int  # by how much the worst node is over
+    total_short_bytes: int  # cluster-wide missing memory (lower bound)
+    max_ctx: int | None  # largest context that fits on these nodes
+    min_nodes: int | None  # smallest count of nodes like the largest one that fits at ctx
+    min_nodes_size: int | None
+
+
+@dataclass
+class Plan:
+    model_path: str
+    architecture: str
+    n_layers: int  # block_count, as llama.cpp counts layers for tensor_split
+    weights_bytes: int
+    shards: list[str]
+    context: ContextParams
+    margin_bytes: int
+    nodes: list[NodePlan]
+    fits: bool
+    tensor_split: list[float]
+    n_gpu_layers: int
+    head_device: str
+    shortfall: Shortfall | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ctx(self) -> int:
+        return self.context.ctx
+
+    @property
+    def cli_args(self) -> str:
+        """Flags for llama.cpp's CLI tools that reproduce this split."""
+        ts = ",".join(str(int(x)) for x in self.tensor_split)
+        return f"-ngl {self.n_gpu_layers} -sm layer -ts {ts} -c {self.context.kv_size} -ub {self.context.ubatch}"
+
+    def llama_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for llama_cpp.Llama that reproduce this split."""
+        return {
+            "n_gpu_layers": self.n_gpu_layers,
+            "split_mode": 1,  # LLAMA_SPLIT_MODE_LAYER
+            "tensor_split": list(self.tensor_split),
+            "n_ctx": self.context.ctx,
+            "n_batch": self.context.batch,
+            "n_ubatch": self.context.ubatch,
+            "flash_attn": self.context.flash_attn,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": {
+                "path": self.model_path,
+                "architecture": self.architecture,
+                "n_layers": self.n_layers,
+                "weights_bytes": self.weights_bytes,
+                "shards": self.shards,
+            },
+            "ctx": self.context.ctx,
+            "context": asdict(self.context),
+            "margin_bytes": self.margin_bytes,
+            "nodes": [_node_json(n) for n in self.nodes],
+            "fits": self.fits,
+            "tensor_split": self.tensor_split,
+            "n_gpu_layers": self.n_gpu_layers,
+            "head_device": self.head_device,
+            "device_order": [n.device for n in self.nodes if n.device != "CPU"],
+            "llama_cpp_args": self.cli_args,
+            "shortfall": None if self.shortfall is None else asdict(self.shortfall),
+            "notes": self.notes,
+        }
+
+
+def _node_json(n: NodePlan) -> dict[str, Any]:
+    data = asdict(n)
+    data["layers"] = None if n.layers is None else list(n.layers)
+    return data
+
+
+# --- assignment -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """Per-layer sizes as prefix sums, so any range costs O(1) (plus compute)."""
+
+    params: ArchParams
+    layout: WeightLayout
+    context: ContextParams
+    weight_prefix: list[int]
+    kv_prefix: list[int]
+    layer_peak: list[int]  # compute peak of each layer's attention/FFN phases
+    output_peak: int
+
+    def weights(self, first: int, last: int) -> int:
+        return self.weight_prefix[last + 1] - self.weight_prefix[first]
+
+    def kv(self, first: int, last: int) -> int:
+        return self.kv_prefix[last + 1] - self.kv_prefix[first]
+
+
+def _costs(params: ArchParams, layout: WeightLayout, c: ContextParams) -> _Costs:
+    wp, kp = [0], [0]
+    for lw in layout.layers:
+        wp.append(wp[-1] + (lw.total + TENSOR_ALIGN * lw.n_tensors if lw.loaded else 0))
+        kp.append(kp[-1] + layer_kv_bytes(params, lw.index, c))
+    peaks = [_layer_peak(params, il, c) for il in range(params.n_layer_all)]
+    return _Costs(params, layout, c, wp, kp, peaks, _output_phase(params, c))
+
+
+def _node_need(costs: _Costs, index: int, first: int, last: int, layers_peak: int | None = None) -> tuple[int, int, int, int]:
+    """(weights, kv, compute, host) of node ``index`` holding layers first..last.
+
+    ``layers_peak`` (the max of layer_peak over the range) lets the greedy
+    pass extend a range one layer at a time without rescanning it.
+    """
+    p, layout, c = costs.params, costs.layout, costs.context
+    if layers_peak is None:
+        layers_peak = max(costs.layer_peak[first : last + 1], default=0)
+    is_head, is_last = index == 0, last == p.n_layer_all - 1
+    weights = kv = compute = 0
+    if last >= first:
+        weights = costs.weights(first, last) + layout.other_bytes
+        kv = costs.kv(first, last)
+    if is_last:
+        weights += layout.output_bytes
+    if is_head:
+        weights += layout.input_bytes
+    compute = _finish_compute(p, c, layers_peak, costs.output_peak if is_last else 0, is_head)
+    host = host_bytes(p, c) if is_head else 0
+    return weights, kv, compute, host
+
+
+def _greedy(costs: _Costs, budgets: list[float]) -> list[tuple[int, int]] | None:
+    """Give each node, head first, as many layers as fit its budget; None if layers remain.
+
+    Each node keeps at least one layer for every node after it, so no node is
+    left empty while layers remain.
+    """
+    n_layers = costs.params.n_layer_all
+    ranges: list[tuple[int, int]] = []
+    first = 0
+    n = len(budgets)
+    for index, budget in enumerate(budgets):
+        remaining_nodes = n - index - 1
+        last = first - 1
+        limit = n_layers - 1 - remaining_nodes
+        peak = 0
+        while last + 1 <= limit:
+            grown = max(peak, costs.layer_peak[last + 1])
+            if sum(_node_need(costs, index, first, last + 1, grown)) > budget:
+                break
+            last, peak = last + 1, grown
+        if last < first:
+            return None
+        ranges.append((first, last))
+        first = last + 1
+    return ranges if first == n_layers else None
+
+
+def _balanced_ranges(costs: _Costs, nodes: Sequence[Node], margin: int) -> tuple[list[tuple[int, int]], float]:
+    """Contiguous ranges minimising the largest (need + margin) / usable over nodes."""
+    usable = [max(1, n.usable_bytes) for n in nodes]
+    lo, hi = 0.0, 1.0
+    while _greedy(costs, [u * hi - margin for u in usable]) is None:
+        hi *= 2
+        if hi > 1e6:
+            raise PlanError("cannot split: a single layer is larger than any budget")
+    for _ in range(40):  # ~1e-12 relative precision
+        mid = (lo + hi) / 2
+        if _greedy(costs, [u * mid - margin for u in usable]) is None:
+            lo = mid
+        else:
+            hi = mid
+    ranges = _greedy(costs, [u * hi - margin for u in usable])
+    assert ranges is not None
+    return ranges, hi
+
+
+# --- public API -------------------------------------------------------------------
+
+
+def _context(model: GGUFModel, params: ArchParams, ctx: int | None, **kwargs: Any) -> ContextParams:
+    if ctx is None:
+        ctx = min(DEFAULT_CTX, params.n_ctx_train or DEFAULT_CTX)
+    if ctx < 1:
+        raise PlanError(f"context must be positive, got {ctx}")
+    for key in ("cache_type_k", "cache_type_v"):
+        name = str(kwargs[key]).lower()
+        if name not in CACHE_TYPES:
+            raise PlanError(f"unknown cache type {kwargs[key]!r}")
+        kwargs[key] = name
+    if kwargs["flash_attn"] is None:
+        # A quantized V cache needs flash attention in llama.cpp; otherwise follow llama-cpp-python's default (off).
+        kwargs["flash_attn"] = kwargs["cache_type_v"] not in ("f16", "f32", "bf16")
+    elif not kwargs["flash_attn"] and kwargs["cache_type_v"] not in ("f16", "f32", "bf16") and not params.is_mla:
+        raise PlanError("a quantized V cache requires flash attention in llama.cpp")
+    return ContextParams(ctx=ctx, **kwargs)
+
+
+def plan(
+    gguf: str | os.PathLike[str] | GGUFModel,
+    nodes: Sequence[Node],
+    *,
+    ctx: int | None = None,
+    cache_type_k: str = "f16",
+    cache_type_v: str = "f16",
+    ubatch: int = 512,
+    batch: int | None = None,
+    flash_attn: bool | None = None,
+    swa_full: bool = True,
+    margin: int | str = DEFAULT_MARGIN,
+    head_device: str = "gpu",
+    load_mtp: bool = False,
+    explain_shortfall: bool = True,
+) -> Plan:
+    """Plan how ``gguf`` splits over ``nodes`` (head first) at context ``ctx``.
+
+    ``head_device`` says how the head runs its own layers: ``"gpu"`` (a
+    device such as Metal's MTL0, listed first in tensor_split) or ``"cpu"``
+    (the CPU backend; its layers are the ones n_gpu_layers leaves out).
+    """
+    if not nodes:
+        raise PlanError("no nodes to plan for")
+    if head_device not in ("gpu", "cpu"):
+        raise PlanError("head_device must be 'gpu' or 'cpu'")
+    model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
+    params = arch_params(model)
+    layout = weight_layout(model, params, load_mtp=load_mtp)
+    if len(nodes) > params.n_layer_all:
+        raise PlanError(f"{len(nodes)} nodes but only {params.n_layer_all} layers to share")
+    margin_b = parse_size(margin)
+    context = _context(
+        model, params, ctx,
+        ubatch=ubatch, batch=batch or ubatch, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+        flash_attn=flash_attn, swa_full=swa_full,
+    )  # fmt: skip
+    costs = _costs(params, layout, context)
+    ranges, _ = _balanced_ranges(costs, nodes, margin_b)
+    node_plans = [_node_plan(model, costs, nodes, i, r, margin_b, head_device) for i, r in enumerate(ranges)]
+    fits = all(n.headroom_bytes >= 0 for n in node_plans)
+    split, ngl = _tensor_split(ranges, params.n_layer_all, head_device)
+    result = Plan(
+        model_path=str(model.path),
+        architecture=params.arch,
+        n_layers=params.n_layer_all,
+        weights_bytes=model.weights_bytes,
+        shards=[str(s.path) for s in model.shards],
+        context=context,
+        margin_bytes=margin_b,
+        nodes=node_plans,
+        fits=fits,
+        tensor_split=split,
+        n_gpu_layers=ngl,
+        head_device=head_device,
+        notes=_notes(params, layout, nodes, context),
+    )
+    if not fits and explain_shortfall:
+        result.shortfall = _shortfall(model, result, nodes, params, layout, margin_b, head_device)
+    return result
+
+
+def _tensor_split(ranges: list[tuple[int, int]], n_layer_all: int, head_device: str) -> tuple[list[float], int]:
+    """Layer counts per llama.cpp device; the last device also counts the output layer.
+
+    llama.cpp assigns layer il (0..n_layer, n_layer being the output layer)
+    to the first device whose cumulative split fraction exceeds
+    il/(n_layer+1) (llama-model.cpp load_tensors); integer counts make those
+    boundaries exact.  With a CPU head, layers below n_layer+1-n_gpu_layers
+    stay on the CPU, which is where the head's range must start.
+    """
+    counts = [float(last - first + 1) for first, last in ranges]
+    counts[-1] += 1  # the output "layer"
+    if head_device == "cpu":
+        return counts[1:] if len(counts) > 1 else [], n_layer_all + 1 - int(ranges[0][1] - ranges[0][0] + 1)
+    return counts, n_layer_all + 1
+
+
+def _node_plan(model: GGUFModel, costs: _Costs, nodes: Sequence[Node], index: int, rng: tuple[int, int], margin: int, head_device: str) -> NodePlan:
+    node = nodes[index]
+    first, last = rng
+    weights, kv, compute, host = _node_need(costs, index, first, last)
+    total = weights + kv + compute + host
+    if index == 0:
+        device = "CPU" if head_device == "cpu" else "GPU0 (head's own device, e.g. MTL0)"
+    else:
+        device = f"TBRPC{index - 1 if head_device == 'gpu' else index - 1}"
+    return NodePlan(
+        name=node.name,
+        usable_bytes=node.usable_bytes,
+        limit=node.limit_source,
+        layers=(first, last),
+        weights_bytes=weights,
+        kv_bytes=kv,
+        compute_bytes=compute,
+        host_bytes=host,
+        total_bytes=total,
+        headroom_bytes=node.usable_bytes - margin - total,
+        shards=_shards_for(model, index, first, last, costs.params.n_layer_all),
+        device=device,
+    )
+
+
+def _shards_for(model: GGUFModel, index: int, first: int, last: int, n_layer_all: int) -> list[str]:
+    """Shard files holding any tensor this node loads."""
+    wanted: set[int] = set()
+    for t in model.tensors:
+        il = t.block
+        if il is not None:
+            mine = first <= il <= last
+        elif t.name.startswith("token_embd."):
+            mine = index == 0 or (last == n_layer_all - 1 and model.tensor("output.weight") is None)
+        elif t.name.startswith(("output.", "output_norm.")):
+            mine = last == n_layer_all - 1
+        else:
+            mine = True
+        if mine:
+            wanted.add(t.shard)
+    return [model.shards[i].path.name for i in sorted(wanted)]
+
+
+def _notes(params: ArchParams, layout: WeightLayout, nodes: Sequence[Node], c: ContextParams) -> list[str]:
+    by_limit: dict[str, list[str]] = {}
+    for n in nodes:
+        by_limit.setdefault(n.limit_source, []).append(n.name)
+    notes = [f"{', '.join(names)}: {limit}" for limit, names in by_limit.items()]
+    if params.is_mla:
+        notes.append("MLA (deepseek2): the KV cache holds one latent K row per token and layer; no V cache.")
+    if any(params.is_swa) and c.swa_full:
+        notes.append("sliding-window layers get a full-size cache (llama.cpp default swa_full=true); --no-swa-full shrinks it.")
+    if params.n_layer_nextn:
+        notes.append(f"{params.n_layer_nextn} MTP block(s) in the file are not loaded (llama.cpp default load_mtp=false).")
+    if layout.output_tied:
+        notes.append("output layer is tied to the token embeddings: the last node holds its own copy.")
+    if not c.flash_attn:
+        notes.append("flash attention off (llama-cpp-python default): compute buffers grow with ctx x ubatch x heads.")
+    return notes
+
+
+# --- when it does not fit -----------------------------------------------------------
+
+
+def _shortfall(model: GGUFModel, result: Plan, nodes: Sequence[Node], params: ArchParams, layout: WeightLayout, margin: int, head_device: str) -> Shortfall:
+    worst = min(result.nodes, key=lambda n: n.headroom_bytes)
+    over = -worst.headroom_bytes
+    total_need = sum(n.total_bytes for n in result.nodes) + margin * len(nodes)
+    total_short = max(0, total_need - sum(n.usable_bytes for n in nodes))
+    kwargs = _replan_kwargs(result, margin, head_device)
+    max_ctx = _largest_fitting_ctx(model, nodes, result.context.ctx, kwargs)
+    template = max(nodes, key=lambda n: n.usable_bytes)
+    min_nodes = _smallest_node_count(model, template, len(nodes), params.n_layer_all, result.context.ctx, kwargs)
+    layers = f"layers {worst.layers[0]}-{worst.layers[1]}" if worst.layers else "no layers"
+    message = (
+        f"does not fit: {worst.name} ({layers}) needs {format_size(worst.total_bytes)} + {format_size(margin)} margin "
+        f"but has {format_size(worst.usable_bytes)} usable: over by {format_size(over)}"
+    )
+    if total_short:
+        message += f"; the cluster as a whole is short by {format_size(total_short)}"
+    return Shortfall(message, over, total_short, max_ctx, min_nodes, template.usable_bytes if min_nodes else None)
+
+
+def _replan_kwargs(result: Plan, margin: int, head_device: str) -> dict[str, Any]:
+    c = result.context
+    return dict(
+        cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v, ubatch=c.ubatch, batch=c.batch,
+        flash_attn=c.flash_attn, swa_full=c.swa_full, margin=margin, head_device=head_device, explain_shortfall=False,
+    )  # fmt: skip
+
+
+def _largest_fitting_ctx(model: GGUFModel, nodes: Sequence[Node], ctx: int, kwargs: dict[str, Any]) -> int | None:
+    """Binary search over multiples of 256 below the requested context."""
+    lo, hi = 0, pad(ctx, KV_PAD) // KV_PAD  # in units of 256 tokens; hi is known not to fit
+    if not plan(model, nodes, ctx=KV_PAD, **kwargs).fits:
+        return None
+    lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if plan(model, nodes, ctx=mid * KV_PAD, **kwargs).fits:
+            lo = mid
+        else:
+            hi = mid
+    return lo * KV_PAD
+
+
+def _smallest_node_count(model: GGUFModel, template: Node, start: int, n_layers: int, ctx: int, kwargs: dict[str, Any]) -> int | None:
+    for count in range(start + 1, n_layers + 1):
+        clones = [Node(f"{template.name}#{i}", template.memory_bytes, template.usable_bytes, template.limit_source) for i in range(count)]
+        if plan(model, clones, ctx=ctx, **kwargs).fits:
+            return count
+    return None
+
+
+# --- human output -------------------------------------------------------------------
+
+
+def format_table(p: Plan) -> str:
+    """The plan as a person reads it at a glance."""
+    c = p.context
+    lines = [
+        f"model   {Path(p.model_path).name}  ({p.architecture}, {p.n_layers} layers, {format_size(p.weights_bytes)} weights, {len(p.shards)} shard(s))",
+        f"context {c.ctx} tokens (KV {c.cache_type_k}/{c.cache_type_v}, ubatch {c.ubatch}, flash-attn {'on' if c.flash_attn else 'off'}), margin {format_size(p.margin_bytes)} per node",
+        "",
+    ]
+    header = ("node", "layers", "weights", "kv", "compute", "host", "total", "usable", "headroom")
+    rows = [header]
+    for n in p.nodes:
+        layers = "-" if n.layers is None else f"{n.layers[0]}-{n.layers[1]}"
+        rows.append((n.name, layers, format_size(n.weights_bytes), format_size(n.kv_bytes), format_size(n.compute_bytes),
+                     format_size(n.host_bytes), format_size(n.total_bytes), format_size(n.usable_bytes), format_size(n.headroom_bytes)))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        lines.append("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
+    lines.append("")
+    lines.append(f"verdict  {'FITS' if p.fits else 'DOES NOT FIT'}")
+    if p.shortfall:
+        s = p.shortfall
+        lines.append(f"         {s.message}")
+        lines.append(f"         largest context that fits: {s.max_ctx if s.max_ctx else 'none'}")
+        if s.min_nodes:
+            lines.append(f"         smallest cluster that fits at {c.ctx}: {s.min_nodes} x {format_size(s.min_nodes_size or 0)} usable")
+        else:
+            lines.append(f"         no number of such nodes fits at {c.ctx}")
+    lines.append("")
+    lines.append(f"llama-cpp-python  n_gpu_layers={p.n_gpu_layers}, tensor_split={[int(x) for x in p.tensor_split]}")
+    lines.append(f"llama.cpp CLI     {p.cli_args}")
+    lines.append("device order      " + ", ".join(f"{n.device}={n.name}" for n in p.nodes))
+    lines.append("")
+    lines.append("shards per node:")
+    for n in p.nodes:
+        lines.append(f"  {n.name}: {_shard_summary(n.shards)}")
+    if p.notes:
+        lines.append("")
+        lines.extend(f"note: {note}" for note in p.notes)
+    return "\n".join(lines)
+
+
+def _shard_summary(names: list[str]) -> str:
+    if len(names) <= 3:
+        return ", ".join(names)
+    return f"{names[0]} ... {names[-1]} ({len(names)} files)"
