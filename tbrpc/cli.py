@@ -33,5 +33,46 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
     server.serve_forever()
 
 
+@main.command()
+@click.option("--gguf", "gguf_path", required=True, type=click.Path(exists=True, dir_okay=False), help="Model file, or any shard of a split set.")
+@click.option("--cluster", "cluster_file", type=click.Path(exists=True, dir_okay=False), help="TOML file with one [[node]] table per machine.")
+@click.option("--node", "node_flags", multiple=True, metavar="NAME=SIZE", help="A node and its RAM, e.g. mac1=512GiB (repeat; first is the head).")
+@click.option("--nodes", "nodes_flag", metavar="NxSIZE", help="N identical nodes, e.g. 4x512GiB.")
+@click.option("--ctx", type=int, default=None, help="Context length in tokens [default: min(32768, training context)].")
+@click.option("--cache-type-k", default="f16", show_default=True, help="KV cache type for K (f16, q8_0, q4_0, ...).")
+@click.option("--cache-type-v", default="f16", show_default=True, help="KV cache type for V.")
+@click.option("--ubatch", type=int, default=512, show_default=True, help="Physical batch size (n_ubatch).")
+@click.option("--batch", type=int, default=None, help="Logical batch size (n_batch) [default: ubatch].")
+@click.option("--flash-attn/--no-flash-attn", default=None, help="Plan for flash attention [default: off, on for a quantized V cache].")
+@click.option("--swa-full/--no-swa-full", default=True, show_default=True, help="Full-size cache for sliding-window layers (llama.cpp's default).")
+@click.option("--margin", default="2GiB", show_default=True, help="Memory kept free on every node.")
+@click.option("--metal-fraction", type=float, default=0.75, show_default=True, help="Share of RAM Metal may wire when a node gives no limit.")
+@click.option("--head-device", type=click.Choice(["gpu", "cpu"]), default="gpu", show_default=True, help="Backend the head runs its own layers on.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sizes in bytes).")
+def plan(gguf_path: str, cluster_file: str | None, node_flags: tuple[str, ...], nodes_flag: str | None, ctx: int | None,
+         cache_type_k: str, cache_type_v: str, ubatch: int, batch: int | None, flash_attn: bool | None, swa_full: bool,
+         margin: str, metal_fraction: float, head_device: str, as_json: bool) -> None:
+    """Say whether a model fits a cluster, which layers go where, and the llama.cpp flags. Exit 1 if it does not fit."""
+    import json
+
+    from tbrpc.cluster import load_cluster_file, nodes_from_flags
+    from tbrpc.plan import format_table, plan as make_plan
+
+    try:
+        if cluster_file and (node_flags or nodes_flag):
+            raise ValueError("use either --cluster or --node/--nodes")
+        if cluster_file:
+            nodes = load_cluster_file(cluster_file, metal_fraction)
+        else:
+            nodes = nodes_from_flags(list(node_flags), nodes_flag, metal_fraction)
+        result = make_plan(gguf_path, nodes, ctx=ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v, ubatch=ubatch,
+                           batch=batch, flash_attn=flash_attn, swa_full=swa_full, margin=margin, head_device=head_device)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else format_table(result))
+    if not result.fits:
+        raise SystemExit(1)
+
+
 if __name__ == "__main__":
     main()
