@@ -1,0 +1,72 @@
+"""End to end: greedy generation split across 1, 2 and 4 node processes gives
+exactly the tokens and logits of a single process, and the weights really
+live on the nodes.
+
+Baseline: one process with CPU-only layers and use_extra_bufts=False. Nodes
+serve plain CPU buffers; a default single process would repack Q4_K and
+friends into CPU_REPACK buffers, whose kernels round differently. With the
+same kernels on both sides the logits are bitwise identical (measured for
+all three models; see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+import models
+from conftest import run_head
+
+PROMPT = "The capital of France is"
+N_PREDICT = 12
+
+
+@cache
+def layer_weight_bytes(model: Path) -> int:
+    """Bytes of all repeating-layer tensors (blk.*), which must all be offloaded."""
+    reader = gguf.GGUFReader(model)
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk."))
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], np.ndarray]]:
+    cache_: dict[str, tuple[dict[str, Any], np.ndarray]] = {}
+    tmp = tmp_path_factory.mktemp("baseline")
+
+    def get(name: str) -> tuple[dict[str, Any], np.ndarray]:
+        if name not in cache_:
+            result, logits = run_head(tmp, model=str(models.ensure(name)), prompt=PROMPT, n_predict=N_PREDICT)
+            assert result["error"] is None, result["error"]
+            cache_[name] = (result, logits)
+        return cache_[name]
+
+    return get  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("n_nodes", [1, 2, 4])
+@pytest.mark.parametrize("model_name", ["llama", "deepseek2", "gemma"])
+def test_split_matches_single_process(model_name: str, n_nodes: int, nodes: Any, baselines: Any, tmp_path: Path) -> None:
+    base, base_logits = baselines(model_name)
+    started = nodes(n_nodes)
+    result, logits = run_head(tmp_path, model=str(models.ensure(model_name)), prompt=PROMPT, n_predict=N_PREDICT,
+                              nodes=[n.endpoint for n in started])
+    assert result["error"] is None, result["error"]
+    assert result["tokens"] == base["tokens"]
+    assert logits is not None and logits.shape == base_logits.shape
+    assert np.array_equal(logits, base_logits), f"max |diff| {np.max(np.abs(logits - base_logits))}"
+
+    # The weights are on the nodes, not silently on the head's CPU.
+    allocated = result["allocated_after_load"]
+    assert all(a > 0 for a in allocated), allocated
+    assert sum(allocated) >= layer_weight_bytes(models.ensure(model_name))
+
+    # After the first generated token, the node already holds each graph: only
+    # "run it again" crosses the wire.
+    for node in result["nodes"]:
+        assert node["graphs_reused"] >= N_PREDICT - 3, node
+        assert not node["failed"], node["error"]
