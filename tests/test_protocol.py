@@ -1,0 +1,295 @@
+"""Malformed and hostile messages against a running node process.
+
+Each case speaks the wire format directly (structs from the C headers via
+cffi) and checks the node's answer: an error reply or a dropped connection,
+a log line naming the problem, and the node still serving other clients.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from typing import Any
+
+import pytest
+
+import tbrpc
+from tbrpc.native import load
+
+ffi, lib = load()
+
+
+def pack(ctype: str, **fields: Any) -> bytes:
+    obj = ffi.new(f"{ctype} *", fields)
+    return bytes(ffi.buffer(obj))
+
+
+def header(cmd: int, payload_len: int, req_id: int = 1, magic: int | None = None) -> bytes:
+    return pack("struct tb_header", magic=lib.TB_MAGIC if magic is None else magic, cmd=cmd, flags=0, id=req_id,
+                len=payload_len)
+
+
+class Wire:
+    """A raw client connection to a node."""
+
+    def __init__(self, endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.next_id = 1
+
+    def send(self, cmd: int, payload: bytes = b"") -> int:
+        self.next_id += 1
+        self.sock.sendall(header(cmd, len(payload), self.next_id) + payload)
+        return self.next_id
+
+    def reply(self) -> tuple[int, bytes]:
+        """(status, body) of the next reply."""
+        raw = self._exactly(ffi.sizeof("struct tb_header"))
+        _magic, _cmd, flags, _id, length = struct.unpack("<IHHQQ", raw)
+        assert flags & 1, "expected a reply"
+        body = self._exactly(length)
+        status = struct.unpack("<i", body[:4])[0]
+        return status, body[8:]
+
+    def closed(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("node closed the connection")
+            data += chunk
+        return data
+
+    def hello(self, **abi_changes: int) -> tuple[int, bytes]:
+        hello = ffi.new("struct tb_hello *")
+        lib.tb_abi_fill(ffi.addressof(hello.abi))
+        for key, value in abi_changes.items():
+            setattr(hello.abi, key, value)
+        self.send(lib.TB_CMD_HELLO, bytes(ffi.buffer(hello)))
+        return self.reply()
+
+    def alloc(self, size: int) -> int:
+        self.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=size))
+        status, body = self.reply()
+        assert status == 0, body
+        return struct.unpack("<Q", body[:8])[0]
+
+    def sync_error(self) -> str:
+        """Send SYNC; return the sticky error of earlier posted requests ('' if none)."""
+        self.send(lib.TB_CMD_SYNC)
+        status, body = self.reply()
+        return body.decode(errors="replace") if status else ""
+
+
+@pytest.fixture
+def node(nodes: Any) -> Any:
+    started = nodes(1)[0]
+    yield started
+    # whatever a case did, the node is alive and serves a new client
+    assert started.proc.poll() is None, "node process died"
+    info, status = tbrpc.probe(started.endpoint, timeout=5)
+    assert info.node_device
+
+
+def ready(node: Any) -> Wire:
+    w = Wire(node.endpoint)
+    status, body = w.hello()
+    assert status == 0, body
+    return w
+
+
+def tensor(**fields: Any) -> Any:
+    t = ffi.new("struct tb_wire_tensor *")
+    t.type = 0  # F32
+    t.ne = [4, 1, 1, 1]
+    t.nb = [4, 16, 16, 16]
+    t.src = [-1] * 10
+    t.view_src = -1
+    for key, value in fields.items():
+        setattr(t, key, value)
+    return t
+
+
+def graph(tensors: list[Any], nodes_idx: list[int]) -> bytes:
+    body = pack("struct tb_graph_header", n_tensors=len(tensors), n_nodes=len(nodes_idx))
+    body += b"".join(bytes(ffi.buffer(t)) for t in tensors)
+    return body + struct.pack(f"<{len(nodes_idx)}I", *nodes_idx)
+
+
+# ---- handshake ------------------------------------------------------------------
+
+def test_protocol_version_mismatch_names_both_versions(node: Any) -> None:
+    status, body = Wire(node.endpoint).hello(proto_version=99)
+    assert status != 0
+    assert f"speaks tbrpc protocol {lib.TB_PROTO_VERSION}" in body.decode() and "99" in body.decode()
+
+
+def test_ggml_abi_mismatch_is_refused(node: Any) -> None:
+    status, body = Wire(node.endpoint).hello(ggml_op_count=7)
+    assert status != 0 and "ggml ABI mismatch" in body.decode() and "7 ops" in body.decode()
+    assert "ggml ABI mismatch" in node.log_text()
+
+
+def test_request_before_hello_drops_the_connection(node: Any) -> None:
+    w = Wire(node.endpoint)
+    w.send(lib.TB_CMD_STATUS)
+    assert w.closed()
+    assert "before HELLO" in node.log_text()
+
+
+# ---- framing --------------------------------------------------------------------
+
+def test_bad_magic_drops_the_connection(node: Any) -> None:
+    w = ready(node)
+    w.sock.sendall(header(lib.TB_CMD_SYNC, 0, magic=0xDEADBEEF))
+    assert w.closed()
+    assert "not a tbrpc message" in node.log_text()
+
+
+def test_oversized_payload_is_refused_before_allocating(node: Any) -> None:
+    w = ready(node)
+    w.sock.sendall(header(lib.TB_CMD_SET_TENSOR, 1 << 62))
+    assert w.closed()
+    assert "exceeds" in node.log_text()
+
+
+def test_unknown_command_drops_the_connection(node: Any) -> None:
+    w = ready(node)
+    w.sock.sendall(header(999, 0))
+    assert w.closed()
+    assert "unknown command 999" in node.log_text()
+
+
+def test_truncated_message_then_close(node: Any) -> None:
+    w = ready(node)
+    w.sock.sendall(header(lib.TB_CMD_ALLOC_BUFFER, 8) + b"\x01\x02")
+    w.sock.close()
+
+
+def test_wrong_payload_length_gets_an_error_reply(node: Any) -> None:
+    w = ready(node)
+    w.send(lib.TB_CMD_ALLOC_BUFFER, b"\x00" * 3)
+    status, body = w.reply()
+    assert status != 0 and "expected 8" in body.decode()
+
+
+# ---- buffers and ranges -----------------------------------------------------------
+
+def test_set_tensor_outside_the_buffer(node: Any) -> None:
+    w = ready(node)
+    handle = w.alloc(4096)
+    data = b"x" * 100
+    w.send(lib.TB_CMD_SET_TENSOR, pack("struct tb_range", handle=handle, offset=4000, size=100) + data)
+    error = w.sync_error()
+    assert "outside buffer" in error and "SET_TENSOR" in error
+    # the connection stays usable after the error was reported
+    assert w.sync_error() == ""
+
+
+def test_offset_overflow_is_caught(node: Any) -> None:
+    w = ready(node)
+    handle = w.alloc(4096)
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=2**64 - 8, size=16))
+    status, body = w.reply()
+    assert status != 0 and "outside buffer" in body.decode()
+
+
+def test_unknown_buffer_handle(node: Any) -> None:
+    w = ready(node)
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=12345, offset=0, size=4))
+    status, body = w.reply()
+    assert status != 0 and "unknown buffer handle 12345" in body.decode()
+
+
+def test_huge_alloc_is_refused_not_attempted(node: Any) -> None:
+    w = ready(node)
+    w.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=2**62))
+    status, body = w.reply()
+    assert status != 0 and ("could not allocate" in body.decode() or "exceeds" in body.decode())
+
+
+# ---- graphs -------------------------------------------------------------------------
+
+def bad_graphs(handle: int) -> dict[str, tuple[bytes, str]]:
+    ok = dict(buffer=handle, offset=0)
+    return {
+        "forward source": (graph([tensor(**ok, src=[1] + [-1] * 9), tensor(**ok)], [0]), "not an earlier tensor"),
+        "invalid type": (graph([tensor(**ok, type=200)], [0]), "invalid type 200"),
+        "invalid op": (graph([tensor(**ok, op=100000)], [0]), "op 100000 is not allowed"),
+        "custom op (host function pointer)": (graph([tensor(**ok, op=_ggml_op_index("CUSTOM"))], [0]), "is not allowed"),
+        "negative shape": (graph([tensor(**ok, ne=[-4, 1, 1, 1])], [0]), "out of range"),
+        "size overflow": (graph([tensor(**ok, ne=[2**40, 2**40, 1, 1], nb=[4, 2**44, 2**50, 2**50])], [0]), "overflows"),
+        "data outside buffer": (graph([tensor(buffer=handle, offset=4090)], [0]), "outside its"),
+        "unknown buffer": (graph([tensor(buffer=999, offset=0)], [0]), "unknown buffer handle 999"),
+        "no buffer": (graph([tensor()], [0]), "has no buffer"),
+        "node index out of range": (graph([tensor(**ok)], [5]), "refers to tensor 5"),
+        "count mismatch": (pack("struct tb_graph_header", n_tensors=1000, n_nodes=1), "need"),
+        "too many tensors": (pack("struct tb_graph_header", n_tensors=2**31, n_nodes=1), "out of range"),
+    }
+
+
+def _ggml_op_index(name: str) -> int:
+    import ctypes
+
+    import llama_cpp.llama_cpp as llama_lib
+
+    op_name = llama_lib._lib.ggml_op_name
+    op_name.restype = ctypes.c_char_p
+    op_name.argtypes = [ctypes.c_int]
+    for i in range(200):
+        if op_name(i) == name.encode():
+            return i
+    raise LookupError(name)
+
+
+@pytest.mark.parametrize("case", list(bad_graphs(1)))
+def test_malformed_graph_is_rejected(node: Any, case: str) -> None:
+    w = ready(node)
+    handle = w.alloc(4096)
+    payload, expected = bad_graphs(handle)[case]
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, payload)
+    error = w.sync_error()
+    assert "GRAPH_COMPUTE" in error and expected in error, error
+    assert "rejected" in node.log_text()
+
+
+def test_recompute_without_graph(node: Any) -> None:
+    w = ready(node)
+    w.send(lib.TB_CMD_GRAPH_RECOMPUTE)
+    assert "without a previous graph" in w.sync_error()
+
+
+def test_one_bad_client_does_not_disturb_another(node: Any) -> None:
+    good = ready(node)
+    handle = good.alloc(64)
+    good.send(lib.TB_CMD_SET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=8) + b"12345678")
+    bad = ready(node)
+    bad.sock.sendall(header(lib.TB_CMD_SYNC, 0, magic=1))
+    assert bad.closed()
+    good.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=8))
+    assert good.reply() == (0, b"12345678")
+    # the bad client cannot touch the good client's buffer either
+    other = ready(node)
+    other.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=8))
+    status, body = other.reply()
+    assert status != 0 and "unknown buffer handle" in body.decode()
+
+
+def test_disconnect_frees_the_clients_buffers(node: Any) -> None:
+    w = ready(node)
+    w.alloc(1 << 20)
+    _, before = tbrpc.probe(node.endpoint)
+    assert before.bytes_allocated >= 1 << 20
+    w.sock.close()
+    deadline = time.time() + 5
+    while time.time() < deadline and tbrpc.probe(node.endpoint)[1].bytes_allocated:
+        time.sleep(0.05)
+    assert tbrpc.probe(node.endpoint)[1].bytes_allocated == 0
+
