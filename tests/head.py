@@ -46,7 +46,7 @@ def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None)
         token = int(np.argmax(logits))
         out.append(token)
         if kill and step == kill["after_tokens"]:
-            os.kill(kill["pid"], 9)
+            os.kill(kill["pid"], kill.get("signal", 9))
         llm.eval([token])
     return out, np.stack(rows)
 
@@ -80,6 +80,10 @@ def main(spec_path: str, out_path: str) -> None:
             result["nodes"] = [vars(n) for n in tbrpc.cluster().nodes()]
     except Exception as e:  # the test asserts on type and message
         result["error"] = {"type": type(e).__name__, "message": str(e)}
+        if nodes:  # are the nodes that did not fail still usable?
+            survivors = [i for i, n in enumerate(tbrpc.cluster().nodes()) if not n.failed]
+            result["survivor_status"] = {tbrpc.cluster().info(i).endpoint: vars(tbrpc.cluster().status(i))
+                                         for i in survivors}
     Path(out_path).write_text(json.dumps(result))
 
 

@@ -1,0 +1,134 @@
+"""Failures become Python exceptions that name the node; the head survives.
+
+Every scenario runs a real head process against real node processes.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import models
+import tbrpc
+from conftest import ROOT, run_head
+from tbrpc.native import load
+
+PROMPT = "Once upon a time"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unreachable_node_is_named(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    started = time.time()
+    with pytest.raises(tbrpc.NodeError, match=f"{endpoint}.*unreachable"):
+        tbrpc.connect([endpoint], timeout=2)
+    assert time.time() - started < 5
+
+
+def test_malformed_endpoint_is_a_clear_error() -> None:
+    with pytest.raises(tbrpc.NodeError, match="not host:port"):
+        tbrpc.connect(["no-port-here"])
+
+
+@pytest.mark.parametrize("model_name", ["deepseek2", "gemma"])
+def test_node_killed_mid_generation(model_name: str, nodes: Any, tmp_path: Path) -> None:
+    a, b = nodes(2)
+    result, _ = run_head(tmp_path, model=str(models.ensure(model_name)), prompt=PROMPT, n_predict=12,
+                         nodes=[a.endpoint, b.endpoint], kill={"pid": b.proc.pid, "after_tokens": 3})
+    # the head process survived (run_head checks its exit code) and raised NodeError naming node b
+    assert result["error"] is not None
+    assert result["error"]["type"] == "NodeError"
+    assert b.endpoint in result["error"]["message"]
+    assert b.proc.wait(timeout=10) == -9
+    # the other node is still usable, through the same head
+    assert list(result["survivor_status"]) == [a.endpoint]
+    assert result["survivor_status"][a.endpoint]["clients"] >= 1
+
+
+def test_stalled_node_times_out(nodes: Any, tmp_path: Path) -> None:
+    a, b = nodes(2)
+    try:
+        started = time.time()
+        result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt=PROMPT, n_predict=12,
+                             nodes=[a.endpoint, b.endpoint], timeout=2.0,
+                             kill={"pid": b.proc.pid, "after_tokens": 2, "signal": int(signal.SIGSTOP)})
+        assert result["error"]["type"] == "NodeError"
+        assert b.endpoint in result["error"]["message"] and "no answer within 2000 ms" in result["error"]["message"]
+        assert time.time() - started < 60
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+
+
+def fake_node(hello_changes: dict[str, int]) -> tuple[str, threading.Thread]:
+    """A server that answers HELLO like a node of another version would."""
+    ffi, lib = load()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        header = conn.recv(24, socket.MSG_WAITALL)
+        _magic, cmd, _flags, req_id, length = struct.unpack("<IHHQQ", header)
+        conn.recv(length, socket.MSG_WAITALL)
+        hello = ffi.new("struct tb_hello *")
+        lib.tb_abi_fill(ffi.addressof(hello.abi))
+        for key, value in hello_changes.items():
+            setattr(hello.abi, key, value)
+        hello.alignment = 64
+        body = struct.pack("<iI", 0, 0) + bytes(ffi.buffer(hello))
+        conn.sendall(struct.pack("<IHHQQ", lib.TB_MAGIC, cmd, 1, req_id, len(body)) + body)
+        conn.close()
+        server.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return f"127.0.0.1:{server.getsockname()[1]}", thread
+
+
+def test_client_refuses_a_node_of_another_protocol_version() -> None:
+    endpoint, thread = fake_node({"proto_version": 42})
+    _, lib = load()
+    with pytest.raises(tbrpc.NodeError, match=f"{endpoint}.*protocol {lib.TB_PROTO_VERSION}.*node speaks 42"):
+        tbrpc.connect([endpoint], timeout=5)
+    thread.join(5)
+
+
+def test_client_refuses_a_node_with_another_ggml() -> None:
+    endpoint, thread = fake_node({"ggml_type_count": 3})
+    with pytest.raises(tbrpc.NodeError, match="ggml ABI mismatch.*3 types"):
+        tbrpc.connect([endpoint], timeout=5)
+    thread.join(5)
+
+
+def test_other_llama_cpp_python_versions_are_refused() -> None:
+    code = ("import llama_cpp; llama_cpp.__version__ = '0.3.99'\n"
+            "import tbrpc\n"
+            "try:\n    tbrpc.connect(['127.0.0.1:1'])\n"
+            "except tbrpc.VersionMismatchError as e:\n    print('REFUSED', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "REFUSED" in proc.stdout, proc.stderr
+    assert "0.3.36" in proc.stdout and "0.3.99" in proc.stdout
+
+
+def test_two_nodes_on_one_host_are_independent(nodes: Any) -> None:
+    a, b = nodes(2)
+    assert a.port != b.port
+    ia, sa = tbrpc.probe(a.endpoint)
+    ib, sb = tbrpc.probe(b.endpoint)
+    assert ia.node_name != ib.node_name
+    assert sa.bytes_allocated == sb.bytes_allocated == 0
