@@ -440,6 +440,7 @@ class WeightLayout:
     input_bytes: int  # token embeddings: stay on the head's CPU
     output_bytes: int  # output norm + head: on the last layer's device
     output_tied: bool  # no output.weight: the output device holds a copy of token_embd
+    tied_bytes: int  # size of that copy (included in output_bytes)
     other_bytes: int  # tiny non-block tensors (rope_freqs...): one copy per device with layers
     tensors_per_layer: tuple[int, ...]
 
@@ -469,10 +470,10 @@ def weight_layout(model: GGUFModel, params: ArchParams, load_mtp: bool = False) 
         else:
             other_bytes += t.n_bytes
     tied = model.tensor("output.weight") is None and model.tensor("token_embd.weight") is not None
-    if tied:
-        output_bytes += model.tensor("token_embd.weight").n_bytes  # type: ignore[union-attr]
+    tied_bytes = model.tensor("token_embd.weight").n_bytes if tied else 0  # type: ignore[union-attr]
+    output_bytes += tied_bytes
     layers = tuple(
         LayerWeights(il, total[il], routed[il], shared[il], count[il], loaded=load_mtp or il < params.n_layer)
         for il in range(n)
     )
-    return WeightLayout(layers, input_bytes, output_bytes, tied, other_bytes, tuple(count))
+    return WeightLayout(layers, input_bytes, output_bytes, tied, tied_bytes, other_bytes, tuple(count))

@@ -335,6 +335,9 @@ def _node_need(costs: _Costs, index: int, first: int, last: int, layers_peak: in
         kv = costs.kv(first, last)
     if is_last:
         weights += layout.output_bytes
+        if is_head:
+            # Same machine as the embeddings: both views come from one mmap of the file.
+            weights -= layout.tied_bytes
     if is_head:
         weights += layout.input_bytes
     compute = _finish_compute(p, c, layers_peak, costs.output_peak if is_last else 0, is_head)
@@ -542,7 +545,7 @@ def _notes(params: ArchParams, layout: WeightLayout, nodes: Sequence[Node], c: C
     if params.n_layer_nextn:
         notes.append(f"{params.n_layer_nextn} MTP block(s) in the file are not loaded (llama.cpp default load_mtp=false).")
     if layout.output_tied:
-        notes.append("output layer is tied to the token embeddings: the last node holds its own copy.")
+        notes.append("output layer is tied to the token embeddings: the last node holds its own copy (unless it is the head).")
     if not c.flash_attn:
         notes.append("flash attention off (llama-cpp-python default): compute buffers grow with ctx x ubatch x heads.")
     return notes
