@@ -87,7 +87,9 @@ static int node_call_locked(struct client_node * n, uint16_t cmd, const void * a
     }
     struct tb_header h;
     char err[512];
-    if (tb_msg_recv_header(n->tp, &h, err, sizeof err) != 0) { node_fail(n, step, err); return -1; }
+    do {   // a busy node sends keepalives; each one restarts the timeout
+        if (tb_msg_recv_header(n->tp, &h, err, sizeof err) != 0) { node_fail(n, step, err); return -1; }
+    } while (h.cmd == TB_CMD_KEEPALIVE && h.len == 0);
     if (!(h.flags & TB_FLAG_REPLY) || h.id != id || h.cmd != cmd || h.len < sizeof(struct tb_reply_status)) {
         snprintf(err, sizeof err, "out-of-order reply (%s #%llu to %s #%llu)", tb_cmd_name(h.cmd),
                  (unsigned long long) h.id, step, (unsigned long long) id);
@@ -653,6 +655,7 @@ static int handshake(struct client_node * n, char * err, size_t err_len) {
     struct tb_hello req;
     memset(&req, 0, sizeof req);
     tb_abi_fill(&req.abi);
+    req.keepalive_ms = n->timeout_ms > 0 ? (uint32_t) n->timeout_ms / 3 : 1000;
     if (node_call(n, TB_CMD_HELLO, &req, sizeof req, &n->info, sizeof n->info) != 0) {
         snprintf(err, err_len, "%s", n->error);
         return -1;
@@ -681,28 +684,38 @@ static void node_destroy(struct client_node * n) {
     free(n);
 }
 
-int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, char * err, size_t err_len) {
+// Connect to endpoint and handshake. Returns a node not yet in any
+// registry, or NULL with err.
+static struct client_node * node_open(const char * endpoint, const char * name, int timeout_ms, char * err, size_t err_len) {
     char host[256];
     int port = 0;
-    if (tb_parse_endpoint(endpoint, host, sizeof host, &port, err, err_len) != 0) return -1;
+    if (tb_parse_endpoint(endpoint, host, sizeof host, &port, err, err_len) != 0) return NULL;
     struct client_node * n = calloc(1, sizeof *n);
-    if (!n) { snprintf(err, err_len, "out of memory"); return -1; }
+    if (!n) { snprintf(err, err_len, "out of memory"); return NULL; }
     pthread_mutex_init(&n->lock, NULL);
-    n->client = c;
     n->timeout_ms = timeout_ms;
     snprintf(n->endpoint, sizeof n->endpoint, "%s", endpoint);
+    snprintf(n->name, sizeof n->name, "%s", name);
     char why[256];
     n->tp = tb_tcp_connect(host, port, timeout_ms, why, sizeof why);
     if (!n->tp) {
         snprintf(err, err_len, "tbrpc node %s: unreachable: %s", endpoint, why);
         node_destroy(n);
-        return -1;
+        return NULL;
     }
+    if (handshake(n, err, err_len) != 0) { node_destroy(n); return NULL; }
+    return n;
+}
+
+int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, char * err, size_t err_len) {
+    char name[32];
     pthread_mutex_lock(&c->lock);
     const size_t index = c->n_nodes;
     pthread_mutex_unlock(&c->lock);
-    snprintf(n->name, sizeof n->name, "TBRPC%zu", index);
-    if (handshake(n, err, err_len) != 0) { node_destroy(n); return -1; }
+    snprintf(name, sizeof name, "TBRPC%zu", index);
+    struct client_node * n = node_open(endpoint, name, timeout_ms, err, err_len);
+    if (!n) return -1;
+    n->client = c;
     snprintf(n->description, sizeof n->description, "tbrpc node %s at %s: %s (%s)", n->info.node_name, endpoint,
              n->info.device_name, n->info.device_description);
     n->buft = (struct ggml_backend_buffer_type) { .iface = buft_iface, .device = &n->dev, .context = n };
@@ -793,26 +806,11 @@ void tbrpc_client_reset_stats(struct tbrpc_client * c) {
 }
 
 int tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status, char * err, size_t err_len) {
-    struct tbrpc_client tmp;
-    memset(&tmp, 0, sizeof tmp);
-    char host[256];
-    int port = 0;
-    if (tb_parse_endpoint(endpoint, host, sizeof host, &port, err, err_len) != 0) return -1;
-    struct client_node * n = calloc(1, sizeof *n);
-    if (!n) { snprintf(err, err_len, "out of memory"); return -1; }
-    pthread_mutex_init(&n->lock, NULL);
-    snprintf(n->endpoint, sizeof n->endpoint, "%s", endpoint);
-    snprintf(n->name, sizeof n->name, "probe");
-    char why[256];
-    n->tp = tb_tcp_connect(host, port, timeout_ms, why, sizeof why);
-    int rc = -1;
-    if (!n->tp) {
-        snprintf(err, err_len, "tbrpc node %s: unreachable: %s", endpoint, why);
-    } else if (handshake(n, err, err_len) == 0) {
-        *hello = n->info;
-        rc = node_call(n, TB_CMD_STATUS, NULL, 0, status, sizeof *status);
-        if (rc != 0) snprintf(err, err_len, "%s", n->error);
-    }
+    struct client_node * n = node_open(endpoint, "probe", timeout_ms, err, err_len);
+    if (!n) return -1;
+    *hello = n->info;
+    int rc = node_call(n, TB_CMD_STATUS, NULL, 0, status, sizeof *status);
+    if (rc != 0) snprintf(err, err_len, "%s", n->error);
     node_destroy(n);
     return rc;
 }

@@ -57,6 +57,16 @@ struct node_conn {
     char     sticky[512];           // first failure of a posted request, reported with the next reply
     struct ggml_context * graph_ctx; // the last graph, kept for GRAPH_RECOMPUTE
     struct ggml_cgraph *  graph;
+
+    // While a graph computes, the watchdog thread sends KEEPALIVE so the
+    // client can tell a long computation from a dead node.
+    pthread_mutex_t send_lock;      // replies and keepalives share the transport
+    pthread_mutex_t busy_lock;
+    pthread_cond_t  busy_changed;
+    bool      computing, closing;
+    uint32_t  keepalive_ms;         // asked for by the client at HELLO
+    pthread_t watchdog;
+    bool      has_watchdog;
 };
 
 // ---- logging ----------------------------------------------------------------
@@ -172,6 +182,9 @@ static int handle_hello(struct node_conn * c, const struct tb_header * h, struct
     memset(rep, 0, sizeof *rep);
     tb_abi_fill(&rep->abi);
     if (tb_abi_compare(&rep->abi, &req->abi, "client", err, err_len) != 0) return -1;
+    pthread_mutex_lock(&c->busy_lock);
+    c->keepalive_ms = req->keepalive_ms > TB_KEEPALIVE_MIN_MS ? req->keepalive_ms : TB_KEEPALIVE_MIN_MS;
+    pthread_mutex_unlock(&c->busy_lock);
     fill_device_info(c->node, rep);
     r->data = rep;
     r->len = sizeof *rep;
@@ -340,8 +353,36 @@ fail:
     return NULL;
 }
 
+static void set_computing(struct node_conn * c, bool on) {
+    pthread_mutex_lock(&c->busy_lock);
+    c->computing = on;
+    pthread_cond_signal(&c->busy_changed);
+    pthread_mutex_unlock(&c->busy_lock);
+}
+
+static void * watchdog_thread(void * arg) {
+    struct node_conn * c = arg;
+    pthread_mutex_lock(&c->busy_lock);
+    while (!c->closing) {
+        if (!c->computing) { pthread_cond_wait(&c->busy_changed, &c->busy_lock); continue; }
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        const uint64_t ns = (uint64_t) until.tv_nsec + (uint64_t) c->keepalive_ms * 1000000u;
+        until.tv_sec += (time_t) (ns / 1000000000u);
+        until.tv_nsec = (long) (ns % 1000000000u);
+        if (pthread_cond_timedwait(&c->busy_changed, &c->busy_lock, &until) == 0 || !c->computing || c->closing) continue;
+        pthread_mutex_lock(&c->send_lock);
+        if (tb_msg_send(c->tp, TB_CMD_KEEPALIVE, TB_FLAG_REPLY, 0, NULL, 0, NULL, 0) == 0) tb_flush(c->tp);
+        pthread_mutex_unlock(&c->send_lock);
+    }
+    pthread_mutex_unlock(&c->busy_lock);
+    return NULL;
+}
+
 static int run_graph(struct node_conn * c, char * err, size_t err_len) {
+    set_computing(c, true);
     enum ggml_status st = ggml_backend_graph_compute(c->backend, c->graph);
+    set_computing(c, false);
     pthread_mutex_lock(&c->node->lock);
     c->node->graphs_computed++;
     pthread_mutex_unlock(&c->node->lock);
@@ -486,8 +527,10 @@ static int send_reply(struct node_conn * c, const struct tb_header * h, int rc, 
         err = c->sticky;
     }
     if (st.status != 0) { body = err; body_len = strlen(err); }
+    pthread_mutex_lock(&c->send_lock);
     int io = tb_msg_send(c->tp, h->cmd, TB_FLAG_REPLY, h->id, &st, sizeof st, body, body_len);
     if (io == 0) io = tb_flush(c->tp);
+    pthread_mutex_unlock(&c->send_lock);
     c->sticky[0] = '\0';
     return io;
 }
@@ -537,6 +580,16 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
 }
 
 static void conn_free(struct node_conn * c) {
+    if (c->has_watchdog) {
+        pthread_mutex_lock(&c->busy_lock);
+        c->closing = true;
+        pthread_cond_signal(&c->busy_changed);
+        pthread_mutex_unlock(&c->busy_lock);
+        pthread_join(c->watchdog, NULL);
+    }
+    pthread_mutex_destroy(&c->send_lock);
+    pthread_mutex_destroy(&c->busy_lock);
+    pthread_cond_destroy(&c->busy_changed);
     while (c->n_buffers > 0) release_buffer(c, c->n_buffers - 1);
     if (c->graph_ctx) ggml_free(c->graph_ctx);
     if (c->backend) ggml_backend_free(c->backend);
@@ -579,6 +632,11 @@ static void start_connection(struct tb_node * n, int fd) {
     }
     c->node = n;
     c->next_handle = 1;
+    c->keepalive_ms = 1000;
+    pthread_mutex_init(&c->send_lock, NULL);
+    pthread_mutex_init(&c->busy_lock, NULL);
+    pthread_cond_init(&c->busy_changed, NULL);
+    c->has_watchdog = pthread_create(&c->watchdog, NULL, watchdog_thread, c) == 0;
     if (n->cfg.threads > 0) {
         ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
         ggml_backend_set_n_threads_t set_threads =

@@ -34,6 +34,7 @@ extern "C" {
 #define TB_MAX_GRAPH_NODES   (1u << 20)
 #define TB_MAX_DIM_ELEMENTS  (1ll << 48)   // per dimension; keeps size arithmetic far from overflow
 #define TB_NAME_LEN          64
+#define TB_KEEPALIVE_MIN_MS  20            // floor for the keepalive period a client may ask for
 
 enum tb_cmd {
     TB_CMD_HELLO = 1,        // reply: tb_hello
@@ -50,6 +51,7 @@ enum tb_cmd {
     TB_CMD_SUPPORTS_OP,      // tb_graph_header + tensors (last one is the op)  reply: u8
     TB_CMD_SYNC,             // empty               reply: empty (carries the sticky error)
     TB_CMD_STATUS,           // empty               reply: tb_status
+    TB_CMD_KEEPALIVE,        // node -> client, empty, flagged REPLY with id 0: "still computing, keep waiting"
     TB_CMD_COUNT_,
 };
 
@@ -89,7 +91,7 @@ struct tb_hello {            // request and reply share it; the node fills the d
     uint64_t alignment;
     uint64_t max_size;
     uint32_t device_type;      // enum ggml_backend_dev_type of the node's device
-    uint32_t reserved;
+    uint32_t keepalive_ms;     // request: how often a computing node must say so (the client's timeout / 3)
     char     device_name[TB_NAME_LEN];
     char     device_description[128];
     char     node_name[TB_NAME_LEN];

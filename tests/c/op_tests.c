@@ -27,7 +27,7 @@ struct env {
 
 static void * serve(void * arg) { tb_node_serve(arg); return NULL; }
 
-static void env_open(struct env * e) {
+static void env_open(struct env * e, int client_timeout_ms) {
     char err[512];
     struct tb_node_config cfg = { .host = "127.0.0.1", .port = 0, .threads = 1, .name = "op-test", .timeout_ms = 10000 };
     e->node = tb_node_create(&cfg, err, sizeof err);
@@ -36,7 +36,7 @@ static void env_open(struct env * e) {
     char endpoint[64];
     snprintf(endpoint, sizeof endpoint, "127.0.0.1:%d", tb_node_port(e->node));
     e->client = tbrpc_client_new();
-    CHECK(tbrpc_client_add_node(e->client, endpoint, 10000, err, sizeof err) == 0, "add_node: %s", err);
+    CHECK(tbrpc_client_add_node(e->client, endpoint, client_timeout_ms, err, sizeof err) == 0, "add_node: %s", err);
     CHECK(tbrpc_client_register(e->client, err, sizeof err) == 0, "register: %s", err);
     e->remote_dev = ggml_backend_dev_by_name("TBRPC0");
     CHECK(e->remote_dev, "TBRPC0 is not registered");
@@ -287,6 +287,19 @@ static void case_graph_reuse(struct env * e) {
     ggml_free(ctx);
 }
 
+// A computation far longer than the client's timeout (300 ms here) is not
+// mistaken for a dead node: the node sends KEEPALIVE while it computes.
+static struct ggml_tensor * build_slow(struct ggml_context * ctx, struct ggml_tensor ** in, int * n) {
+    struct ggml_tensor * w = input(ctx, in, n, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1024, 1024));
+    struct ggml_tensor * x = input(ctx, in, n, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1024, 512));
+    for (int i = 0; i < 6; i++) x = ggml_scale(ctx, ggml_mul_mat(ctx, w, x), 1.0f / 32.0f);
+    return x;
+}
+
+static void case_keepalive(struct env * e) {
+    compare_backends(e, build_slow, "a 6 GFLOP graph on one thread");
+}
+
 // Node-side accounting follows allocations and frees exactly.
 static void case_allocation_accounting(struct env * e) {
     char err[256];
@@ -321,16 +334,16 @@ static void case_supports_op(struct env * e) {
 
 int main(int argc, char ** argv) {
     CHECK(argc == 2, "usage: op_tests CASE");
-    static const struct { const char * name; void (*fn)(struct env *); } cases[] = {
+    static const struct { const char * name; void (*fn)(struct env *); int timeout_ms; } cases[] = {
         { "set_get_odd", case_set_get_odd }, { "memset_clear", case_memset_clear },
         { "copy_and_views", case_copy_and_views }, { "ops", case_ops }, { "many_nodes", case_many_nodes },
         { "graph_reuse", case_graph_reuse }, { "allocation_accounting", case_allocation_accounting },
-        { "supports_op", case_supports_op },
+        { "supports_op", case_supports_op }, { "keepalive", case_keepalive, 300 },
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         if (strcmp(argv[1], cases[i].name) == 0) {
             struct env e = { 0 };
-            env_open(&e);
+            env_open(&e, cases[i].timeout_ms ? cases[i].timeout_ms : 10000);
             cases[i].fn(&e);
             env_close(&e);
             printf("PASS %s\n", argv[1]);
