@@ -498,7 +498,7 @@ def _node_plan(model: GGUFModel, costs: _Costs, nodes: Sequence[Node], index: in
     if index == 0:
         device = "CPU" if head_device == "cpu" else "GPU0 (head's own device, e.g. MTL0)"
     else:
-        device = f"TBRPC{index - 1 if head_device == 'gpu' else index - 1}"
+        device = f"TBRPC{index - 1}"  # remote nodes, in cluster order after the head
     return NodePlan(
         name=node.name,
         usable_bytes=node.usable_bytes,
