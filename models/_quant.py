@@ -1,10 +1,12 @@
 """Quantisation into the ggml block formats the tiny models use.
 
-gguf.quants can write Q8_0 and Q4_0 but only *read* the k-quants, so Q4_K
-is packed here from the block layout (d, dmin, 12 bytes of 6-bit scales and
-mins, 128 bytes of nibbles per 256 values). Real checkpoints such as the
-Gemma Q4_K_M file are mostly Q4_K, so the tiny models should exercise that
-kernel too. The packer is checked against gguf.quants.dequantize in tests.
+All three formats are packed here, in plain float32 numpy, rather than with
+gguf.quants: its encoders change between releases (Q4_0 rounding differs in
+gguf 0.17 and 0.19), which would make the "same seed, same bytes" promise
+depend on the installed gguf, and it cannot encode Q4_K at all. Q4_K matters
+because real checkpoints such as the Gemma Q4_K_M file are mostly Q4_K.
+The packers are checked against gguf.quants.dequantize (the format's
+reference decoder) and, end to end, against ggml's kernels in the tests.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 from gguf import GGMLQuantizationType as QT
-from gguf import quants
 
 F32Array = npt.NDArray[np.float32]
 QK_K = 256
@@ -25,9 +26,52 @@ def quantize(data: F32Array, qtype: QT) -> np.ndarray:
         return data.astype(np.float32)
     if qtype == QT.F16:
         return data.astype(np.float16)
+    if qtype == QT.Q8_0:
+        return _quantize_q8_0(data)
+    if qtype == QT.Q4_0:
+        return _quantize_q4_0(data)
     if qtype == QT.Q4_K:
         return _quantize_q4_k(data)
-    return quants.quantize(data.astype(np.float32), qtype)
+    raise ValueError(f"no packer for {qtype.name}")
+
+
+def _blocks(data: F32Array, size: int) -> F32Array:
+    if data.shape[-1] % size:
+        raise ValueError(f"rows must be a multiple of {size}, got {data.shape[-1]}")
+    return data.astype(np.float32).reshape(-1, size)
+
+
+def _finish(data: F32Array, blocks: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """Blocks back into the tensor's shape, last axis now in bytes."""
+    return blocks.reshape(*data.shape[:-1], -1)
+
+
+def _f16_bytes(x: F32Array) -> npt.NDArray[np.uint8]:
+    return x.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def _quantize_q8_0(data: F32Array) -> npt.NDArray[np.uint8]:
+    """Per 32 values: f16 scale d = max|x|/127, then int8 round(x/d)."""
+    x = _blocks(data, 32)
+    # Divide by the scale as stored (f16), clipping the rare rounding overshoot.
+    d = _f16_round(np.abs(x).max(axis=-1, keepdims=True) / np.float32(127))
+    q = np.clip(np.rint(np.divide(x, d, out=np.zeros_like(x), where=d > 0)), -127, 127)
+    return _finish(data, np.concatenate([_f16_bytes(d), q.astype(np.int8).view(np.uint8)], axis=1))
+
+
+def _quantize_q4_0(data: F32Array) -> npt.NDArray[np.uint8]:
+    """Per 32 values: d = (signed value of largest magnitude) / -8, q = x/d + 8 in 0..15.
+
+    Using the signed extreme lets it land exactly on q = 0 and spends the
+    spare level (q = 15 has no mirror) on the other side, as ggml does.
+    """
+    x = _blocks(data, 32)
+    extreme = np.take_along_axis(x, np.abs(x).argmax(axis=-1)[:, None], axis=-1)
+    d = _f16_round(extreme / np.float32(-8))
+    shifted = np.divide(x, d, out=np.zeros_like(x), where=d != 0) + np.float32(8.5)
+    q = np.clip(np.trunc(shifted), 0, 15).astype(np.uint8)
+    packed = q[:, :16] | (q[:, 16:] << 4)  # byte j: value j low, value j+16 high
+    return _finish(data, np.concatenate([_f16_bytes(d), packed], axis=1))
 
 
 def _f16_round(x: F32Array) -> F32Array:
@@ -57,10 +101,7 @@ def _pack_nibbles(q: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
 
 def _quantize_q4_k(data: F32Array) -> npt.NDArray[np.uint8]:
     """Simple min/max Q4_K: x ~= d*sc*q - dmin*m with 4-bit q, 6-bit sc and m."""
-    cols = data.shape[-1]
-    if cols % QK_K:
-        raise ValueError(f"Q4_K needs rows that are a multiple of {QK_K}, got {cols}")
-    sub = data.astype(np.float32).reshape(-1, 8, _SUB)
+    sub = _blocks(data, QK_K).reshape(-1, 8, _SUB)
     lo = np.minimum(sub.min(axis=-1), 0.0)  # offsets are subtracted, so keep them >= 0
     step = (sub.max(axis=-1) - lo) / 15.0
     d = _f16_round(step.max(axis=-1) / 63.0)
@@ -70,16 +111,8 @@ def _quantize_q4_k(data: F32Array) -> npt.NDArray[np.uint8]:
     scale = (d[:, None] * sc)[..., None]
     offset = (dmin[:, None] * mn)[..., None]
     q = np.clip(np.rint(np.divide(sub + offset, scale, out=np.zeros_like(sub), where=scale > 0)), 0, 15)
-    blocks = np.concatenate(
-        [
-            d.astype(np.float16).view(np.uint8).reshape(-1, 2),
-            dmin.astype(np.float16).view(np.uint8).reshape(-1, 2),
-            _pack_scales(sc, mn),
-            _pack_nibbles(q.astype(np.uint8)),
-        ],
-        axis=1,
-    )
-    return blocks.reshape(*data.shape[:-1], cols // QK_K * 144)
+    parts = [_f16_bytes(d), _f16_bytes(dmin), _pack_scales(sc, mn), _pack_nibbles(q.astype(np.uint8))]
+    return _finish(data, np.concatenate(parts, axis=1))
 
 
 def _safe_div(num: F32Array, den: F32Array, top: int) -> F32Array:

@@ -64,9 +64,10 @@ class ModelWriter:
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_tensors_to_file()
-        finally:
             w.close()
-        os.replace(self._tmp, self.path)
+            os.replace(self._tmp, self.path)
+        finally:
+            self._tmp.unlink(missing_ok=True)  # only left over on failure
         return self.path
 
 

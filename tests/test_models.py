@@ -16,6 +16,7 @@ from types import ModuleType
 import gguf
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QT
 from llama_cpp import Llama
 
 import models
@@ -189,20 +190,23 @@ def test_deepseek2_expert_bias_changes_routing(tiny_dir: Path, tmp_path: Path) -
 def test_tiny_uses_quantized_types(name: str, tiny_dir: Path) -> None:
     types = {t.tensor_type for t in gguf.GGUFReader(models.ensure(name, tiny_dir)).tensors}
     assert set(TINY[name].TYPES.values()) <= types
-    assert {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K} <= types
+    assert {QT.Q8_0, QT.Q4_K} <= types
 
 
-def test_q4_k_packing_matches_gguf_reader() -> None:
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_K], ids=lambda q: q.name)
+def test_packers_match_gguf_decoder(qtype: QT) -> None:
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal((3, 512)) * 0.05).astype(np.float32)
+    x = (rng.standard_normal((4, 512)) * 0.05).astype(np.float32)
     x[1] = 0.0  # all-zero blocks must not divide by zero
-    x[2] = np.abs(x[2])  # all-positive blocks need no min offset
-    qt = gguf.GGMLQuantizationType.Q4_K
-    y = gguf.quants.dequantize(quantize(x, qt), qt)
+    x[2] = np.abs(x[2])  # one-signed blocks: no min offset / extreme on one side
+    x[3] = -np.abs(x[3])
+    y = gguf.quants.dequantize(quantize(x, qtype), qtype)
     assert y.shape == x.shape and np.isfinite(y).all()
     assert np.array_equal(y[1], x[1])
-    for row in (0, 2):
-        assert np.sqrt(np.mean((y[row] - x[row]) ** 2)) < 0.12 * x[row].std()
+    bits = 8 if qtype == QT.Q8_0 else 4
+    for row in (0, 2, 3):
+        rel_rms = np.sqrt(np.mean((y[row] - x[row]) ** 2)) / np.sqrt(np.mean(x[row] ** 2))
+        assert rel_rms < 2.0 ** (2 - bits), rel_rms
 
 
 def test_quantized_kernels_match_float_reference(tmp_path: Path) -> None:
