@@ -74,5 +74,48 @@ def plan(gguf_path: str, cluster_file: str | None, node_flags: tuple[str, ...], 
         raise SystemExit(1)
 
 
+_cluster_option = click.option("--cluster", "cluster_file", default=None, type=click.Path(dir_okay=False),
+                               help="Cluster file (default: ./tbrpc.toml, then the user config directory).")
+
+
+@main.command()
+@click.option("--gguf", required=True, type=click.Path(exists=True, dir_okay=False), help="The model (first shard of a split set).")
+@_cluster_option
+@click.option("--local", default=None, type=click.IntRange(min=1), help="Run N nodes on this machine instead of a cluster file.")
+@click.option("--ctx", default=None, type=click.IntRange(min=1), help="Context size (default: the model's, at most 32768).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP API address.")
+@click.option("--port", default=8000, show_default=True, type=int, help="HTTP API port (0 picks a free one).")
+@click.option("--prompt", default=None, help="Print one completion of TEXT and exit.")
+@click.option("--chat", is_flag=True, help="Chat in the terminal instead of serving HTTP.")
+@click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens for --prompt/--chat.")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="Sampling temperature for --prompt/--chat (0: greedy).")
+@click.option("--alias", default=None, help="Model name in the API (default: the file name).")
+@click.option("--api-key", default=None, envvar="TBRPC_API_KEY", help="Require this bearer token on the HTTP API.")
+@click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="Where node logs go (default: a new temporary directory).")
+@click.option("--start-timeout", default=60.0, show_default=True, type=float, help="Seconds to wait for every node to answer.")
+@click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
+def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | None, host: str, port: int,
+           prompt: str | None, chat: bool, max_tokens: int, temperature: float, alias: str | None,
+           api_key: str | None, log_dir: str | None, start_timeout: float, verbose: bool) -> None:
+    """Start the nodes, plan the split, load GGUF and serve it (or --prompt / --chat)."""
+    from pathlib import Path
+
+    from tbrpc.cluster import ClusterError
+    from tbrpc.run import LaunchOptions, launch as run_launch
+    from tbrpc.spec import choose_cluster
+
+    if prompt is not None and chat:
+        raise click.UsageError("use either --prompt or --chat")
+    try:
+        cluster = choose_cluster(cluster_file, local)
+    except ClusterError as e:
+        raise click.UsageError(str(e)) from e
+    code = run_launch(LaunchOptions(
+        gguf=gguf, cluster=cluster, ctx=ctx, host=host, port=port, prompt=prompt, chat=chat, max_tokens=max_tokens,
+        temperature=temperature, alias=alias, api_key=api_key, log_dir=Path(log_dir) if log_dir else None,
+        start_timeout=start_timeout, verbose=verbose))
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,266 @@
+"""``tbrpc.Llama``: ``llama_cpp.Llama`` split across nodes, with one extra argument.
+
+    from tbrpc import Llama
+    llm = Llama("model.gguf", cluster=2)                       # two nodes on this machine
+    llm = Llama("model.gguf", cluster="tbrpc.toml")            # the nodes of a cluster file
+    llm = Llama("model.gguf", cluster=["10.0.0.2:50052", ...])  # nodes someone else started
+
+It starts the nodes it has to, waits for their handshake, plans the split
+(refusing when the model does not fit), connects, and loads the model onto
+exactly those nodes -- even when other tbrpc devices exist in this process.
+Nodes it started are stopped when the model is closed or garbage-collected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import llama_cpp.llama_cpp as llama_lib
+
+from tbrpc.client import connect
+from tbrpc.cluster import make_node
+from tbrpc.launch import LaunchError, Nodes, start_nodes
+from tbrpc.native import TbrpcError
+from tbrpc.plan import Plan, PlanError, format_table, plan
+from tbrpc.spec import NodeSpec, endpoint_specs, load_specs, local_specs
+
+ClusterArg = str | os.PathLike[str] | Sequence[str] | int | Nodes
+Progress = Callable[[float], Any]
+Say = Callable[[str], Any]
+
+
+class DoesNotFitError(TbrpcError):
+    """The planner says the model does not fit on these nodes at this context."""
+
+    def __init__(self, message: str, the_plan: Plan) -> None:
+        super().__init__(message)
+        self.plan = the_plan
+
+
+def resolve_cluster(cluster: ClusterArg) -> list[NodeSpec]:
+    """A cluster file path, a list of "host:port", or N (N nodes on this machine)."""
+    if isinstance(cluster, bool):
+        raise TypeError("cluster= takes a cluster file path, a list of \"host:port\" or a number of local nodes")
+    if isinstance(cluster, int):
+        return local_specs(cluster)
+    if isinstance(cluster, (str, os.PathLike)):
+        return load_specs(cluster)
+    return endpoint_specs(list(cluster))
+
+
+def plan_nodes(specs: Sequence[NodeSpec], nodes: Nodes) -> list[Any]:
+    """The planner's nodes: from the cluster file, else from what each node reported at the handshake."""
+    result = []
+    n_local = sum(1 for s in specs if s.start == "local" and s.plan_node is None)
+    for spec, info in zip(specs, nodes.infos):
+        if spec.plan_node is not None:
+            result.append(spec.plan_node)
+            continue
+        usable = min(info.mem_free, info.mem_total) or info.mem_total
+        if spec.start == "local" and n_local > 1:
+            usable //= n_local   # nodes on one machine share its memory
+        result.append(make_node(spec.name, max(info.mem_total, usable), host=spec.host, port=spec.port, kind="cpu",
+                                usable_memory=usable))
+    return result
+
+
+def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nodes: Nodes, ctx: int | None,
+              **plan_kwargs: Any) -> Plan:
+    """Plan the split; DoesNotFitError (with the planner's table) when it does not fit."""
+    try:
+        result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="gpu", **plan_kwargs)
+    except PlanError as exc:
+        raise TbrpcError(f"step plan: {exc}\n  try: check the model file and the --ctx value") from exc
+    if not result.fits:
+        why = result.shortfall.message if result.shortfall else "does not fit"
+        raise DoesNotFitError(
+            f"step plan: the model does not fit on these {len(specs)} nodes: {why}\n"
+            f"  try: a smaller --ctx, more nodes, or a smaller quantization\n\n{format_table(result)}", result)
+    return result
+
+
+def device_pointers(device_names: Sequence[str]) -> ctypes.Array[ctypes.c_void_p]:
+    """A NULL-terminated ggml_backend_dev_t array for llama_model_params.devices."""
+    by_name = llama_lib._lib.ggml_backend_dev_by_name
+    by_name.restype = ctypes.c_void_p
+    by_name.argtypes = [ctypes.c_char_p]
+    pointers = []
+    for name in device_names:
+        dev = by_name(name.encode())
+        if not dev:
+            raise TbrpcError(f"ggml has no device {name}")
+        pointers.append(dev)
+    return (ctypes.c_void_p * (len(pointers) + 1))(*pointers, None)
+
+
+_params_lock = threading.Lock()
+
+
+@contextmanager
+def model_params_patch(devices: ctypes.Array[ctypes.c_void_p] | None,
+                       progress: Any = None) -> Iterator[None]:
+    """While a Llama is constructed, its model params use exactly `devices` (and a progress callback).
+
+    ``llama_cpp.Llama.__init__`` starts from ``llama_model_default_params()``;
+    this wraps that function for the duration of one construction.
+    """
+    with _params_lock:
+        original = llama_lib.llama_model_default_params
+
+        def params() -> Any:
+            p = original()
+            if devices is not None:
+                p.devices = ctypes.cast(devices, ctypes.c_void_p).value
+            if progress is not None:
+                p.progress_callback = progress
+            return p
+
+        llama_lib.llama_model_default_params = params
+        try:
+            yield
+        finally:
+            llama_lib.llama_model_default_params = original
+
+
+class ProgressBar:
+    """A text progress bar for model loading (on a terminal; plain lines otherwise).
+
+    It writes to its own copy of stderr: llama-cpp-python points fd 2 at
+    /dev/null while it loads a model with verbose=False.
+    """
+
+    def __init__(self, label: str, stream: Any = None) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else os.fdopen(os.dup(sys.stderr.fileno()), "w")
+        self.start: float | None = None     # the first report starts the clock
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last = -1
+
+    def __call__(self, fraction: float) -> None:
+        if self.start is None:
+            self.start = time.monotonic()
+        pct = int(fraction * 100)
+        if pct == self._last:
+            return
+        self._last = pct
+        if self.tty:
+            filled = pct * 30 // 100
+            bar = "#" * filled + "." * (30 - filled)
+            self.stream.write(f"\r{self.label} [{bar}] {pct:3d}% {time.monotonic() - self.start:5.1f} s")
+            if pct >= 100:
+                self.stream.write("\n")
+        elif pct % 25 == 0:
+            self.stream.write(f"{self.label}: {pct}% ({time.monotonic() - self.start:.1f} s)\n")
+        self.stream.flush()
+
+
+class Llama(llama_cpp.Llama):
+    """``llama_cpp.Llama`` over tbrpc nodes; every ``llama_cpp.Llama`` argument works as usual.
+
+    ``cluster``: a cluster file path, a list of "host:port", or an int N for N
+    nodes on this machine. ``ctx`` defaults to ``n_ctx``. ``progress``: True
+    for a bar on stderr, or a callable taking the loaded fraction.
+    ``log_dir``: where node logs go (default: a fresh temporary directory).
+    Unless given, ``n_gpu_layers`` and ``tensor_split`` come from the plan.
+    """
+
+    def __init__(self, model_path: str, *, cluster: ClusterArg, progress: bool | Progress = False,
+                 log_dir: str | os.PathLike[str] | None = None, start_timeout: float = 60.0,
+                 plan_options: dict[str, Any] | None = None, on_event: Say | None = None, **kwargs: Any) -> None:
+        self._tbrpc_nodes: Nodes | None = None
+        say: Say = on_event or (lambda message: None)
+        if isinstance(cluster, Nodes):
+            nodes = cluster
+        else:
+            logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="tbrpc-logs-"))
+            nodes = start_nodes(resolve_cluster(cluster), logs, timeout=start_timeout, on_event=say)
+        self._tbrpc_nodes = nodes
+        try:
+            self._tbrpc_load(model_path, nodes, progress, plan_options or {}, say, kwargs)
+        except BaseException:
+            self._tbrpc_stop()
+            raise
+
+    def _tbrpc_load(self, model_path: str, nodes: Nodes, progress: bool | Progress, plan_options: dict[str, Any],
+                    say: Say, kwargs: dict[str, Any]) -> None:
+        n_ctx = kwargs.get("n_ctx", 512)
+        self.tbrpc_plan = make_plan(model_path, nodes.specs, nodes, n_ctx or None,
+                                    ubatch=kwargs.get("n_ubatch", 512), batch=kwargs.get("n_batch", 512),
+                                    **plan_options)
+        say("plan: " + ", ".join(f"{n.name} layers {n.layers[0]}-{n.layers[1]}" if n.layers else f"{n.name} -"
+                                 for n in self.tbrpc_plan.nodes) + f" (context {self.tbrpc_plan.ctx})")
+        try:
+            self.tbrpc_devices = connect(nodes.endpoints)
+        except TbrpcError as exc:
+            raise TbrpcError(f"step connect: {exc}\n  try: `tbrpc doctor` to check every node") from exc
+        for key, value in self.tbrpc_plan.llama_kwargs().items():
+            if key in ("n_gpu_layers", "tensor_split", "split_mode"):
+                kwargs.setdefault(key, value)
+        kwargs["n_ctx"] = n_ctx or self.tbrpc_plan.ctx
+        self._tbrpc_devices_array = device_pointers(self.tbrpc_devices)
+        self._tbrpc_progress_cb = _progress_callback(progress)
+        self.tbrpc_load_seconds = 0.0
+        started = time.monotonic()
+        with model_params_patch(self._tbrpc_devices_array, self._tbrpc_progress_cb):
+            try:
+                super().__init__(model_path, **kwargs)
+            except TbrpcError as exc:
+                raise type(exc)(f"step load: {exc}\n  try: `tbrpc doctor`; check the node's log") from exc
+            except ValueError as exc:
+                failure = nodes.failure()
+                if failure:
+                    raise TbrpcError(f"step load: {failure}") from exc
+                raise
+        self.tbrpc_load_seconds = time.monotonic() - started
+
+    @property
+    def tbrpc_endpoints(self) -> list[str]:
+        return list(self._tbrpc_nodes.endpoints) if self._tbrpc_nodes else []
+
+    @property
+    def tbrpc_node_pids(self) -> list[int]:
+        """Pids of the node processes this Llama started (on their own machines)."""
+        return self._tbrpc_nodes.pids() if self._tbrpc_nodes else []
+
+    def _tbrpc_stop(self) -> None:
+        nodes, self._tbrpc_nodes = getattr(self, "_tbrpc_nodes", None), None
+        if nodes is not None:
+            nodes.stop()
+
+    def close(self) -> None:
+        """Free the model (its buffers on the nodes), then stop the nodes this Llama started."""
+        try:
+            if hasattr(self, "_stack"):
+                super().close()
+        finally:
+            self._tbrpc_stop()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _progress_callback(progress: bool | Progress) -> Any:
+    if progress is False or progress is None:
+        return None
+    report: Progress = ProgressBar("loading") if progress is True else progress  # type: ignore[assignment]
+
+    def on_progress(fraction: float, user_data: Any) -> bool:
+        try:
+            return report(fraction) is not False   # returning False aborts the load
+        except Exception:  # a failing progress display must not abort the load
+            return True
+
+    return llama_lib.llama_progress_callback(on_progress)
+
+
+__all__ = ["DoesNotFitError", "LaunchError", "Llama", "make_plan", "resolve_cluster"]

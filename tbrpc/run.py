@@ -1,0 +1,168 @@
+"""``tbrpc launch`` as a library call: nodes up, plan, load, then serve, complete or chat.
+
+Whatever happens -- success, a failed step, Ctrl-C, SIGTERM -- every node
+this call started is stopped before it returns; nodes that were already
+running are left as they were.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from tbrpc.client import cluster as client_cluster
+from tbrpc.launch import LaunchError, Nodes, start_nodes
+from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster
+from tbrpc.native import TbrpcError
+from tbrpc.serve import chat, complete_once, listen, serve_http
+
+EXIT_OK, EXIT_FAILED, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+@dataclass
+class LaunchOptions:
+    gguf: str
+    cluster: ClusterArg
+    ctx: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prompt: str | None = None
+    chat: bool = False
+    max_tokens: int = 128
+    temperature: float = 0.0
+    seed: int | None = None
+    alias: str | None = None
+    api_key: str | None = None
+    log_dir: Path | None = None
+    start_timeout: float = 60.0
+    verbose: bool = False
+    llama_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _Signals:
+    """SIGINT/SIGTERM: interrupt Python code, or abort a model load at its next progress report."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.loading = False
+        self._previous: dict[int, Any] = {}
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+        if not self.loading:
+            raise _Interrupted(signal.Signals(signum).name)
+
+    def __enter__(self) -> _Signals:
+        self._previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+
+def _cluster_failure(nodes: Nodes) -> str | None:
+    failure = nodes.failure()
+    if failure:
+        return failure
+    for info in client_cluster().nodes():
+        if info.failed and info.endpoint in nodes.endpoints:
+            return info.error
+    return None
+
+
+def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Run `tbrpc launch`; returns the process exit code."""
+
+    def say(message: str) -> None:
+        err.write(f"tbrpc: {message}\n")
+        err.flush()
+
+    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="tbrpc-logs-"))
+    nodes: Nodes | None = None
+    llm: Llama | None = None
+    step = "start"
+    with _Signals() as signals:
+        try:
+            specs = resolve_cluster(opts.cluster)
+            say(f"{len(specs)} node(s); node logs in {log_dir}")
+            nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say)
+            step = "load"
+            bar = ProgressBar("tbrpc: loading")
+
+            def progress(fraction: float) -> bool:
+                bar(fraction)
+                return signals.received is None
+
+            kwargs = dict(opts.llama_kwargs)
+            kwargs.setdefault("verbose", opts.verbose)
+            if opts.ctx is not None:
+                kwargs["n_ctx"] = opts.ctx
+            else:
+                kwargs.setdefault("n_ctx", 0)
+            signals.loading = True
+            started = time.monotonic()
+            try:
+                llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, **kwargs)
+            except (ValueError, TbrpcError):
+                if signals.received is not None:
+                    raise _Interrupted(signal.Signals(signals.received).name) from None
+                raise
+            finally:
+                signals.loading = False
+            if signals.received is not None:
+                raise _Interrupted(signal.Signals(signals.received).name)
+            say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}")
+            step = "generate"
+            if opts.prompt is not None:
+                complete_once(llm, opts.prompt, out, opts.max_tokens, opts.temperature, opts.seed)
+                return EXIT_OK
+            if opts.chat:
+                chat(llm, opts.max_tokens, opts.temperature, out=out)
+                return EXIT_OK
+            step = "serve"
+            sock = listen(opts.host, opts.port)
+            host, port = sock.getsockname()[:2]
+            alias = opts.alias or Path(opts.gguf).name.removesuffix(".gguf")
+            say(f"serving OpenAI-compatible API on http://{host}:{port}/v1 (model {alias!r}); Ctrl-C stops it")
+            failure = serve_http(llm, sock, alias, lambda: _cluster_failure(nodes), opts.api_key)
+            if failure:
+                say(f"stopped: step generate: {failure}\n  try: `tbrpc doctor`, then launch again")
+                return EXIT_FAILED
+            say("stopped")
+            return EXIT_OK
+        except (_Interrupted, KeyboardInterrupt) as exc:
+            if step == "serve":   # the normal way to stop a server
+                say(f"stopping ({exc or 'SIGINT'}): the model, then the nodes started here")
+                return EXIT_OK
+            say(f"interrupted ({exc or 'SIGINT'}) during step {step}; stopping the nodes")
+            return EXIT_INTERRUPTED
+        except DoesNotFitError as exc:
+            say(str(exc))
+            return EXIT_DOES_NOT_FIT
+        except (LaunchError, TbrpcError) as exc:
+            message = str(exc)
+            if not message.startswith("node ") and not message.startswith("step "):
+                message = f"step {step}: {message}"
+            say(message)
+            return EXIT_FAILED
+        except ValueError as exc:  # llama-cpp-python's "Failed to load model" and friends
+            failure = _cluster_failure(nodes) if nodes else None
+            say(f"step {step}: {failure or exc}\n  try: check the model file and the node logs in {log_dir}")
+            return EXIT_FAILED
+        finally:
+            signals.loading = True   # a second Ctrl-C must not interrupt the cleanup
+            if llm is not None:
+                llm.close()
+            if nodes is not None:
+                nodes.stop()

@@ -1,0 +1,149 @@
+"""Serving a loaded model: llama-cpp-python's own OpenAI-compatible server, a
+one-shot completion, or a terminal chat.
+
+The HTTP API is llama-cpp-python's ``[server]`` extra (FastAPI + uvicorn):
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (streaming
+included) and the rest of its routes, over the model already loaded on the
+nodes instead of one it would load itself.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import llama_cpp
+
+from tbrpc.native import TbrpcError
+
+
+class ServeError(TbrpcError):
+    """The HTTP server could not start, or stopped because a node failed."""
+
+
+def _missing_server_extra(exc: ImportError) -> ServeError:
+    return ServeError(f"step serve: the HTTP API needs llama-cpp-python's server extra ({exc.name} is missing)\n"
+                      "  try: pip install 'tbrpc[server]' (or: pip install fastapi uvicorn sse-starlette "
+                      "starlette-context pydantic-settings), or use --prompt / --chat")
+
+
+def make_app(llm: llama_cpp.Llama, alias: str, api_key: str | None = None) -> Any:
+    """llama-cpp-python's FastAPI app, serving `llm` as model `alias`."""
+    try:
+        import llama_cpp.server.app as app_module
+        from llama_cpp.server.model import LlamaProxy
+        from llama_cpp.server.settings import ModelSettings, ServerSettings
+    except ImportError as exc:
+        raise _missing_server_extra(exc) from exc
+
+    settings = ModelSettings(model=str(llm.model_path), model_alias=alias)
+
+    class LoadedProxy(LlamaProxy):
+        """The proxy over one model that is already loaded (it never loads or frees one)."""
+
+        def __init__(self) -> None:
+            self._model_settings_dict = {alias: settings}
+            self._current_model = llm
+            self._current_model_alias = alias
+            self._default_model_settings = settings
+            self._default_model_alias = alias
+
+        def __call__(self, model: str | None = None) -> llama_cpp.Llama:
+            return llm
+
+        def free(self) -> None:
+            pass
+
+    proxy = LoadedProxy()
+    original = app_module.set_llama_proxy
+    app_module.set_llama_proxy = lambda model_settings: setattr(app_module, "_llama_proxy", proxy)
+    try:
+        return app_module.create_app(server_settings=ServerSettings(api_key=api_key), model_settings=[settings])
+    finally:
+        app_module.set_llama_proxy = original
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0 picks a free one), or ServeError saying what to do."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"step serve: cannot listen on {host}:{port}: {exc.strerror or exc}\n"
+                         "  try: another --port (0 picks a free one), or stop what uses this one") from exc
+    return sock
+
+
+def serve_http(llm: llama_cpp.Llama, sock: socket.socket, alias: str, failure: Callable[[], str | None],
+               api_key: str | None = None, log_level: str = "warning") -> str | None:
+    """Serve until SIGINT/SIGTERM (returns None) or until `failure()` reports a failed node (returns it)."""
+    try:
+        import uvicorn
+    except ImportError as exc:
+        raise _missing_server_extra(exc) from exc
+    app = make_app(llm, alias, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    failed: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            why = failure()
+            if why:
+                failed.append(why)
+                server.should_exit = True
+                return
+
+    watcher = threading.Thread(target=watch, name="tbrpc-node-watch", daemon=True)
+    watcher.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        done.set()
+        watcher.join()
+    return failed[0] if failed else None
+
+
+def complete_once(llm: llama_cpp.Llama, prompt: str, out: TextIO, max_tokens: int, temperature: float,
+                  seed: int | None = None) -> str:
+    """Stream one completion of `prompt` to `out`; return the text."""
+    pieces = []
+    for chunk in llm.create_completion(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                       stream=True):
+        piece = chunk["choices"][0]["text"]
+        pieces.append(piece)
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    return "".join(pieces)
+
+
+def chat(llm: llama_cpp.Llama, max_tokens: int, temperature: float, stdin: TextIO = sys.stdin,
+         out: TextIO = sys.stdout) -> None:
+    """A terminal chat: one line per turn; an empty line or Ctrl-D ends it."""
+    messages: list[dict[str, str]] = []
+    out.write("chat: type a message, Enter to send; Ctrl-D or an empty line quits\n")
+    while True:
+        out.write("> ")
+        out.flush()
+        line = stdin.readline()
+        if not line or not line.strip():
+            out.write("\n")
+            return
+        messages.append({"role": "user", "content": line.strip()})
+        reply = []
+        for chunk in llm.create_chat_completion(messages=messages, max_tokens=max_tokens,  # type: ignore[arg-type]
+                                                temperature=temperature, stream=True):
+            delta = chunk["choices"][0]["delta"].get("content") or ""  # type: ignore[index,union-attr]
+            reply.append(delta)
+            out.write(delta)
+            out.flush()
+        out.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
