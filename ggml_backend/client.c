@@ -20,9 +20,10 @@
 #include <string.h>
 
 #define SET_CHUNK (64ull << 20)        // weights cross in 64 MiB messages
-#define OP_CACHE_SIZE 4096             // supports_op answers remembered per node (power of two)
+#define OP_CACHE_SIZE 4096             // node answers remembered per node (power of two)
 
-struct op_cache_entry { uint64_t key; uint8_t used, supported; };
+// Answers the node gave about op classes (supports_op, alloc size), by key.
+struct op_cache_entry { uint64_t key; uint64_t value; bool used; };
 
 struct client_node {
     struct ggml_backend_device      dev;    // dev.context == this
@@ -267,15 +268,6 @@ static size_t buft_get_alignment(ggml_backend_buffer_type_t buft) {
 static size_t buft_get_max_size(ggml_backend_buffer_type_t buft) {
     return (size_t) ((struct client_node *) buft->context)->info.max_size;
 }
-
-static const struct ggml_backend_buffer_type_i buft_iface = {
-    .get_name       = buft_get_name,
-    .alloc_buffer   = buft_alloc_buffer,
-    .get_alignment  = buft_get_alignment,
-    .get_max_size   = buft_get_max_size,
-    .get_alloc_size = NULL,     // nodes run CPU or Metal, where a tensor needs exactly ggml_nbytes
-    .is_host        = NULL,
-};
 
 // ---- graph encoding -----------------------------------------------------------
 
@@ -531,63 +523,112 @@ static ggml_backend_t dev_init_backend(ggml_backend_dev_t dev, const char * para
 
 static ggml_backend_buffer_type_t dev_get_buffer_type(ggml_backend_dev_t dev) { return &dev_node(dev)->buft; }
 
-static uint64_t op_key(const struct ggml_tensor * op) {
-    uint64_t h = 0xcbf29ce484222325ull;
-    #define MIX(v) do { uint64_t _v = (uint64_t) (v); for (int _b = 0; _b < 8; _b++) { h ^= (_v >> (8 * _b)) & 0xff; h *= 0x100000001b3ull; } } while (0)
-    MIX(op->op); MIX(op->type); MIX(op->ne[0]);
-    for (size_t i = 0; i < GGML_MAX_OP_PARAMS / sizeof(int32_t); i++) MIX(op->op_params[i]);
-    for (int s = 0; s < GGML_MAX_SRC; s++) {
-        const struct ggml_tensor * t = op->src[s];
-        if (!t) { MIX(-1); continue; }
-        MIX(t->type); MIX(t->ne[0]); MIX(ggml_is_contiguous(t));
-    }
-    #undef MIX
+static uint64_t mix(uint64_t h, uint64_t v) {
+    for (int b = 0; b < 8; b++) { h ^= (v >> (8 * b)) & 0xff; h *= 0x100000001b3ull; }
     return h;
 }
 
-// Ask the node whether its real device runs this op; remembered per op shape
-// class (op, types, op params, row length, contiguity) so the scheduler's
-// many questions cost one round trip each the first time only.
-static bool dev_supports_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
-    struct client_node * n = dev_node(dev);
-    if (op->op == GGML_OP_MAP_CUSTOM1 || op->op == GGML_OP_MAP_CUSTOM2 || op->op == GGML_OP_MAP_CUSTOM3 || op->op == GGML_OP_CUSTOM)
-        return false;
-    const uint64_t key = op_key(op);
-    pthread_mutex_lock(&n->lock);
-    struct op_cache_entry * slot = &n->op_cache[key & (OP_CACHE_SIZE - 1)];
-    if (slot->used && slot->key == key) {
-        bool ok = slot->supported;
-        pthread_mutex_unlock(&n->lock);
-        return ok;
+// What a device's supports_op may depend on: op, types, op params, row
+// length, contiguity. Not the other dimensions, which change with every
+// batch size and would make every new prompt length cost round trips.
+static uint64_t supports_key(const struct ggml_tensor * op) {
+    uint64_t h = mix(0xcbf29ce484222325ull, 1);
+    h = mix(mix(mix(h, op->op), op->type), (uint64_t) op->ne[0]);
+    for (size_t i = 0; i < GGML_MAX_OP_PARAMS / sizeof(int32_t); i++) h = mix(h, (uint32_t) op->op_params[i]);
+    for (int s = 0; s < GGML_MAX_SRC; s++) {
+        const struct ggml_tensor * t = op->src[s];
+        h = t ? mix(mix(mix(h, t->type), (uint64_t) t->ne[0]), ggml_is_contiguous(t)) : mix(h, UINT64_MAX);
     }
-    // Message: the sources (without their own sources), then the op.
-    struct { struct tb_graph_header h; struct tb_wire_tensor t[GGML_MAX_SRC + 1]; } msg;
-    memset(&msg, 0, sizeof msg);
-    uint32_t count = 0;
-    int32_t src_at[GGML_MAX_SRC];
+    return h;
+}
+
+// An allocation size may depend on every dimension of the op and its sources.
+static uint64_t alloc_size_key(const struct ggml_tensor * op) {
+    uint64_t h = mix(0xcbf29ce484222325ull, 2);
+    h = mix(mix(h, op->op), op->type);
+    for (int d = 0; d < GGML_MAX_DIMS; d++) h = mix(h, (uint64_t) op->ne[d]);
+    for (size_t i = 0; i < GGML_MAX_OP_PARAMS / sizeof(int32_t); i++) h = mix(h, (uint32_t) op->op_params[i]);
+    for (int s = 0; s < GGML_MAX_SRC; s++) {
+        const struct ggml_tensor * t = op->src[s];
+        if (!t) { h = mix(h, UINT64_MAX); continue; }
+        h = mix(h, t->type);
+        for (int d = 0; d < GGML_MAX_DIMS; d++) h = mix(mix(h, (uint64_t) t->ne[d]), t->nb[d]);
+    }
+    return h;
+}
+
+struct op_query { struct tb_graph_header h; struct tb_wire_tensor t[GGML_MAX_SRC + 1]; };
+
+// The op and its direct sources as a tensor table (sources first, op last).
+// Buffers are left out: the node answers for its device, not for data.
+static size_t encode_op_query(struct client_node * n, const struct ggml_tensor * op, struct op_query * q) {
+    memset(q, 0, sizeof *q);
     struct graph_encoder e = { .node = n };
+    int32_t src_at[GGML_MAX_SRC];
+    uint32_t count = 0;
     for (int s = 0; s < GGML_MAX_SRC; s++) {
         src_at[s] = -1;
         if (!op->src[s]) continue;
-        encode_tensor_fields(&e, op->src[s], &msg.t[count]);
-        if (!is_our_buffer(op->src[s]->buffer)) msg.t[count].buffer = msg.t[count].offset = 0;
-        for (int k = 0; k < GGML_MAX_SRC; k++) msg.t[count].src[k] = -1;
-        msg.t[count].view_src = -1;
+        encode_tensor_fields(&e, op->src[s], &q->t[count]);
+        q->t[count].buffer = q->t[count].offset = 0;
+        for (int k = 0; k < GGML_MAX_SRC; k++) q->t[count].src[k] = -1;
+        q->t[count].view_src = -1;
         src_at[s] = (int32_t) count++;
     }
-    encode_tensor_fields(&e, op, &msg.t[count]);
-    msg.t[count].buffer = msg.t[count].offset = 0;
-    memcpy(msg.t[count].src, src_at, sizeof src_at);
-    msg.t[count].view_src = -1;
-    count++;
-    msg.h.n_tensors = count;
-    uint8_t supported = 0;
-    size_t len = sizeof msg.h + count * sizeof(struct tb_wire_tensor);
-    if (node_call_locked(n, TB_CMD_SUPPORTS_OP, &msg, len, NULL, 0, &supported, 1) == 0) {
-        *slot = (struct op_cache_entry) { .key = key, .used = 1, .supported = supported };
+    encode_tensor_fields(&e, op, &q->t[count]);
+    q->t[count].buffer = q->t[count].offset = 0;
+    memcpy(q->t[count].src, src_at, sizeof src_at);
+    q->t[count].view_src = -1;
+    q->h.n_tensors = ++count;
+    return sizeof q->h + count * sizeof(struct tb_wire_tensor);
+}
+
+// Ask the node about `op` (cmd SUPPORTS_OP or GET_ALLOC_SIZE), once per key.
+// Returns false when the node could not answer.
+static bool ask_node_about_op(struct client_node * n, uint16_t cmd, uint64_t key, const struct ggml_tensor * op,
+                              uint64_t * answer, size_t answer_len) {
+    pthread_mutex_lock(&n->lock);
+    struct op_cache_entry * slot = &n->op_cache[key & (OP_CACHE_SIZE - 1)];
+    bool ok = slot->used && slot->key == key;
+    if (ok) {
+        *answer = slot->value;
+    } else {
+        struct op_query q;
+        size_t len = encode_op_query(n, op, &q);
+        *answer = 0;
+        ok = node_call_locked(n, cmd, &q, len, NULL, 0, answer, answer_len) == 0;
+        if (ok) *slot = (struct op_cache_entry) { .key = key, .value = *answer, .used = true };
     }
     pthread_mutex_unlock(&n->lock);
-    return supported != 0;
+    return ok;
+}
+
+// Metal needs room beyond ggml_nbytes for some ops (MUL_MAT_ID, FLASH_ATTN_EXT,
+// ARGSORT, TOP_K, ...): ask the node for exactly those, once per shape.
+static size_t buft_get_alloc_size(ggml_backend_buffer_type_t buft, const struct ggml_tensor * tensor) {
+    const size_t nbytes = ggml_nbytes(tensor);
+    if (tensor->view_src != NULL || !ggml_op_alloc_size_may_expand(tensor->op)) return nbytes;
+    uint64_t size = 0;
+    struct client_node * n = buft->context;
+    if (!ask_node_about_op(n, TB_CMD_GET_ALLOC_SIZE, alloc_size_key(tensor), tensor, &size, sizeof size)) return nbytes;
+    return size > nbytes ? (size_t) size : nbytes;
+}
+
+static const struct ggml_backend_buffer_type_i buft_iface = {
+    .get_name       = buft_get_name,
+    .alloc_buffer   = buft_alloc_buffer,
+    .get_alignment  = buft_get_alignment,
+    .get_max_size   = buft_get_max_size,
+    .get_alloc_size = buft_get_alloc_size,
+    .is_host        = NULL,
+};
+
+// Answered by the node's real device (Metal rejects some ops the CPU runs).
+static bool dev_supports_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
+    if (op->op == GGML_OP_MAP_CUSTOM1 || op->op == GGML_OP_MAP_CUSTOM2 || op->op == GGML_OP_MAP_CUSTOM3 || op->op == GGML_OP_CUSTOM)
+        return false;   // their op params are host function pointers
+    uint64_t supported = 0;
+    return ask_node_about_op(dev_node(dev), TB_CMD_SUPPORTS_OP, supports_key(op), op, &supported, 1) && supported;
 }
 
 static bool dev_supports_buft(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft) {

@@ -40,6 +40,9 @@ struct ggml_backend_buffer_type {
     void * context;
 };
 
+// Exported by libggml-base: ops whose buffers may need more than ggml_nbytes.
+GGML_API bool ggml_op_alloc_size_may_expand(enum ggml_op op);
+
 // --- buffer ----------------------------------------------------------------
 struct ggml_backend_buffer_i {
     void             (*free_buffer)  (ggml_backend_buffer_t buffer);

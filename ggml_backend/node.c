@@ -428,6 +428,20 @@ static int handle_supports_op(struct node_conn * c, const struct tb_header * h, 
     return 0;
 }
 
+static int handle_alloc_size(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    struct ggml_tensor ** tensors = NULL;
+    uint32_t nt = 0;
+    struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, &nt, err, err_len);
+    if (!ctx) return -1;
+    uint64_t size = ggml_backend_buft_get_alloc_size(ggml_backend_dev_buffer_type(c->node->dev), tensors[nt - 1]);
+    memcpy(r->small, &size, sizeof size);
+    free(tensors);
+    ggml_free(ctx);
+    r->data = r->small;
+    r->len = sizeof size;
+    return 0;
+}
+
 static int handle_status(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     if (expect_len(h->len, 0, "STATUS", err, err_len) != 0) return -1;
     struct tb_status * s = (struct tb_status *) r->small;
@@ -510,6 +524,7 @@ static int dispatch(struct node_conn * c, const struct tb_header * h, struct rep
         case TB_CMD_GRAPH_COMPUTE:   return handle_graph_compute(c, h, err, err_len);
         case TB_CMD_GRAPH_RECOMPUTE: return handle_graph_recompute(c, h, err, err_len);
         case TB_CMD_SUPPORTS_OP:     return handle_supports_op(c, h, r, err, err_len);
+        case TB_CMD_GET_ALLOC_SIZE:  return handle_alloc_size(c, h, r, err, err_len);
         case TB_CMD_SYNC:            return expect_len(h->len, 0, "SYNC", err, err_len);
         case TB_CMD_STATUS:          return handle_status(c, h, r, err, err_len);
         default:

@@ -52,6 +52,7 @@ enum tb_cmd {
     TB_CMD_SYNC,             // empty               reply: empty (carries the sticky error)
     TB_CMD_STATUS,           // empty               reply: tb_status
     TB_CMD_KEEPALIVE,        // node -> client, empty, flagged REPLY with id 0: "still computing, keep waiting"
+    TB_CMD_GET_ALLOC_SIZE,   // tb_graph_header + tensors (last one is the op)  reply: u64 bytes
     TB_CMD_COUNT_,
 };
 

@@ -332,6 +332,31 @@ static void case_supports_op(struct env * e) {
     ggml_free(ctx);
 }
 
+// Allocation sizes of ops that may need extra room are the node device's
+// answer (the CPU's here), asked once per shape.
+static void case_alloc_size(struct env * e) {
+    struct ggml_context * ctx = no_alloc_ctx(8);
+    struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 9);
+    struct ggml_tensor * sorted = ggml_argsort(ctx, x, GGML_SORT_ORDER_DESC);
+    ggml_backend_buffer_type_t remote = ggml_backend_dev_buffer_type(e->remote_dev);
+    ggml_backend_buffer_type_t cpu = ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
+    struct tbrpc_node_info before, after;
+    tbrpc_client_node_info(e->client, 0, &before);
+    size_t got = ggml_backend_buft_get_alloc_size(remote, sorted);
+    for (int i = 0; i < 5; i++) CHECK(ggml_backend_buft_get_alloc_size(remote, sorted) == got, "answer changed");
+    tbrpc_client_node_info(e->client, 0, &after);
+    CHECK(got == ggml_backend_buft_get_alloc_size(cpu, sorted), "node says %zu, its device %zu", got,
+          ggml_backend_buft_get_alloc_size(cpu, sorted));
+    CHECK(after.round_trips - before.round_trips == 1, "%llu round trips for one shape",
+          (unsigned long long) (after.round_trips - before.round_trips));
+    // a plain op never asks
+    struct ggml_tensor * sum = ggml_add(ctx, x, x);
+    CHECK(ggml_backend_buft_get_alloc_size(remote, sum) == ggml_nbytes(sum), "add");
+    tbrpc_client_node_info(e->client, 0, &before);
+    CHECK(before.round_trips == after.round_trips, "ADD cost a round trip");
+    ggml_free(ctx);
+}
+
 int main(int argc, char ** argv) {
     CHECK(argc == 2, "usage: op_tests CASE");
     static const struct { const char * name; void (*fn)(struct env *); int timeout_ms; } cases[] = {
@@ -339,6 +364,7 @@ int main(int argc, char ** argv) {
         { "copy_and_views", case_copy_and_views }, { "ops", case_ops }, { "many_nodes", case_many_nodes },
         { "graph_reuse", case_graph_reuse }, { "allocation_accounting", case_allocation_accounting },
         { "supports_op", case_supports_op }, { "keepalive", case_keepalive, 300 },
+        { "alloc_size", case_alloc_size },
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         if (strcmp(argv[1], cases[i].name) == 0) {
