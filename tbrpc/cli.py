@@ -18,15 +18,17 @@ def main() -> None:
 @click.option("--name", default=None, help="Node name shown to clients and in logs.")
 @click.option("--log-file", default=None, type=click.Path(dir_okay=False), help="Append log lines here instead of stderr.")
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds a client may stall mid-message.")
+@click.option("--isolation", type=click.Choice(["auto", "process", "thread"]), default="auto", show_default=True,
+              help="Serve each client in its own worker process (a crash ends only that client) or thread.")
 def node(host: str, port: int, device: str | None, threads: int, name: str | None, log_file: str | None,
-         timeout: float) -> None:
+         timeout: float, isolation: str) -> None:
     """Serve this machine's best ggml device to tbrpc heads."""
     from tbrpc.node import NodeConfig, NodeServer
     from tbrpc.native import TbrpcError
 
     try:
         server = NodeServer(NodeConfig(host=host, port=port, device=device, threads=threads, name=name,
-                                       log_path=log_file, timeout=timeout))
+                                       log_path=log_file, timeout=timeout, isolation=isolation))
     except TbrpcError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"tbrpc node listening on {host}:{server.port}", err=True)
@@ -115,6 +117,56 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
         temperature=temperature, alias=alias, api_key=api_key, log_dir=Path(log_dir) if log_dir else None,
         start_timeout=start_timeout, verbose=verbose))
     raise SystemExit(code)
+
+
+
+@main.command()
+@_cluster_option
+@click.option("--gguf", default=None, type=click.Path(dir_okay=False), help="The head's model file, to compare each node's copy with.")
+@click.option("--timeout", default=5.0, show_default=True, type=float, help="Seconds per network check.")
+@click.argument("endpoints", nargs=-1)
+def doctor(cluster_file: str | None, gguf: str | None, timeout: float, endpoints: tuple[str, ...]) -> None:
+    """Check every node: reachable, versions, device and memory, model file, ssh, RDMA/Thunderbolt on Macs."""
+    from tbrpc.cluster import ClusterError
+    from tbrpc.doctor import diagnose, failed, format_checks
+    from tbrpc.spec import choose_cluster, endpoint_specs, load_specs
+
+    try:
+        specs = endpoint_specs(list(endpoints)) if endpoints else load_specs(choose_cluster(cluster_file, None))
+    except ClusterError as e:
+        raise click.UsageError(str(e)) from e
+    checks = diagnose(specs, gguf, timeout)
+    click.echo(format_checks(checks))
+    raise SystemExit(1 if failed(checks) else 0)
+
+
+@main.command()
+@_cluster_option
+@click.option("--timeout", default=5.0, show_default=True, type=float, help="Seconds per node.")
+@click.argument("endpoints", nargs=-1)
+def status(cluster_file: str | None, timeout: float, endpoints: tuple[str, ...]) -> None:
+    """Nodes with their memory in use and clients (default: the launches running here, then ./tbrpc.toml)."""
+    from tbrpc.cluster import ClusterError
+    from tbrpc.spec import default_cluster_file, load_specs
+    from tbrpc.status import format_rows, query, running_launches
+
+    if endpoints:
+        nodes = [(e, e, "") for e in endpoints]
+    else:
+        path = cluster_file or default_cluster_file()
+        try:
+            nodes = [(s.name, s.endpoint, "") for s in load_specs(path)] if path else []
+        except ClusterError as e:
+            raise click.UsageError(str(e)) from e
+        if not cluster_file:
+            for launch in running_launches():
+                tag = f"launch {launch['pid']} ({launch['model']})"
+                nodes += [(n["name"], n["endpoint"], tag) for n in launch["nodes"] if n["endpoint"] not in {e for _, e, _ in nodes}]
+    if not nodes:
+        raise click.UsageError("no nodes: pass --cluster FILE or host:port, or start `tbrpc launch` first")
+    rows = query(nodes, timeout)
+    click.echo(format_rows(rows))
+    raise SystemExit(1 if any(r.status is None for r in rows) else 0)
 
 
 if __name__ == "__main__":

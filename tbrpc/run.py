@@ -11,6 +11,7 @@ import signal
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -21,6 +22,7 @@ from tbrpc.launch import LaunchError, Nodes, start_nodes
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster
 from tbrpc.native import TbrpcError
 from tbrpc.serve import chat, complete_once, listen, serve_http
+from tbrpc.status import launch_record
 
 EXIT_OK, EXIT_FAILED, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -92,11 +94,12 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     nodes: Nodes | None = None
     llm: Llama | None = None
     step = "start"
-    with _Signals() as signals:
+    with _Signals() as signals, ExitStack() as records:
         try:
             specs = resolve_cluster(opts.cluster)
             say(f"{len(specs)} node(s); node logs in {log_dir}")
             nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say)
+            records.enter_context(launch_record(opts.gguf, [s.name for s in nodes.specs], nodes.endpoints))
             step = "load"
             bar = ProgressBar("tbrpc: loading")
 

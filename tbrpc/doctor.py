@@ -1,0 +1,271 @@
+"""``tbrpc doctor``: check every node of a cluster, say what is wrong and how to fix it.
+
+Per node: reachable; handshake (protocol and ggml ABI) and package versions;
+device and usable memory against the cluster file; the model file on the
+node against the head's copy (size and a fast fingerprint); ssh and, on
+macOS nodes, RDMA, the Thunderbolt link of the node's address and the GPU
+wired-memory limit. A node's own facts come from ``python -m tbrpc.facts``,
+run over ssh, or in this process for nodes on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tbrpc.client import NodeError, probe
+from tbrpc.facts import collect, model_identity, package_version, tbrpc_version
+from tbrpc.launch import _remote_word
+from tbrpc.spec import NodeSpec
+from tbrpc.units import format_size
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "-"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class Check:
+    node: str
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+class _Node:
+    """Collects the checks of one node."""
+
+    def __init__(self, spec: NodeSpec) -> None:
+        self.spec = spec
+        self.checks: list[Check] = []
+
+    def add(self, name: str, status: str, detail: str, fix: str = "") -> None:
+        self.checks.append(Check(self.spec.name, name, status, detail, fix))
+
+
+def _tcp(endpoint_host: str, port: int, timeout: float) -> tuple[bool, str]:
+    started = time.monotonic()
+    try:
+        with socket.create_connection((endpoint_host, port), timeout=timeout):
+            return True, f"{(time.monotonic() - started) * 1000:.1f} ms to connect"
+    except OSError as exc:
+        return False, str(exc.strerror or exc)
+
+
+def _start_command(spec: NodeSpec) -> str:
+    return f"tbrpc node --host {spec.listen_address} --port {spec.port} --name {spec.name}"
+
+
+def _facts(spec: NodeSpec, model: str | None, timeout: float) -> tuple[dict[str, Any] | None, str, str]:
+    """(facts, "", "") or (None, why, the check that failed: "ssh", "node facts" or "")."""
+    if spec.start == "ssh" and spec.ssh is not None:
+        words = [spec.python or "python3", "-m", "tbrpc.facts", "--host", spec.host]
+        if model:
+            words += ["--model", model]
+        argv = spec.ssh_argv("exec " + " ".join(_remote_word(w) for w in words))
+        try:
+            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"ssh {spec.ssh_destination()} did not answer in {timeout:.0f} s", "ssh"
+        except OSError as exc:
+            return None, f"cannot run ssh: {exc}", "ssh"
+        stderr = proc.stderr.strip()
+        if proc.returncode == 255:
+            return None, f"ssh {spec.ssh_destination()} failed: {stderr[-400:]}", "ssh"
+        if proc.returncode != 0:
+            if "No module named" in stderr:
+                return None, (f"tbrpc is not importable by {spec.python or 'python3'} on {spec.ssh_destination()}"
+                              f" ({stderr.splitlines()[-1]})"), "node facts"
+            return None, f"python -m tbrpc.facts failed ({proc.returncode}): {stderr[-400:]}", "node facts"
+        try:
+            return json.loads(proc.stdout.strip().splitlines()[-1]), "", ""
+        except (ValueError, IndexError):
+            return None, f"unexpected answer from {spec.ssh_destination()}: {proc.stdout.strip()[-200:]}", "node facts"
+    if spec.start == "local" or spec.host in _LOOPBACK:
+        return collect(model, spec.host), "", ""
+    return None, "no ssh access configured: only the network checks ran", ""
+
+
+def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
+    spec = n.spec
+    if not spec.port:
+        n.add("reachable", SKIP, "no fixed port: started by launch on a free one")
+        return False, None
+    up, how = _tcp(spec.host, spec.port, timeout)
+    if not up:
+        if spec.start in ("local", "ssh"):
+            n.add("reachable", WARN, f"{spec.endpoint}: not running ({how}); `tbrpc launch` starts it ({spec.describe_start()})")
+        else:
+            n.add("reachable", FAIL, f"{spec.endpoint}: {how}",
+                  f"start it on {spec.host}: `{_start_command(spec)}`; check that a firewall lets port {spec.port} in")
+        return False, None
+    n.add("reachable", OK, f"{spec.endpoint}: {how}")
+    try:
+        info, status = probe(spec.endpoint, timeout=timeout)
+    except NodeError as exc:
+        message = str(exc)
+        fix = ("install the same tbrpc and llama-cpp-python on the head and this node, then restart the node"
+               if "mismatch" in message else
+               "is this port a tbrpc node? restart it: " + _start_command(spec))
+        n.add("handshake", FAIL, message, fix)
+        return False, None
+    n.add("handshake", OK, f"protocol and ggml ABI match; node {info.node_name!r}, {status.clients} client(s)")
+    return True, (info, status)
+
+
+def _check_device(n: _Node, info: Any) -> None:
+    spec = n.spec
+    detail = (f"{info.node_device} ({info.description}), {format_size(info.mem_free)} free of "
+              f"{format_size(info.mem_total)}")
+    if spec.device and spec.device != info.node_device:
+        n.add("device", FAIL, f"{detail}; the cluster file asks for {spec.device}",
+              f"restart the node with --device {spec.device} (or fix `device` in the cluster file)")
+        return
+    declared = spec.plan_node.usable_bytes if spec.plan_node else None
+    if declared is None:
+        n.add("device", OK, detail)
+    elif declared > info.mem_total:
+        n.add("device", FAIL, f"{detail}; the cluster file counts on {format_size(declared)} usable",
+              f"lower `usable_memory`/`memory` for {spec.name} to at most {format_size(info.mem_total)}")
+    elif declared > info.mem_free:
+        n.add("device", WARN, f"{detail}; the cluster file counts on {format_size(declared)} usable",
+              "free memory on the node (other processes, another model loaded?) or lower `usable_memory`")
+    else:
+        n.add("device", OK, f"{detail}; the cluster file counts on {format_size(declared)}")
+
+
+def _check_versions(n: _Node, facts: dict[str, Any]) -> None:
+    mine = {"tbrpc": tbrpc_version(), "llama-cpp-python": package_version("llama_cpp_python")}
+    theirs = {"tbrpc": facts.get("tbrpc"), "llama-cpp-python": facts.get("llama_cpp_python")}
+    differ = [f"{k} {theirs[k]} (head: {mine[k]})" for k in mine if theirs[k] != mine[k]]
+    where = f"{facts.get('os')} {facts.get('machine')}, Python {facts.get('python')}"
+    if differ:
+        n.add("versions", FAIL, f"{where}: " + ", ".join(differ),
+              f"on {n.spec.name}: pip install 'llama-cpp-python=={mine['llama-cpp-python']}' and the head's tbrpc")
+    else:
+        n.add("versions", OK, f"{where}: tbrpc {mine['tbrpc']}, llama-cpp-python {mine['llama-cpp-python']}")
+
+
+def _check_model(n: _Node, facts: dict[str, Any], reference: dict[str, Any] | None) -> None:
+    spec, got = n.spec, facts.get("model")
+    if got is None:
+        return
+    copy = f"rsync -a --progress HEAD_MODEL {spec.ssh_destination() + ':' if spec.start == 'ssh' else ''}{got['path']}"
+    if not got["exists"]:
+        n.add("model", FAIL, f"{got['path']}: missing {', '.join(got['missing'][:3])}",
+              f"copy the model to the node (e.g. `{copy}`) or fix `model` in the cluster file")
+        return
+    detail = f"{got['path']}: {format_size(got['size'])} in {got.get('files', 1)} file(s), fingerprint {got['fingerprint'][:12]}"
+    if reference is None:
+        n.add("model", OK, detail + " (no head copy to compare: pass --gguf)")
+    elif not reference["exists"]:
+        n.add("model", WARN, detail + f"; the head's {reference['path']} is missing", "pass the head's model with --gguf")
+    elif (got["size"], got["fingerprint"]) != (reference["size"], reference["fingerprint"]):
+        n.add("model", FAIL, f"{detail}; differs from the head's ({format_size(reference['size'])}, "
+              f"fingerprint {reference['fingerprint'][:12]})",
+              f"the node has another file under this name: copy the head's (`{copy}`)")
+    else:
+        n.add("model", OK, detail + ", same as the head's")
+
+
+def _check_macos(n: _Node, mac: dict[str, Any]) -> None:
+    spec = n.spec
+    rdma = mac.get("rdma_ctl", {})
+    if rdma.get("rc") == 127:
+        n.add("rdma", WARN, "rdma_ctl not found: RDMA over Thunderbolt needs macOS 26.2 or later",
+              "update macOS; tbrpc uses TCP meanwhile")
+    elif "enabled" in rdma.get("output", "").lower() and "disabled" not in rdma.get("output", "").lower():
+        devices = mac.get("ibv_devices", {}).get("output", "")
+        n.add("rdma", OK, f"rdma_ctl: enabled; ibv_devices: {' '.join(devices.split()[-4:]) or 'none listed'}")
+    else:
+        n.add("rdma", WARN, f"rdma_ctl status: {rdma.get('output', '?')[:80]}",
+              "boot into Recovery, run `rdma_ctl enable` in Terminal, restart (tbrpc uses TCP meanwhile)")
+    link = mac.get("link")
+    if link is not None:
+        if link.get("interface") is None:
+            n.add("thunderbolt", FAIL, f"no interface on this Mac has {spec.host}",
+                  f"set `host` to this Mac's Thunderbolt Bridge address (ifconfig bridge0) or assign {spec.host} to it")
+        elif not link.get("thunderbolt"):
+            n.add("thunderbolt", WARN, f"{spec.host} is on {link['interface']} ({', '.join(link.get('ports', []))}), not Thunderbolt",
+                  "use the node's Thunderbolt Bridge address as `host` (System Settings > Network > Thunderbolt Bridge)")
+        elif not link.get("active"):
+            n.add("thunderbolt", FAIL, f"{spec.host} is on {link['interface']} (Thunderbolt), link not active",
+                  "check the cable and that both Macs show the Thunderbolt Bridge as connected")
+        else:
+            n.add("thunderbolt", OK, f"{spec.host} on {link['interface']} ({', '.join(link.get('ports', []))}), active")
+    limit_mb, memsize = mac.get("wired_limit_mb"), mac.get("memsize")
+    declared = spec.plan_node.usable_bytes if spec.plan_node else None
+    if memsize:
+        effective = limit_mb * 2**20 if limit_mb else int(memsize * 0.75)
+        how = f"iogpu.wired_limit_mb={limit_mb}" if limit_mb else "macOS default (about 75% of RAM)"
+        detail = f"GPU wired limit {format_size(effective)} ({how}) of {format_size(memsize)} RAM"
+        if declared and declared > effective:
+            want = (declared + (4 << 30)) // 2**20
+            n.add("wired memory", FAIL, f"{detail}; the cluster file counts on {format_size(declared)}",
+                  f"on {spec.name}: sudo sysctl iogpu.wired_limit_mb={min(want, memsize // 2**20 - 8192)} "
+                  "(add it to /etc/sysctl.conf to keep it after a restart), or lower `usable_memory`")
+        else:
+            n.add("wired memory", OK, detail)
+
+
+def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float = 5.0) -> list[Check]:
+    """Every check of every node, in order."""
+    reference = model_identity(gguf) if gguf else None
+    checks: list[Check] = []
+    for spec in specs:
+        n = _Node(spec)
+        up, answer = _check_reachable(n, timeout)
+        if up:
+            _check_device(n, answer[0])
+        model = spec.model or gguf
+        facts, why, failing = _facts(spec, model, timeout=max(30.0, timeout))
+        if facts is None:
+            if failing == "ssh":
+                n.add("ssh", FAIL, why, f"`{shlex.join(spec.ssh_argv('true'))}` must work without a password: "
+                      "ssh-copy-id, the right `key`, and accept the host key once")
+            elif failing:
+                n.add(failing, FAIL, why, "install tbrpc on the node, or set `python = \"/path/to/venv/bin/python\"` "
+                      "for it in the cluster file")
+            else:
+                n.add("node facts", SKIP, why)
+        else:
+            if spec.start == "ssh":
+                n.add("ssh", OK, f"{spec.ssh_destination()}: {facts.get('os')} {facts.get('release')}")
+            _check_versions(n, facts)
+            _check_model(n, facts, reference)
+            if "macos" in facts:
+                _check_macos(n, facts["macos"])
+        checks.extend(n.checks)
+    return checks
+
+
+def format_checks(checks: Sequence[Check]) -> str:
+    """A table: node, check, status, detail; a `fix:` line under every row that is not ok."""
+    if not checks:
+        return "no nodes"
+    w_node = max(4, *(len(c.node) for c in checks))
+    w_name = max(5, *(len(c.name) for c in checks))
+    lines = [f"{'node'.ljust(w_node)}  {'check'.ljust(w_name)}  {'status':6}  detail"]
+    indent = " " * (w_node + w_name + 12)
+    for c in checks:
+        lines.append(f"{c.node.ljust(w_node)}  {c.name.ljust(w_name)}  {c.status:6}  {c.detail}")
+        if c.fix and c.status in (FAIL, WARN):
+            lines.append(f"{indent}fix: {c.fix}")
+    failed = sum(1 for c in checks if c.status == FAIL)
+    warned = sum(1 for c in checks if c.status == WARN)
+    nodes = len({c.node for c in checks})
+    lines.append("")
+    lines.append(f"{nodes} node(s): {failed} failed check(s), {warned} warning(s)" if failed or warned
+                 else f"{nodes} node(s): all checks passed")
+    return "\n".join(lines)
+
+
+def failed(checks: Sequence[Check]) -> bool:
+    return any(c.status == FAIL for c in checks)
+

@@ -1,0 +1,180 @@
+"""What a machine says about itself, for ``tbrpc doctor``.
+
+Run on each node (over ssh, or in-process for nodes on this machine) as
+``python -m tbrpc.facts [--model PATH] [--host ADDR]``; prints one JSON
+object: OS, tbrpc and llama-cpp-python versions, the model file's identity
+(size and a fast fingerprint) and, on macOS, RDMA, the Thunderbolt link of
+the node's address and the GPU wired-memory limit. It imports neither
+llama_cpp nor tbrpc's C library, so it answers even where those are broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+SAMPLE_BYTES = 1 << 20    # head and tail of each file
+MIDDLE_SAMPLES = 14       # evenly spaced 64 KiB samples in between
+MIDDLE_BYTES = 64 << 10
+_SHARD_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def tbrpc_version() -> str:
+    try:
+        return metadata.version("tbrpc")
+    except metadata.PackageNotFoundError:
+        here = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        m = re.search(r'^version\s*=\s*"([^"]+)"', here.read_text(), re.M) if here.exists() else None
+        return f"{m.group(1)} (source)" if m else "unknown"
+
+
+def model_files(path: str | Path) -> list[Path]:
+    """The files of a model: one file, or every shard of NAME-0000i-of-0000N.gguf."""
+    p = Path(os.path.expanduser(str(path)))
+    m = _SHARD_RE.match(p.name)
+    if not m:
+        return [p]
+    count = int(m["count"])
+    return [p.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def file_fingerprint(path: Path) -> str:
+    """blake2b of the size, the first and last MiB and 14 samples in between: fast on 50 GB shards."""
+    size = path.stat().st_size
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(path, "rb") as f:
+        h.update(f.read(SAMPLE_BYTES))
+        if size > 2 * SAMPLE_BYTES:
+            span = size - 2 * SAMPLE_BYTES
+            for i in range(1, MIDDLE_SAMPLES + 1):
+                f.seek(SAMPLE_BYTES + span * i // (MIDDLE_SAMPLES + 1))
+                h.update(f.read(MIDDLE_BYTES))
+            f.seek(size - SAMPLE_BYTES)
+            h.update(f.read(SAMPLE_BYTES))
+        elif size > SAMPLE_BYTES:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def model_identity(path: str | Path) -> dict[str, Any]:
+    """{"path", "exists", "size", "fingerprint", "missing": [...]}; size and fingerprint cover every shard."""
+    files = model_files(path)
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        return {"path": str(path), "exists": False, "missing": missing, "size": None, "fingerprint": None}
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        h.update(file_fingerprint(f).encode())
+    return {"path": str(path), "exists": True, "missing": [], "files": len(files),
+            "size": sum(f.stat().st_size for f in files), "fingerprint": h.hexdigest()}
+
+
+def _run(argv: list[str], timeout: float = 10) -> tuple[int, str]:
+    if shutil.which(argv[0]) is None:
+        return 127, f"{argv[0]}: not found"
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 1, str(exc)
+    return proc.returncode, (proc.stdout + proc.stderr).strip()
+
+
+def _interface_of(address: str) -> str | None:
+    """The interface (en5, bridge0, ...) that holds `address`, from ifconfig."""
+    rc, out = _run(["ifconfig"])
+    if rc != 0:
+        return None
+    current = None
+    for line in out.splitlines():
+        if line and not line[0].isspace():
+            current = line.split(":", 1)[0]
+        elif current and re.search(rf"\binet6? {re.escape(address)}\b", line):
+            return current
+    return None
+
+
+def _hardware_ports() -> dict[str, str]:
+    """device -> hardware port name ("en5" -> "Thunderbolt 3"), from networksetup."""
+    rc, out = _run(["networksetup", "-listallhardwareports"])
+    ports: dict[str, str] = {}
+    name = None
+    for line in out.splitlines() if rc == 0 else []:
+        if line.startswith("Hardware Port:"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("Device:") and name:
+            ports[line.split(":", 1)[1].strip()] = name
+    return ports
+
+
+def _bridge_members(interface: str) -> list[str]:
+    rc, out = _run(["ifconfig", interface])
+    return re.findall(r"member: (\S+)", out) if rc == 0 else []
+
+
+def macos_facts(host: str | None) -> dict[str, Any]:
+    """RDMA, Thunderbolt link of `host`, and the GPU wired-memory limit on this Mac."""
+    facts: dict[str, Any] = {}
+    rc, out = _run(["rdma_ctl", "status"])
+    facts["rdma_ctl"] = {"rc": rc, "output": out[:500]}
+    rc, out = _run(["ibv_devices"])
+    facts["ibv_devices"] = {"rc": rc, "output": out[:1000]}
+    rc, out = _run(["sysctl", "-n", "iogpu.wired_limit_mb"])
+    facts["wired_limit_mb"] = int(out) if rc == 0 and out.strip().isdigit() else None
+    rc, out = _run(["sysctl", "-n", "hw.memsize"])
+    facts["memsize"] = int(out) if rc == 0 and out.strip().isdigit() else None
+    ports = _hardware_ports()
+    facts["thunderbolt_ports"] = sorted(d for d, n in ports.items() if "thunderbolt" in n.lower())
+    if host:
+        iface = _interface_of(host)
+        link: dict[str, Any] = {"address": host, "interface": iface}
+        if iface:
+            members = _bridge_members(iface) if iface.startswith("bridge") else []
+            names = [ports.get(m, m) for m in members] or [ports.get(iface, iface)]
+            link["ports"] = names
+            link["thunderbolt"] = any("thunderbolt" in n.lower() for n in names)
+            rc, out = _run(["ifconfig", iface])
+            link["active"] = "status: active" in out
+        facts["link"] = link
+    return facts
+
+
+def collect(model: str | None = None, host: str | None = None) -> dict[str, Any]:
+    facts: dict[str, Any] = {
+        "os": platform.system(), "release": platform.release(), "machine": platform.machine(),
+        "python": sys.version.split()[0], "tbrpc": tbrpc_version(),
+        "llama_cpp_python": package_version("llama_cpp_python"),
+    }
+    if model:
+        facts["model"] = model_identity(model)
+    if platform.system() == "Darwin":
+        facts["macos"] = macos_facts(host)
+    return facts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tbrpc.facts")
+    parser.add_argument("--model")
+    parser.add_argument("--host")
+    args = parser.parse_args(argv)
+    print(json.dumps(collect(args.model, args.host)))
+
+
+if __name__ == "__main__":
+    main()
