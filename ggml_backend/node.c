@@ -16,11 +16,28 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/mman.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #define IDLE_POLL_MS 250
+#define MAX_CLIENTS  64
+
+// Per-client counters. They live in memory shared with worker processes, so
+// the node can report totals whether a client is served by a thread or by
+// an isolated process. Only the client's own server writes its slot.
+struct client_slot {
+    int32_t  in_use;
+    int32_t  pid;              // worker process, or 0 when served by a thread
+    uint64_t buffers, bytes_allocated, graphs_computed, bytes_received;
+    char     peer[96];
+};
 
 struct tb_node {
     struct tb_node_config cfg;
@@ -29,13 +46,14 @@ struct tb_node {
     int      port;
     int      stop_pipe[2];        // written by tb_node_stop, watched by the accept loop
     volatile int stopping;
+    bool     isolate;             // one worker process per client (see tb_node_config.isolation)
+    struct client_slot * slots;   // MAX_CLIENTS, MAP_SHARED
     ggml_backend_dev_t dev;
     FILE *   log;                 // owned when it is not stderr
 
-    pthread_mutex_t lock;         // guards everything below
+    pthread_mutex_t lock;         // guards slot allocation, n_threads and log lines
     pthread_cond_t  conn_done;
-    int      n_conns;
-    uint64_t buffers, bytes_allocated, graphs_computed, bytes_received;
+    int      n_threads;           // connections served by threads, awaited at stop
 };
 
 struct node_buffer {
@@ -47,6 +65,7 @@ struct node_buffer {
 
 struct node_conn {
     struct tb_node *      node;
+    struct client_slot *  slot;
     struct tb_transport * tp;
     ggml_backend_t        backend;
     struct node_buffer *  buffers;   // dense array; few per client (weights, KV, compute)
@@ -126,12 +145,13 @@ static struct node_buffer * checked_range(struct node_conn * c, uint64_t handle,
     return b;
 }
 
+static void count(uint64_t * counter, int64_t delta) {
+    __atomic_add_fetch(counter, (uint64_t) delta, __ATOMIC_RELAXED);
+}
+
 static void release_buffer(struct node_conn * c, size_t i) {
-    struct tb_node * n = c->node;
-    pthread_mutex_lock(&n->lock);
-    n->buffers--;
-    n->bytes_allocated -= c->buffers[i].size;
-    pthread_mutex_unlock(&n->lock);
+    count(&c->slot->buffers, -1);
+    count(&c->slot->bytes_allocated, -(int64_t) c->buffers[i].size);
     ggml_backend_buffer_free(c->buffers[i].buf);
     c->buffers[i] = c->buffers[--c->n_buffers];
 }
@@ -217,11 +237,8 @@ static int handle_alloc(struct node_conn * c, const struct tb_header * h, struct
     b->buf = buf;
     b->base = ggml_backend_buffer_get_base(buf);
     b->size = ggml_backend_buffer_get_size(buf);
-    struct tb_node * n = c->node;
-    pthread_mutex_lock(&n->lock);
-    n->buffers++;
-    n->bytes_allocated += b->size;
-    pthread_mutex_unlock(&n->lock);
+    count(&c->slot->buffers, 1);
+    count(&c->slot->bytes_allocated, (int64_t) b->size);
     struct tb_alloc_reply * rep = (struct tb_alloc_reply *) r->small;
     rep->handle = b->handle;
     rep->base = (uint64_t) (uintptr_t) b->base;
@@ -383,9 +400,7 @@ static int run_graph(struct node_conn * c, char * err, size_t err_len) {
     set_computing(c, true);
     enum ggml_status st = ggml_backend_graph_compute(c->backend, c->graph);
     set_computing(c, false);
-    pthread_mutex_lock(&c->node->lock);
-    c->node->graphs_computed++;
-    pthread_mutex_unlock(&c->node->lock);
+    count(&c->slot->graphs_computed, 1);
     if (st != GGML_STATUS_SUCCESS) {
         snprintf(err, err_len, "graph compute on %s failed with status %d", ggml_backend_dev_name(c->node->dev), (int) st);
         return -1;
@@ -562,9 +577,7 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
         node_log(c->node, "client %s: sent %s before HELLO; dropping it", c->tp->peer, tb_cmd_name(h.cmd));
         return -1;
     }
-    pthread_mutex_lock(&c->node->lock);
-    c->node->bytes_received += h.len;
-    pthread_mutex_unlock(&c->node->lock);
+    count(&c->slot->bytes_received, (int64_t) h.len);
 
     struct reply r = { 0 };
     bool io_failed = false;
@@ -614,12 +627,12 @@ static void conn_free(struct node_conn * c) {
     free(c);
 }
 
-static void * conn_thread(void * arg) {
-    struct node_conn * c = arg;
+// Serve one client until it leaves (or the node stops), then free all it had.
+static void serve_connection(struct node_conn * c) {
     struct tb_node * n = c->node;
     char peer[sizeof c->tp->peer];
     snprintf(peer, sizeof peer, "%s", c->tp->peer);
-    node_log(n, "client %s connected", peer);
+    node_log(n, "client %s connected%s", peer, c->slot->pid ? " (own worker process)" : "");
     bool said_hello = false;
     while (!n->stopping) {
         int ready = tb_poll(c->tp, IDLE_POLL_MS);
@@ -628,14 +641,9 @@ static void * conn_thread(void * arg) {
     }
     conn_free(c);
     node_log(n, "client %s disconnected; its buffers are freed", peer);
-    pthread_mutex_lock(&n->lock);
-    n->n_conns--;
-    pthread_cond_broadcast(&n->conn_done);
-    pthread_mutex_unlock(&n->lock);
-    return NULL;
 }
 
-static void start_connection(struct tb_node * n, int fd) {
+static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slot * slot) {
     struct node_conn * c = calloc(1, sizeof *c);
     if (c) c->tp = tb_tcp_from_fd(fd, n->cfg.timeout_ms);
     if (c && c->tp) c->backend = ggml_backend_dev_init(n->dev, NULL);
@@ -643,9 +651,11 @@ static void start_connection(struct tb_node * n, int fd) {
         node_log(n, "cannot serve a new client: out of memory or device init failed");
         if (c && c->tp) tb_close(c->tp); else close(fd);
         free(c);
-        return;
+        return NULL;
     }
     c->node = n;
+    c->slot = slot;
+    snprintf(slot->peer, sizeof slot->peer, "%s", c->tp->peer);
     c->next_handle = 1;
     c->keepalive_ms = 1000;
     pthread_mutex_init(&c->send_lock, NULL);
@@ -658,21 +668,126 @@ static void start_connection(struct tb_node * n, int fd) {
             (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
         if (set_threads) set_threads(c->backend, n->cfg.threads);
     }
+    return c;
+}
+
+static struct client_slot * slot_claim(struct tb_node * n) {
+    struct client_slot * found = NULL;
     pthread_mutex_lock(&n->lock);
-    n->n_conns++;
+    for (int i = 0; i < MAX_CLIENTS && !found; i++) {
+        if (!n->slots[i].in_use) {
+            found = &n->slots[i];
+            memset(found, 0, sizeof *found);
+            found->in_use = 1;
+        }
+    }
     pthread_mutex_unlock(&n->lock);
+    return found;
+}
+
+static void slot_release(struct tb_node * n, struct client_slot * slot) {
+    pthread_mutex_lock(&n->lock);
+    memset(slot, 0, sizeof *slot);
+    pthread_mutex_unlock(&n->lock);
+}
+
+struct thread_start { struct tb_node * node; int fd; struct client_slot * slot; };
+
+static void * conn_thread(void * arg) {
+    struct thread_start st = *(struct thread_start *) arg;
+    free(arg);
+    struct node_conn * c = conn_new(st.node, st.fd, st.slot);
+    if (c) serve_connection(c);
+    slot_release(st.node, st.slot);
+    pthread_mutex_lock(&st.node->lock);
+    st.node->n_threads--;
+    pthread_cond_broadcast(&st.node->conn_done);
+    pthread_mutex_unlock(&st.node->lock);
+    return NULL;
+}
+
+static void start_thread(struct tb_node * n, int fd, struct client_slot * slot) {
+    struct thread_start * st = malloc(sizeof *st);
     pthread_t th;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&th, &attr, conn_thread, c) != 0) {
-        node_log(n, "cannot start a thread for client %s", c->tp->peer);
+    pthread_mutex_lock(&n->lock);
+    n->n_threads++;
+    pthread_mutex_unlock(&n->lock);
+    if (st) *st = (struct thread_start) { n, fd, slot };
+    if (!st || pthread_create(&th, &attr, conn_thread, st) != 0) {
+        node_log(n, "cannot start a thread for a new client");
+        free(st);
+        close(fd);
+        slot_release(n, slot);
         pthread_mutex_lock(&n->lock);
-        n->n_conns--;
+        n->n_threads--;
         pthread_mutex_unlock(&n->lock);
-        conn_free(c);
     }
     pthread_attr_destroy(&attr);
+}
+
+// The worker: a forked copy of the node that serves one client and exits. A
+// request that makes ggml abort (an op whose shape contract a hostile client
+// broke) ends this process only; the node logs it and serves everyone else.
+static void start_worker(struct tb_node * n, int fd, struct client_slot * slot) {
+    const pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) {
+        node_log(n, "cannot fork a worker for a new client: %s", strerror(errno));
+        close(fd);
+        slot_release(n, slot);
+        return;
+    }
+    if (pid > 0) {
+        slot->pid = pid;
+        close(fd);
+        return;
+    }
+    // child: only this thread exists here; never return into the caller (Python)
+#ifdef __linux__
+    prctl(PR_SET_PDEATHSIG, SIGKILL);   // a worker never outlives its node
+    if (getppid() != parent) _exit(1);   // the node died before prctl took effect
+#endif
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGINT, SIG_IGN);       // Ctrl-C reaches the whole group; the parent ends its workers
+    close(n->listen_fd);
+    close(n->stop_pipe[0]);
+    close(n->stop_pipe[1]);
+    slot->pid = getpid();
+    struct node_conn * c = conn_new(n, fd, slot);
+    if (c) serve_connection(c);
+    _exit(c ? 0 : 1);
+}
+
+static void start_connection(struct tb_node * n, int fd) {
+    struct client_slot * slot = slot_claim(n);
+    if (!slot) {
+        node_log(n, "refusing a client: %d clients are connected already", MAX_CLIENTS);
+        close(fd);
+        return;
+    }
+    if (n->isolate) start_worker(n, fd, slot);
+    else start_thread(n, fd, slot);
+}
+
+// Collect finished workers; say loudly when one did not end by itself.
+static void reap_workers(struct tb_node * n, bool wait) {
+    for (int i = 0; i < MAX_CLIENTS; i++) {
+        struct client_slot * slot = &n->slots[i];
+        if (!slot->in_use || slot->pid <= 0) continue;
+        int status = 0;
+        pid_t pid = waitpid(slot->pid, &status, wait ? 0 : WNOHANG);
+        if (pid != slot->pid) continue;
+        if (WIFSIGNALED(status) && WTERMSIG(status) != SIGTERM) {
+            node_log(n, "worker %d for client %s died with signal %d (%s); the node keeps serving other clients",
+                     (int) pid, slot->peer, WTERMSIG(status), strsignal(WTERMSIG(status)));
+        } else if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
+            node_log(n, "worker %d for client %s exited with status %d", (int) pid, slot->peer, WEXITSTATUS(status));
+        }
+        slot_release(n, slot);
+    }
 }
 
 // ---- node lifecycle ---------------------------------------------------------
@@ -703,6 +818,13 @@ struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, s
     pthread_mutex_init(&n->lock, NULL);
     pthread_cond_init(&n->conn_done, NULL);
     n->log = stderr;
+#ifdef __APPLE__
+    n->isolate = cfg->isolation == 1;   // Metal does not survive fork(): threads unless asked
+#else
+    n->isolate = cfg->isolation != 0;
+#endif
+    n->slots = mmap(NULL, MAX_CLIENTS * sizeof *n->slots, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (n->slots == MAP_FAILED) { n->slots = NULL; snprintf(err, err_len, "mmap: %s", strerror(errno)); goto fail; }
     if (cfg->log_path && *cfg->log_path) {
         n->log = fopen(cfg->log_path, "a");
         if (!n->log) { snprintf(err, err_len, "cannot open log file %s: %s", cfg->log_path, strerror(errno)); n->log = stderr; goto fail; }
@@ -729,7 +851,8 @@ int tb_node_serve(struct tb_node * n) {
     node_log(n, "serving %s (%s) on port %d", ggml_backend_dev_name(n->dev), ggml_backend_dev_description(n->dev), n->port);
     struct pollfd p[2] = { { .fd = n->listen_fd, .events = POLLIN }, { .fd = n->stop_pipe[0], .events = POLLIN } };
     while (!n->stopping) {
-        int rc = poll(p, 2, -1);
+        int rc = poll(p, 2, IDLE_POLL_MS);
+        reap_workers(n, false);
         if (rc < 0 && errno == EINTR) continue;
         if (rc < 0 || (p[1].revents & POLLIN)) break;
         if (p[0].revents & POLLIN) {
@@ -738,8 +861,12 @@ int tb_node_serve(struct tb_node * n) {
         }
     }
     n->stopping = 1;
+    for (int i = 0; i < MAX_CLIENTS; i++) {
+        if (n->slots[i].in_use && n->slots[i].pid > 0) kill(n->slots[i].pid, SIGTERM);
+    }
+    reap_workers(n, true);
     pthread_mutex_lock(&n->lock);
-    while (n->n_conns > 0) pthread_cond_wait(&n->conn_done, &n->lock);
+    while (n->n_threads > 0) pthread_cond_wait(&n->conn_done, &n->lock);
     pthread_mutex_unlock(&n->lock);
     node_log(n, "stopped");
     return 0;
@@ -757,13 +884,15 @@ void tb_node_get_status(struct tb_node * n, struct tb_status * s) {
     memset(s, 0, sizeof *s);
     size_t free_mem = 0, total_mem = 0;
     ggml_backend_dev_memory(n->dev, &free_mem, &total_mem);
-    pthread_mutex_lock(&n->lock);
-    s->buffers = n->buffers;
-    s->bytes_allocated = n->bytes_allocated;
-    s->clients = (uint64_t) n->n_conns;
-    s->graphs_computed = n->graphs_computed;
-    s->bytes_received = n->bytes_received;
-    pthread_mutex_unlock(&n->lock);
+    for (int i = 0; i < MAX_CLIENTS; i++) {
+        const struct client_slot * slot = &n->slots[i];
+        if (!__atomic_load_n(&slot->in_use, __ATOMIC_RELAXED)) continue;
+        s->clients++;
+        s->buffers += __atomic_load_n(&slot->buffers, __ATOMIC_RELAXED);
+        s->bytes_allocated += __atomic_load_n(&slot->bytes_allocated, __ATOMIC_RELAXED);
+        s->graphs_computed += __atomic_load_n(&slot->graphs_computed, __ATOMIC_RELAXED);
+        s->bytes_received += __atomic_load_n(&slot->bytes_received, __ATOMIC_RELAXED);
+    }
     s->mem_free = free_mem;
     s->mem_total = total_mem;
     snprintf(s->device_name, sizeof s->device_name, "%s", ggml_backend_dev_name(n->dev));
@@ -775,6 +904,7 @@ void tb_node_free(struct tb_node * n) {
     if (n->stop_pipe[0] >= 0) close(n->stop_pipe[0]);
     if (n->stop_pipe[1] >= 0) close(n->stop_pipe[1]);
     if (n->log && n->log != stderr) fclose(n->log);
+    if (n->slots) munmap(n->slots, MAX_CLIENTS * sizeof *n->slots);
     pthread_cond_destroy(&n->conn_done);
     pthread_mutex_destroy(&n->lock);
     free(n);

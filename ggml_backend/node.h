@@ -1,7 +1,7 @@
 // node.h - the node server: serves this machine's best ggml device to
 // tbrpc clients over a transport.
 //
-// One thread per connected client. Buffers belong to the connection that
+// One worker process (or thread) per connected client. Buffers belong to the connection that
 // allocated them and are freed when it goes away, so a crashed head never
 // leaks node memory. Every request is validated before it touches memory
 // (proto.c); a bad request gets an error reply and a log line, and the node
@@ -25,6 +25,10 @@ struct tb_node_config {
     const char * name;        // node name shown to clients and in logs
     const char * log_path;    // append log lines here; NULL/"" logs to stderr
     int          timeout_ms;  // a client silent mid-message for this long is dropped
+    int          isolation;   // 1: one worker process per client (a request that crashes
+                              // ggml ends only that client); 0: one thread per client;
+                              // -1: the platform default (processes, threads on macOS
+                              // because Metal does not survive fork)
 };
 
 struct tb_node;

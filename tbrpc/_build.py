@@ -42,11 +42,12 @@ struct tb_wire_tensor { uint64_t buffer; uint64_t offset; int64_t ne[4]; uint64_
 #define TB_MAX_PAYLOAD ...
 enum tb_cmd { TB_CMD_HELLO, TB_CMD_GET_MEMORY, TB_CMD_ALLOC_BUFFER, TB_CMD_FREE_BUFFER, TB_CMD_BUFFER_CLEAR,
               TB_CMD_SET_TENSOR, TB_CMD_GET_TENSOR, TB_CMD_MEMSET_TENSOR, TB_CMD_COPY_TENSOR,
-              TB_CMD_GRAPH_COMPUTE, TB_CMD_GRAPH_RECOMPUTE, TB_CMD_SUPPORTS_OP, TB_CMD_SYNC, TB_CMD_STATUS, ... };
+              TB_CMD_GRAPH_COMPUTE, TB_CMD_GRAPH_RECOMPUTE, TB_CMD_SUPPORTS_OP, TB_CMD_SYNC, TB_CMD_STATUS,
+              TB_CMD_KEEPALIVE, TB_CMD_GET_ALLOC_SIZE, ... };
 void tb_abi_fill(struct tb_abi * abi);
 
 struct tb_node_config { const char * host; int port; const char * device; int threads; const char * name;
-                        const char * log_path; int timeout_ms; };
+                        const char * log_path; int timeout_ms; int isolation; };
 struct tb_node;
 struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, size_t err_len);
 int  tb_node_port(const struct tb_node * node);

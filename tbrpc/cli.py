@@ -92,13 +92,14 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
 @click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens for --prompt/--chat.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="Sampling temperature for --prompt/--chat (0: greedy).")
 @click.option("--alias", default=None, help="Model name in the API (default: the file name).")
+@click.option("--chat-format", default=None, help="llama-cpp-python chat format when the GGUF has no template (e.g. gemma, chatml).")
 @click.option("--api-key", default=None, envvar="TBRPC_API_KEY", help="Require this bearer token on the HTTP API.")
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="Where node logs go (default: a new temporary directory).")
 @click.option("--start-timeout", default=60.0, show_default=True, type=float, help="Seconds to wait for every node to answer.")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | None, host: str, port: int,
            prompt: str | None, chat: bool, max_tokens: int, temperature: float, alias: str | None,
-           api_key: str | None, log_dir: str | None, start_timeout: float, verbose: bool) -> None:
+           chat_format: str | None, api_key: str | None, log_dir: str | None, start_timeout: float, verbose: bool) -> None:
     """Start the nodes, plan the split, load GGUF and serve it (or --prompt / --chat)."""
     from pathlib import Path
 
@@ -115,7 +116,7 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
     code = run_launch(LaunchOptions(
         gguf=gguf, cluster=cluster, ctx=ctx, host=host, port=port, prompt=prompt, chat=chat, max_tokens=max_tokens,
         temperature=temperature, alias=alias, api_key=api_key, log_dir=Path(log_dir) if log_dir else None,
-        start_timeout=start_timeout, verbose=verbose))
+        start_timeout=start_timeout, verbose=verbose, llama_kwargs={"chat_format": chat_format} if chat_format else {}))
     raise SystemExit(code)
 
 

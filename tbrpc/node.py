@@ -15,6 +15,7 @@ from tbrpc.client import NodeStatus, _status_from_c
 from tbrpc.native import TbrpcError, error_buffer, load, text
 
 DEFAULT_PORT = 50052
+ISOLATION = {"auto": -1, "thread": 0, "process": 1}
 
 
 @dataclass
@@ -26,6 +27,7 @@ class NodeConfig:
     name: str | None = None
     log_path: str | None = None
     timeout: float = 10.0         # a client silent mid-message for this long is dropped
+    isolation: str = "auto"       # "process": a worker per client; "thread"; "auto": process except on macOS
 
 
 class NodeServer:
@@ -40,6 +42,7 @@ class NodeServer:
             "host": keep[0], "port": config.port, "device": keep[1], "threads": config.threads,
             "name": keep[2],
             "log_path": keep[3], "timeout_ms": int(config.timeout * 1000),
+            "isolation": ISOLATION[config.isolation],
         })
         err = error_buffer()
         self._node = lib.tb_node_create(c_cfg, err, len(err))

@@ -38,7 +38,7 @@ def start_node(tmp_path: Path, *extra: str) -> NodeProcess:
     log = tmp_path / f"node-{time.monotonic_ns()}.log"
     stderr = open(log, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1", *extra],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     deadline = time.time() + 30
     while time.time() < deadline:
         m = re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))

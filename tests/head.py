@@ -46,7 +46,7 @@ def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None)
         token = int(np.argmax(logits))
         out.append(token)
         if kill and step == kill["after_tokens"]:
-            os.kill(kill["pid"], kill.get("signal", 9))
+            os.killpg(kill["pid"], kill.get("signal", 9))  # the node and its worker processes
         llm.eval([token])
     return out, np.stack(rows)
 

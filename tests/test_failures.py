@@ -5,6 +5,7 @@ Every scenario runs a real head process against real node processes.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import struct
@@ -70,7 +71,7 @@ def test_stalled_node_times_out(nodes: Any, tmp_path: Path) -> None:
         assert b.endpoint in result["error"]["message"] and "no answer within 2000 ms" in result["error"]["message"]
         assert time.time() - started < 60
     finally:
-        b.proc.send_signal(signal.SIGCONT)
+        os.killpg(b.proc.pid, signal.SIGCONT)
 
 
 def fake_node(hello_changes: dict[str, int]) -> tuple[str, threading.Thread]:

@@ -18,6 +18,7 @@ import tbrpc
 from tbrpc.native import load
 
 ffi, lib = load()
+GGML_TENSOR_FLAG_COMPUTE = 16  # ggml.h: nodes without it are skipped by the CPU backend
 
 
 def pack(ctype: str, **fields: Any) -> bytes:
@@ -44,17 +45,27 @@ class Wire:
         return self.next_id
 
     def reply(self) -> tuple[int, bytes]:
-        """(status, body) of the next reply."""
-        raw = self._exactly(ffi.sizeof("struct tb_header"))
-        _magic, _cmd, flags, _id, length = struct.unpack("<IHHQQ", raw)
+        """(status, body) of the next reply, skipping keepalives."""
+        while True:
+            raw = self._exactly(ffi.sizeof("struct tb_header"))
+            _magic, cmd, flags, _id, length = struct.unpack("<IHHQQ", raw)
+            if cmd != lib.TB_CMD_KEEPALIVE:
+                break
         assert flags & 1, "expected a reply"
         body = self._exactly(length)
         status = struct.unpack("<i", body[:4])[0]
         return status, body[8:]
 
-    def closed(self) -> bool:
+    def closed(self, timeout: float = 60) -> bool:
+        """True when the node closes the connection (keepalives before that are fine)."""
+        self.sock.settimeout(timeout)
         try:
-            return self.sock.recv(1) == b""
+            while True:
+                raw = self.sock.recv(ffi.sizeof("struct tb_header"), socket.MSG_WAITALL)
+                if not raw:
+                    return True
+                if struct.unpack("<IHHQQ", raw)[1] != lib.TB_CMD_KEEPALIVE:
+                    return False
         except ConnectionResetError:
             return True
 
@@ -258,6 +269,29 @@ def test_malformed_graph_is_rejected(node: Any, case: str) -> None:
     error = w.sync_error()
     assert "GRAPH_COMPUTE" in error and expected in error, error
     assert "rejected" in node.log_text()
+
+
+def test_graph_breaking_an_op_contract_ends_only_that_client(node: Any) -> None:
+    """A CPY into a tensor with another element count makes ggml abort.
+    The node serves each client in its own worker process, so only that
+    client's worker ends; the node logs it and keeps serving."""
+    bystander = ready(node)
+    kept = bystander.alloc(64)
+    w = ready(node)
+    handle = w.alloc(4096)
+    a = tensor(buffer=handle, offset=0, ne=[4, 1, 1, 1], nb=[4, 16, 16, 16])
+    b = tensor(buffer=handle, offset=64, ne=[8, 1, 1, 1], nb=[4, 32, 32, 32])
+    copy = tensor(buffer=handle, offset=64, ne=[8, 1, 1, 1], nb=[4, 32, 32, 32], op=_ggml_op_index("CPY"),
+                  src=[0, 1] + [-1] * 8, flags=GGML_TENSOR_FLAG_COMPUTE)
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, graph([a, b, copy], [2]))
+    w.send(lib.TB_CMD_SYNC)
+    assert w.closed()
+    deadline = time.time() + 60
+    while "died with signal 6" not in node.log_text() and time.time() < deadline:  # ggml may run gdb for a backtrace
+        time.sleep(0.05)
+    assert "died with signal 6" in node.log_text()
+    bystander.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=kept, offset=0, size=8))
+    assert bystander.reply()[0] == 0
 
 
 def test_recompute_without_graph(node: Any) -> None:
