@@ -256,7 +256,11 @@ static ggml_backend_buffer_t buft_alloc_buffer(ggml_backend_buffer_type_t buft, 
     struct tb_alloc_reply rep;
     if (node_call(n, TB_CMD_ALLOC_BUFFER, &req, sizeof req, &rep, sizeof rep) != 0) return NULL;
     struct client_buffer * cb = calloc(1, sizeof *cb);
-    if (!cb) return NULL;
+    if (!cb) {
+        struct tb_buffer_req free_req = { .handle = rep.handle };
+        node_post(n, TB_CMD_FREE_BUFFER, &free_req, sizeof free_req);
+        return NULL;
+    }
     *cb = (struct client_buffer) { .node = n, .handle = rep.handle, .base = rep.base, .size = rep.size };
     return ggml_backend_buffer_init(buft, buffer_iface, cb, size);
 }
