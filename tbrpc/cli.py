@@ -20,15 +20,18 @@ def main() -> None:
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds a client may stall mid-message.")
 @click.option("--isolation", type=click.Choice(["auto", "process", "thread"]), default="auto", show_default=True,
               help="Serve each client in its own worker process (a crash ends only that client) or thread.")
+@click.option("--model-dir", "model_dirs", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="Directory of *.gguf files this node holds: heads load weights from them instead of sending them.")
 def node(host: str, port: int, device: str | None, threads: int, name: str | None, log_file: str | None,
-         timeout: float, isolation: str) -> None:
+         timeout: float, isolation: str, model_dirs: tuple[str, ...]) -> None:
     """Serve this machine's best ggml device to tbrpc heads."""
     from tbrpc.node import NodeConfig, NodeServer
     from tbrpc.native import TbrpcError
 
     try:
         server = NodeServer(NodeConfig(host=host, port=port, device=device, threads=threads, name=name,
-                                       log_path=log_file, timeout=timeout, isolation=isolation))
+                                       log_path=log_file, timeout=timeout, isolation=isolation,
+                                       model_dirs=list(model_dirs)))
     except TbrpcError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"tbrpc node listening on {host}:{server.port}", err=True)

@@ -196,9 +196,13 @@ def _wait_listening(node: RunningNode, deadline: float) -> None:
 def _start_hint(spec: NodeSpec, log: str) -> str:
     if "Address already in use" in log or "address already in use" in log.lower():
         return f"port {spec.port} is taken on {spec.host} by something that is not a tbrpc node: pick another port"
+    python = spec.python or (sys.executable if spec.start == "local" else "python3")
+    where = "this machine" if spec.start == "local" else spec.ssh_destination()
+    if "No module named 'tbrpc._native'" in log:
+        return (f"tbrpc's C library is not built for {python} on {where}: reinstall tbrpc there "
+                "(pip install --no-build-isolation tbrpc, or `make setup` in a checkout)")
     if "No module named" in log:
-        where = "this machine" if spec.start == "local" else spec.ssh_destination()
-        return (f"tbrpc is not importable by {spec.python or 'python3'} on {where}: install tbrpc there, "
+        return (f"tbrpc is not importable by {python} on {where}: install tbrpc there, "
                 "or set `python = \"/path/to/venv/bin/python\"` for this node in the cluster file")
     if spec.start == "ssh" and ("Permission denied" in log or "Host key verification failed" in log
                                 or "Could not resolve" in log or "Connection refused" in log):
@@ -259,9 +263,23 @@ class Nodes:
         """A message naming a node this process started that has died, else None."""
         for node in self.started:
             if not node.alive():
-                return (f"node {node.spec.name} ({node.endpoint}) exited with code {node.proc.returncode}; "
-                        f"its log ({node.log_path}):\n    {_tail(node.log_path, 6)}")
+                return f"node {node.spec.name} ({node.endpoint}): the node process exited with code {node.proc.returncode}"
         return None
+
+    def explain(self, step: str, message: str) -> str:
+        """`message` (from the core or llama.cpp) as: node NAME (endpoint), step STEP: ... try: ..."""
+        running = {n.endpoint: n for n in self.started}
+        for spec, endpoint in zip(self.specs, self.endpoints):
+            if endpoint in message or f"node {spec.name} " in message:
+                node = running.get(endpoint)
+                if node is not None and not node.alive() and "exited with code" not in message:
+                    message += f" (the node process exited with code {node.proc.returncode})"
+                log = f"its log: {node.log_path}" if node else f"its log on {spec.host}"
+                hint = (f"{log}; `tbrpc status` shows its memory in use; "
+                        "`tbrpc doctor` checks every node; then launch again")
+                message = message.removeprefix(f"node {spec.name} ({endpoint}): ")
+                return f"node {spec.name} ({endpoint}), step {step}: {message}\n  try: {hint}"
+        return f"step {step}: {message}\n  try: `tbrpc doctor` checks every node"
 
     def pids(self) -> list[int]:
         """Pids of the node processes started here (on their own machines)."""

@@ -202,7 +202,8 @@ class Llama(llama_cpp.Llama):
         try:
             self.tbrpc_devices = connect(nodes.endpoints)
         except TbrpcError as exc:
-            raise TbrpcError(f"step connect: {exc}\n  try: `tbrpc doctor` to check every node") from exc
+            raise type(exc)(nodes.explain("connect", str(exc))) from exc
+        say(f"connected: {', '.join(f'{d}={s.name}' for d, s in zip(self.tbrpc_devices, nodes.specs))}; loading")
         for key, value in self.tbrpc_plan.llama_kwargs().items():
             if key in ("n_gpu_layers", "tensor_split", "split_mode"):
                 kwargs.setdefault(key, value)
@@ -215,11 +216,11 @@ class Llama(llama_cpp.Llama):
             try:
                 super().__init__(model_path, **kwargs)
             except TbrpcError as exc:
-                raise type(exc)(f"step load: {exc}\n  try: `tbrpc doctor`; check the node's log") from exc
+                raise type(exc)(nodes.explain("load", str(exc))) from exc
             except ValueError as exc:
                 failure = nodes.failure()
                 if failure:
-                    raise TbrpcError(f"step load: {failure}") from exc
+                    raise TbrpcError(nodes.explain("load", failure)) from exc
                 raise
         self.tbrpc_load_seconds = time.monotonic() - started
 

@@ -140,7 +140,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             say(f"serving OpenAI-compatible API on http://{host}:{port}/v1 (model {alias!r}); Ctrl-C stops it")
             failure = serve_http(llm, sock, alias, lambda: _cluster_failure(nodes), opts.api_key)
             if failure:
-                say(f"stopped: step generate: {failure}\n  try: `tbrpc doctor`, then launch again")
+                say("stopped: " + nodes.explain("generate", failure))
                 return EXIT_FAILED
             say("stopped")
             return EXIT_OK
@@ -155,13 +155,17 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             return EXIT_DOES_NOT_FIT
         except (LaunchError, TbrpcError) as exc:
             message = str(exc)
-            if not message.startswith("node ") and not message.startswith("step "):
-                message = f"step {step}: {message}"
+            if not message.startswith(("node ", "step ")):
+                message = nodes.explain(step, message) if nodes else f"step {step}: {message}"
             say(message)
             return EXIT_FAILED
         except ValueError as exc:  # llama-cpp-python's "Failed to load model" and friends
             failure = _cluster_failure(nodes) if nodes else None
-            say(f"step {step}: {failure or exc}\n  try: check the model file and the node logs in {log_dir}")
+            if failure and nodes:
+                say(nodes.explain(step, failure))
+            else:
+                say(f"step {step}: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
+                    f"and the node logs in {log_dir}")
             return EXIT_FAILED
         finally:
             signals.loading = True   # a second Ctrl-C must not interrupt the cleanup

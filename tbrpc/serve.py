@@ -89,7 +89,8 @@ def serve_http(llm: llama_cpp.Llama, sock: socket.socket, alias: str, failure: C
     except ImportError as exc:
         raise _missing_server_extra(exc) from exc
     app = make_app(llm, alias, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    # A stop does not wait for long streams to finish: 3 s, then open requests are cut.
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3))
     failed: list[str] = []
     done = threading.Event()
 

@@ -1,0 +1,266 @@
+"""Helpers for the launch, doctor and drop-in tests: real processes, real sockets.
+
+Every process these helpers start is tracked by PID, and `assert_gone`
+checks that none is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+PROMPT = "The capital of France is"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for every purpose but the parent's wait
+    try:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except OSError:
+        return True
+
+
+def assert_gone(pids: list[int], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+
+
+def with_descendants(pids: list[int]) -> list[int]:
+    """`pids` and every process below them (a node's per-client workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def node_pids(log_dir: Path) -> list[int]:
+    """The node pids that the nodes printed in their logs (local and ssh alike)."""
+    pids = []
+    for log in sorted(log_dir.glob("*.log")):
+        m = re.search(r"tbrpc node pid (\d+)", log.read_text(errors="replace"))
+        if m:
+            pids.append(int(m.group(1)))
+    return pids
+
+
+CHAT = [{"role": "user", "content": "Name a French city."}]
+
+
+def baseline(model: Path, prompt: str, max_tokens: int, n_ctx: int = 256, chat_format: str | None = None) -> dict[str, Any]:
+    """Greedy completion (and chat, with chat_format) in one plain process with the kernels nodes use
+    (use_extra_bufts=False)."""
+    code = textwrap.dedent(f"""
+        import json, llama_cpp, llama_cpp.llama_cpp as lib
+        original = lib.llama_model_default_params
+        def params():
+            p = original(); p.use_extra_bufts = False; return p
+        lib.llama_model_default_params = params
+        llm = llama_cpp.Llama({str(model)!r}, n_ctx={n_ctx}, verbose=False, chat_format={chat_format!r})
+        out = llm.create_completion({prompt!r}, max_tokens={max_tokens}, temperature=0)
+        result = {{"text": out["choices"][0]["text"], "usage": out["usage"]}}
+        if {chat_format!r}:
+            chat = llm.create_chat_completion(messages={CHAT!r}, max_tokens={max_tokens}, temperature=0)
+            result["chat"] = chat["choices"][0]["message"]["content"]
+        print(json.dumps(result))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class Launch:
+    """`tbrpc launch` running as a child process, its stderr collected by a thread."""
+
+    proc: subprocess.Popen[str]
+    log_dir: Path
+    stdout_path: Path
+    err_lines: list[str] = field(default_factory=list)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err_lines)
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float = 120.0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.stderr)
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                time.sleep(0.2)
+                m = re.search(pattern, self.stderr)
+                if m:
+                    return m
+                raise AssertionError(f"launch exited ({self.proc.returncode}) before {pattern!r}:\n{self.stderr}")
+            time.sleep(0.02)
+        raise AssertionError(f"no {pattern!r} after {timeout} s:\n{self.stderr}")
+
+    def http_base(self) -> str:
+        return self.wait_for(r"serving OpenAI-compatible API on (http://\S+/v1)").group(1)
+
+    def finish(self, timeout: float = 60.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"launch did not stop in {timeout} s:\n{self.stderr}")
+
+    def node_pids(self) -> list[int]:
+        return node_pids(self.log_dir)
+
+
+def start_launch(tmp_path: Path, *args: str) -> Launch:
+    log_dir = tmp_path / f"logs-{time.monotonic_ns()}"
+    stdout_path = tmp_path / f"stdout-{time.monotonic_ns()}.txt"
+    out = open(stdout_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "launch", "--log-dir", str(log_dir), *args],
+                            cwd=tmp_path, env=ENV, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE,
+                            text=True)
+    out.close()
+    launch = Launch(proc, log_dir, stdout_path)
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            launch.err_lines.append(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return launch
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def http_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> list[dict[str, Any]]:
+    """Server-sent events of a streaming request, as JSON objects (without [DONE])."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def python_wrapper(tmp_path: Path) -> Path:
+    """An interpreter path that imports this checkout's tbrpc (what `python =` names on a node)."""
+    wrapper = tmp_path / "python-with-tbrpc"
+    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT} exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@dataclass
+class Sshd:
+    proc: subprocess.Popen[bytes]
+    port: int
+    key: Path
+    known_hosts: Path
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_sshd(tmp_path: Path) -> Sshd | str:
+    """A private sshd on a free loopback port that accepts a key made here; a reason string if it cannot run."""
+    sshd = shutil.which("sshd") or ("/usr/sbin/sshd" if Path("/usr/sbin/sshd").exists() else None)
+    if sshd is None or shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
+        return "no OpenSSH server/client on this machine (apt-get install openssh-server openssh-client)"
+    d = tmp_path / "sshd"
+    d.mkdir()
+    key, host_key = d / "id_ed25519", d / "host_ed25519"
+    for path in (key, host_key):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    authorized = d / "authorized_keys"
+    authorized.write_text((d / "id_ed25519.pub").read_text())
+    authorized.chmod(0o600)
+    port = free_port()
+    config = d / "sshd_config"
+    config.write_text(textwrap.dedent(f"""\
+        Port {port}
+        ListenAddress 127.0.0.1
+        HostKey {host_key}
+        AuthorizedKeysFile {authorized}
+        PasswordAuthentication no
+        KbdInteractiveAuthentication no
+        UsePAM no
+        StrictModes no
+        PidFile none
+        AllowUsers {os.environ.get("USER") or _user()}
+        """))
+    Path("/run/sshd").mkdir(exist_ok=True) if os.geteuid() == 0 else None
+    log = d / "sshd.log"
+    proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"sshd cannot run here: {log.read_text(errors='replace')[-500:]}"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return Sshd(proc, port, key, d / "known_hosts")
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    return "sshd did not start listening in 10 s"
+
+
+def _user() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name

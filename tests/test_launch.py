@@ -1,0 +1,301 @@
+"""`tbrpc launch`: real node processes, the real HTTP API, real signals.
+
+Answers over HTTP and with --prompt must be the tokens of one plain process
+(greedy; see launch_helpers.baseline), and nothing launch started may be
+left running afterwards -- after a normal stop, Ctrl-C, SIGTERM, SIGKILL of
+launch itself, or a node killed during load or generation (checked by PID).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import models
+from launch_helpers import (
+    CHAT, ENV, PROMPT, Launch, assert_gone, baseline, free_port, http_json, http_stream, python_wrapper, start_launch,
+    start_sshd, with_descendants,
+)
+
+from tbrpc.cluster import ClusterError
+from tbrpc.spec import NodeSpec, SshTarget, choose_cluster, load_specs, local_specs, spec_from_table
+
+N_TOKENS = 12
+
+
+CHAT_FORMAT = {"gemma": "gemma"}   # this GGUF has no chat template; the tiny models are not chat models
+
+
+@cache
+def expected(model_name: str, max_tokens: int = N_TOKENS) -> dict[str, Any]:
+    return baseline(models.ensure(model_name), PROMPT, max_tokens, chat_format=CHAT_FORMAT.get(model_name))
+
+
+def stop_and_check(launch: Launch, sig: int = signal.SIGINT, code: int = 0) -> None:
+    pids = with_descendants(launch.node_pids())   # the nodes and their per-client workers
+    assert pids, launch.stderr
+    launch.proc.send_signal(sig)
+    assert launch.finish() == code, launch.stderr
+    assert_gone(pids)
+
+
+# --- the cluster file's launch keys ------------------------------------------------------
+
+
+def test_cluster_file_launch_keys(tmp_path: Path) -> None:
+    path = tmp_path / "tbrpc.toml"
+    path.write_text("""
+[[node]]
+name = "mac1"
+host = "127.0.0.1"
+port = 50052
+memory = "64GiB"
+
+[[node]]
+name = "mac2"
+host = "10.0.0.2"
+port = 50052
+memory = "512GiB"
+usable_memory = "480GiB"
+ssh = { user = "me", host = "mac2.local", key = "~/.ssh/tbrpc", options = ["StrictHostKeyChecking=accept-new"] }
+python = "~/tbrpc/.venv/bin/python"
+model = "/models/k2.gguf"
+device = "MTL0"
+threads = 8
+
+[[node]]
+name = "box"
+host = "10.0.0.3"
+port = 50053
+memory = "128GiB"
+kind = "cpu"
+""")
+    mac1, mac2, box = load_specs(path)
+    assert (mac1.start, mac1.endpoint) == ("local", "127.0.0.1:50052")
+    assert mac2.start == "ssh" and mac2.ssh == SshTarget("mac2.local", "me", "~/.ssh/tbrpc", None,
+                                                         ("StrictHostKeyChecking=accept-new",))
+    assert (mac2.python, mac2.model, mac2.device, mac2.threads) == ("~/tbrpc/.venv/bin/python", "/models/k2.gguf", "MTL0", 8)
+    assert mac2.plan_node is not None and mac2.plan_node.usable_bytes == 480 * 2**30
+    argv = mac2.ssh_argv("true")
+    assert argv[0] == "ssh" and "BatchMode=yes" in argv and argv[-2:] == ["me@mac2.local", "true"]
+    assert os.path.expanduser("~/.ssh/tbrpc") in argv
+    assert box.start == "manual" and box.listen_address == "10.0.0.3"
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[node]]\nname = "x"\nhost = "h"\nport = 1\nmemory = "1GiB"\nstart = "telnet"\n')
+    with pytest.raises(ClusterError, match="start must be one of"):
+        load_specs(bad)
+
+
+def test_cluster_file_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    with pytest.raises(ClusterError, match="--local N"):
+        choose_cluster(None, None)
+    user_file = tmp_path / "config" / "tbrpc" / "tbrpc.toml"
+    user_file.parent.mkdir(parents=True)
+    user_file.write_text("")
+    assert choose_cluster(None, None) == str(user_file)
+    (tmp_path / "tbrpc.toml").write_text("")
+    assert choose_cluster(None, None) == str(tmp_path / "tbrpc.toml")
+    assert choose_cluster("other.toml", None) == "other.toml"
+    assert choose_cluster(None, 3) == 3
+    specs = local_specs(3)
+    assert [s.name for s in specs] == ["local0", "local1", "local2"] and all(s.port == 0 for s in specs)
+    assert spec_from_table({"name": "n", "host": "h", "ssh": "u@h2"}, None, "t").ssh == SshTarget("h2", "u")
+    assert isinstance(specs[0], NodeSpec)
+
+
+# --- serving over HTTP -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_name,n_nodes", [("llama", 2), ("deepseek2", 4), ("gemma", 2)])
+def test_http_api_answers_like_one_process(model_name: str, n_nodes: int, tmp_path: Path) -> None:
+    want = expected(model_name)
+    chat_format = ["--chat-format", CHAT_FORMAT[model_name]] if model_name in CHAT_FORMAT else []
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure(model_name)), "--local", str(n_nodes),
+                          "--ctx", "256", "--port", "0", "--alias", "m", *chat_format)
+    try:
+        base = launch.http_base()
+        assert len(launch.node_pids()) == n_nodes
+        assert [m["id"] for m in http_json(f"{base}/models")["data"]] == ["m"]
+
+        # repeat_penalty: the server defaults to 1.1, llama_cpp.Llama (the baseline) to 1.0
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": N_TOKENS, "temperature": 0, "repeat_penalty": 1.0}
+        out = http_json(f"{base}/completions", body)
+        assert out["choices"][0]["text"] == want["text"]
+        assert out["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+
+        chunks = http_stream(f"{base}/completions", {**body, "stream": True})
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want["text"]
+
+        if "chat" in want:
+            chat = {"model": "m", "messages": CHAT, "max_tokens": N_TOKENS, "temperature": 0, "repeat_penalty": 1.0}
+            whole = http_json(f"{base}/chat/completions", chat)["choices"][0]["message"]["content"]
+            assert whole == want["chat"]
+            events = http_stream(f"{base}/chat/completions", {**chat, "stream": True})
+            assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == whole
+        stop_and_check(launch, signal.SIGINT, 0)
+        assert "stopping (SIGINT)" in launch.stderr
+    finally:
+        if launch.proc.poll() is None:
+            launch.proc.kill()
+
+
+def test_prompt_prints_one_completion(tmp_path: Path) -> None:
+    want = expected("llama")
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256",
+                          "--prompt", PROMPT, "--max-tokens", str(N_TOKENS))
+    assert launch.finish() == 0, launch.stderr
+    assert launch.stdout == want["text"] + "\n"
+    assert "model loaded in" in launch.stderr and "loading" in launch.stderr
+    assert_gone(launch.node_pids())
+
+
+def test_sigterm_stops_server_and_nodes(tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256", "--port", "0")
+    launch.http_base()
+    stop_and_check(launch, signal.SIGTERM, 0)
+
+
+def test_launch_killed_leaves_no_node(tmp_path: Path) -> None:
+    """Even SIGKILL of launch: each node sees its stdin close and stops by itself."""
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256", "--port", "0")
+    launch.http_base()
+    stop_and_check(launch, signal.SIGKILL, -signal.SIGKILL)
+
+
+def test_does_not_fit_refuses_and_stops_nodes(tmp_path: Path) -> None:
+    cluster = tmp_path / "tiny.toml"
+    cluster.write_text("".join(f'[[node]]\nname = "n{i}"\nhost = "127.0.0.1"\nport = 0\nmemory = "2GiB"\nkind = "cpu"\n'
+                               for i in range(2)))
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster), "--prompt", "x")
+    assert launch.finish() == 2, launch.stderr
+    assert "step plan" in launch.stderr and "does not fit" in launch.stderr
+    assert_gone(launch.node_pids())
+
+
+def test_unreachable_manual_node_names_node_and_step(tmp_path: Path) -> None:
+    cluster = tmp_path / "c.toml"
+    cluster.write_text('[[node]]\nname = "far"\nhost = "127.0.0.1"\nport = 1\nmemory = "8GiB"\nstart = "manual"\n')
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster),
+                          "--start-timeout", "2", "--prompt", "x")
+    assert launch.finish() == 1
+    assert "node far (127.0.0.1:1), step handshake" in launch.stderr
+    assert "try: is the node running" in launch.stderr
+
+
+# --- failures during load and generation -----------------------------------------------
+
+
+def _pause_a_node_at_plan(launch: Launch) -> int:
+    """Once the nodes are connected, SIGSTOP node 1 so the load cannot finish."""
+    launch.wait_for(r"tbrpc: connected: .*; loading")
+    victim = launch.node_pids()[1]
+    os.kill(victim, signal.SIGSTOP)
+    time.sleep(0.5)
+    assert "model loaded" not in launch.stderr, "the load finished before the node was paused"
+    return victim
+
+
+def test_ctrl_c_during_load(tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256", "--port", "0")
+    pids_before = None
+    try:
+        victim = _pause_a_node_at_plan(launch)
+        pids_before = with_descendants(launch.node_pids())
+        launch.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGCONT)    # the load goes on, and stops at its next progress report
+        assert launch.finish() == 130, launch.stderr
+        assert "interrupted (SIGINT) during step load" in launch.stderr
+        assert "serving" not in launch.stderr
+    finally:
+        if launch.proc.poll() is None:
+            launch.proc.kill()
+    assert_gone(pids_before or [])
+
+
+def test_node_killed_during_load(tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256", "--port", "0")
+    victim = _pause_a_node_at_plan(launch)
+    pids = with_descendants(launch.node_pids())
+    os.kill(victim, signal.SIGKILL)
+    assert launch.finish() == 1, launch.stderr
+    assert "step load" in launch.stderr and "local1" in launch.stderr, launch.stderr
+    assert_gone(pids)
+
+
+def test_node_killed_during_generation(tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
+                          "--prompt", "Once upon a time", "--max-tokens", "200")
+    launch.wait_for(r"model loaded")
+    deadline = time.monotonic() + 60
+    while not launch.stdout.strip() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pids = with_descendants(launch.node_pids())
+    os.kill(launch.node_pids()[1], signal.SIGKILL)
+    assert launch.finish() == 1, launch.stderr
+    assert "step generate" in launch.stderr and "127.0.0.1:" in launch.stderr, launch.stderr
+    assert_gone(pids)
+
+
+def test_ctrl_c_during_generation(tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
+                          "--prompt", "Once upon a time", "--max-tokens", "200")
+    launch.wait_for(r"model loaded")
+    deadline = time.monotonic() + 60
+    while not launch.stdout.strip() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pids = with_descendants(launch.node_pids())
+    launch.proc.send_signal(signal.SIGINT)
+    assert launch.finish() == 130, launch.stderr
+    assert "interrupted (SIGINT) during step generate" in launch.stderr
+    assert_gone(pids)
+
+
+# --- over ssh ------------------------------------------------------------------------------
+
+
+def test_launch_over_ssh(tmp_path: Path) -> None:
+    """Two nodes started through the system's ssh client (to a private sshd on localhost)."""
+    sshd = start_sshd(tmp_path)
+    if isinstance(sshd, str):
+        pytest.skip(sshd)
+    try:
+        python = python_wrapper(tmp_path)
+        ssh = (f'ssh = {{ host = "127.0.0.1", port = {sshd.port}, key = "{sshd.key}", options = '
+               f'["StrictHostKeyChecking=accept-new", "UserKnownHostsFile={sshd.known_hosts}"] }}\n')
+        cluster = tmp_path / "tbrpc.toml"
+        cluster.write_text("".join(
+            f'[[node]]\nname = "ssh{i}"\nhost = "127.0.0.1"\nport = {free_port()}\nmemory = "4GiB"\nkind = "cpu"\n'
+            f'threads = 1\npython = "{python}"\n{ssh}' for i in range(2)))
+        want = expected("llama")
+        launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--ctx", "256", "--port", "0")
+        base = launch.http_base()
+        assert "starting (ssh 127.0.0.1)" in launch.stderr
+        out = http_json(f"{base}/completions", {"prompt": PROMPT, "max_tokens": N_TOKENS, "temperature": 0,
+                                                "repeat_penalty": 1.0})
+        assert out["choices"][0]["text"] == want["text"]
+        assert len(launch.node_pids()) == 2
+        pids = with_descendants(launch.node_pids())
+        # SIGKILL launch: the ssh clients see their stdin close, the remote nodes theirs.
+        launch.proc.kill()
+        launch.finish()
+        assert_gone(pids)
+    finally:
+        sshd.stop()
+
+
+def test_cli_help_lists_commands() -> None:
+    out = subprocess.run([sys.executable, "-m", "tbrpc.cli", "--help"], env=ENV, capture_output=True, text=True).stdout
+    for command in ("launch", "doctor", "status", "node"):
+        assert command in out
