@@ -21,6 +21,7 @@
 
 #define SET_CHUNK (64ull << 20)        // weights cross in 64 MiB messages
 #define OP_CACHE_SIZE 4096             // node answers remembered per node (power of two)
+#define FILE_MIN (256u << 10)          // smaller writes cost less to send than to look up (a /proc/self/maps parse)
 
 // Answers the node gave about op classes (supports_op, alloc size), by key.
 struct op_cache_entry { uint64_t key; uint64_t value; bool used; };
@@ -46,7 +47,10 @@ struct client_node {
     uint8_t * last_graph; size_t last_graph_len, last_graph_cap; // what the node holds for RECOMPUTE
     struct op_cache_entry op_cache[OP_CACHE_SIZE];
 
-    uint64_t round_trips, messages, graphs_sent, graphs_reused;
+    struct node_file { char path[4096]; uint64_t id; } * files;  // head file -> node's file id (0: the node lacks it)
+    size_t n_files;
+
+    uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files;
 };
 
 struct tbrpc_client {
@@ -55,6 +59,8 @@ struct tbrpc_client {
     struct client_node ** nodes;
     size_t n_nodes, cap_nodes;
     bool   registered;
+    struct head_file { char path[4096]; int ok; struct tb_file_identity identity; } * head_files;  // identities, computed once
+    size_t n_head_files;
 };
 
 struct client_buffer {
@@ -173,12 +179,73 @@ static void * buffer_get_base(ggml_backend_buffer_t buffer) {
     return (void *) (uintptr_t) cb->base;
 }
 
+// Identity of a file the head has mapped, computed once per path.
+static int head_file_identity(struct tbrpc_client * c, const char * path, struct tb_file_identity * out) {
+    pthread_mutex_lock(&c->lock);
+    for (size_t i = 0; i < c->n_head_files; i++) {
+        if (strcmp(c->head_files[i].path, path) == 0) {
+            *out = c->head_files[i].identity;
+            int ok = c->head_files[i].ok;
+            pthread_mutex_unlock(&c->lock);
+            return ok ? 0 : -1;
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    struct head_file hf = { .ok = 0 };
+    char why[256];
+    snprintf(hf.path, sizeof hf.path, "%s", path);
+    hf.ok = tb_file_identity_path(path, &hf.identity, why, sizeof why) == 0;
+    pthread_mutex_lock(&c->lock);
+    struct head_file * grown = realloc(c->head_files, (c->n_head_files + 1) * sizeof *grown);
+    if (grown) { c->head_files = grown; c->head_files[c->n_head_files++] = hf; }
+    pthread_mutex_unlock(&c->lock);
+    *out = hf.identity;
+    return hf.ok ? 0 : -1;
+}
+
+// When [data, data+size) lies in a model file the head has mapped (llama.cpp
+// loads with mmap) and the node holds the same file, the node's id for it;
+// otherwise 0 and the bytes are sent. Caller holds n->lock.
+static uint64_t node_file_for(struct client_node * n, const void * data, size_t size, uint64_t * file_offset) {
+    char path[4096];
+    if (!n->client || size < FILE_MIN || tb_find_file_mapping(data, size, path, sizeof path, file_offset) != 0) return 0;
+    for (size_t i = 0; i < n->n_files; i++) {
+        if (strcmp(n->files[i].path, path) == 0) return n->files[i].id;
+    }
+    struct tb_open_file req;
+    memset(&req, 0, sizeof req);
+    uint64_t id = 0;
+    struct tb_file_identity identity;
+    const char * base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    if (head_file_identity(n->client, path, &identity) == 0 && strlen(base) < sizeof req.name) {
+        req.size = identity.size;
+        memcpy(req.fingerprint, identity.fingerprint, sizeof req.fingerprint);
+        snprintf(req.name, sizeof req.name, "%s", base);
+        if (node_call_locked(n, TB_CMD_OPEN_FILE, &req, sizeof req, NULL, 0, &id, sizeof id) != 0) id = 0;
+    }
+    struct node_file * grown = realloc(n->files, (n->n_files + 1) * sizeof *grown);
+    if (grown) {
+        n->files = grown;
+        snprintf(n->files[n->n_files].path, sizeof n->files[n->n_files].path, "%s", path);
+        n->files[n->n_files++].id = id;
+    }
+    return id;
+}
+
 static void buffer_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * tensor, const void * data, size_t offset, size_t size) {
     struct client_buffer * cb = buffer->context;
     struct client_node * n = cb->node;
     const uint8_t * p = data;
     uint64_t at = tensor_offset(cb, tensor) + offset;
     pthread_mutex_lock(&n->lock);
+    uint64_t file_offset = 0;
+    const uint64_t file_id = n->failed ? 0 : node_file_for(n, data, size, &file_offset);
+    if (file_id) {
+        struct tb_file_range req = { .handle = cb->handle, .offset = at, .size = size, .file_id = file_id, .file_offset = file_offset };
+        node_post_locked(n, TB_CMD_LOAD_FROM_FILE, &req, sizeof req, NULL, 0);
+        n->bytes_from_files += size;
+        size = 0;
+    }
     while (size > 0 && !n->failed) {
         size_t chunk = size < SET_CHUNK ? size : (size_t) SET_CHUNK;
         struct tb_range req = { .handle = cb->handle, .offset = at, .size = chunk };
@@ -726,6 +793,7 @@ static void node_destroy(struct client_node * n) {
     pthread_mutex_destroy(&n->lock);
     free(n->encode);
     free(n->last_graph);
+    free(n->files);
     free(n);
 }
 
@@ -814,6 +882,7 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
     out->messages = n->messages;
     out->graphs_sent = n->graphs_sent;
     out->graphs_reused = n->graphs_reused;
+    out->bytes_from_files = n->bytes_from_files;
     pthread_mutex_unlock(&n->lock);
     return 0;
 }
@@ -844,7 +913,7 @@ void tbrpc_client_reset_stats(struct tbrpc_client * c) {
     for (size_t i = 0; i < tbrpc_client_node_count(c); i++) {
         struct client_node * n = node_at(c, i);
         pthread_mutex_lock(&n->lock);
-        n->round_trips = n->messages = n->graphs_sent = n->graphs_reused = 0;
+        n->round_trips = n->messages = n->graphs_sent = n->graphs_reused = n->bytes_from_files = 0;
         n->tp->bytes_sent = n->tp->bytes_received = 0;
         pthread_mutex_unlock(&n->lock);
     }
@@ -858,6 +927,10 @@ int tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, 
     if (rc != 0) snprintf(err, err_len, "%s", n->error);
     node_destroy(n);
     return rc;
+}
+
+int tbrpc_file_identity(const char * path, struct tb_file_identity * out, char * err, size_t err_len) {
+    return tb_file_identity_path(path, out, err, err_len);
 }
 
 const char * tbrpc_runtime_ggml_version(void) { return ggml_version(); }

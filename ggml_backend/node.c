@@ -28,6 +28,8 @@
 
 #define IDLE_POLL_MS 250
 #define MAX_CLIENTS  64
+#define MAX_FILES    256       // model files one client may have open (shards of a 1T model: ~13-60)
+#define FILE_CHUNK   (64u << 20)
 
 // Per-client counters. They live in memory shared with worker processes, so
 // the node can report totals whether a client is served by a thread or by
@@ -35,7 +37,7 @@
 struct client_slot {
     int32_t  in_use;
     int32_t  pid;              // worker process, or 0 when served by a thread
-    uint64_t buffers, bytes_allocated, graphs_computed, bytes_received;
+    uint64_t buffers, bytes_allocated, graphs_computed, bytes_received, bytes_from_files;
     char     peer[96];
 };
 
@@ -47,6 +49,7 @@ struct tb_node {
     int      stop_pipe[2];        // written by tb_node_stop, watched by the accept loop
     volatile int stopping;
     bool     isolate;             // one worker process per client (see tb_node_config.isolation)
+    char     model_dirs[4096];    // ':'-separated; empty: clients cannot ask for files
     struct client_slot * slots;   // MAX_CLIENTS, MAP_SHARED
     ggml_backend_dev_t dev;
     FILE *   log;                 // owned when it is not stderr
@@ -84,6 +87,9 @@ struct node_conn {
     pthread_cond_t  busy_changed;
     bool      computing, closing;
     uint32_t  keepalive_ms;         // asked for by the client at HELLO
+
+    struct { int fd; uint64_t size; char name[TB_FILE_NAME_LEN]; } files[MAX_FILES];  // id = index + 1
+    size_t    n_files;
     pthread_t watchdog;
     bool      has_watchdog;
 };
@@ -457,6 +463,103 @@ static int handle_alloc_size(struct node_conn * c, const struct tb_header * h, s
     return 0;
 }
 
+// A plain "*.gguf" file name: no directories, nothing hidden.
+static bool is_model_file_name(const char * name) {
+    size_t len = strlen(name);
+    return len > 5 && name[0] != '.' && strchr(name, '/') == NULL && strcmp(name + len - 5, ".gguf") == 0;
+}
+
+// Look for the client's file in our model directories; return its id or 0.
+static uint64_t open_model_file(struct node_conn * c, const struct tb_open_file * req) {
+    for (size_t i = 0; i < c->n_files; i++) {
+        if (strcmp(c->files[i].name, req->name) == 0) return i + 1;
+    }
+    if (c->n_files == MAX_FILES) return 0;
+    char dirs[sizeof c->node->model_dirs];
+    snprintf(dirs, sizeof dirs, "%s", c->node->model_dirs);
+    char * save = NULL;
+    for (char * dir = strtok_r(dirs, ":", &save); dir; dir = strtok_r(NULL, ":", &save)) {
+        char path[4096 + TB_FILE_NAME_LEN];
+        snprintf(path, sizeof path, "%s/%s", dir, req->name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        struct tb_file_identity mine;
+        char why[128];
+        if (tb_file_identity_fd(fd, &mine, why, sizeof why) == 0 && mine.size == req->size &&
+            memcmp(mine.fingerprint, req->fingerprint, TB_FINGERPRINT_LEN) == 0) {
+            size_t i = c->n_files++;
+            c->files[i].fd = fd;
+            c->files[i].size = mine.size;
+            snprintf(c->files[i].name, sizeof c->files[i].name, "%s", req->name);
+            node_log(c->node, "client %s: weights of %s come from this node's %s", c->tp->peer, req->name, path);
+            return i + 1;
+        }
+        node_log(c->node, "client %s: %s differs from the head's copy (size or fingerprint); its weights will stream",
+                 c->tp->peer, path);
+        close(fd);
+    }
+    return 0;
+}
+
+static int handle_open_file(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_open_file), "OPEN_FILE", err, err_len) != 0) return -1;
+    struct tb_open_file * req = (struct tb_open_file *) c->payload;
+    req->name[TB_FILE_NAME_LEN - 1] = '\0';
+    uint64_t id = 0;
+    if (!is_model_file_name(req->name)) {
+        node_log(c->node, "client %s: refused to open '%s': not a plain *.gguf name", c->tp->peer, req->name);
+    } else if (c->node->model_dirs[0]) {
+        id = open_model_file(c, req);
+    }
+    memcpy(r->small, &id, sizeof id);
+    r->data = r->small;
+    r->len = sizeof id;
+    return 0;
+}
+
+// Fill [offset, offset+size) of a buffer from an open model file.
+static int handle_load_from_file(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_file_range), "LOAD_FROM_FILE", err, err_len) != 0) return -1;
+    const struct tb_file_range req = *(const struct tb_file_range *) c->payload;
+    if (req.file_id == 0 || req.file_id > c->n_files) {
+        snprintf(err, err_len, "LOAD_FROM_FILE: unknown file id %llu", (unsigned long long) req.file_id);
+        return -1;
+    }
+    const int fd = c->files[req.file_id - 1].fd;
+    const uint64_t file_size = c->files[req.file_id - 1].size;
+    if (req.file_offset > file_size || req.size > file_size - req.file_offset) {
+        snprintf(err, err_len, "LOAD_FROM_FILE: [%llu, +%llu) lies outside %s (%llu bytes)", (unsigned long long) req.file_offset,
+                 (unsigned long long) req.size, c->files[req.file_id - 1].name, (unsigned long long) file_size);
+        return -1;
+    }
+    struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
+    if (!b) return -1;
+    const bool host = ggml_backend_buffer_is_host(b->buf);
+    if (!host && c->payload_cap < FILE_CHUNK) {   // device memory: read through the scratch buffer
+        uint8_t * p = realloc(c->payload, FILE_CHUNK);
+        if (!p) { snprintf(err, err_len, "out of memory"); return -1; }
+        c->payload = p;
+        c->payload_cap = FILE_CHUNK;
+    }
+    for (uint64_t done = 0; done < req.size;) {
+        size_t want = req.size - done < FILE_CHUNK ? (size_t) (req.size - done) : FILE_CHUNK;
+        uint8_t * dst = host ? b->base + req.offset + done : c->payload;
+        ssize_t got = pread(fd, dst, want, (off_t) (req.file_offset + done));
+        if (got <= 0) {
+            snprintf(err, err_len, "LOAD_FROM_FILE: reading %s failed: %s", c->files[req.file_id - 1].name,
+                     got == 0 ? "file is shorter than it was" : strerror(errno));
+            return -1;
+        }
+        if (!host) {
+            struct ggml_tensor t = byte_view(b, req.offset + done, (uint64_t) got);
+            ggml_backend_tensor_set(&t, c->payload, 0, (size_t) got);
+        }
+        done += (uint64_t) got;
+    }
+    count(&c->slot->bytes_from_files, (int64_t) req.size);
+    return 0;
+}
+
 static int handle_status(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     if (expect_len(h->len, 0, "STATUS", err, err_len) != 0) return -1;
     struct tb_status * s = (struct tb_status *) r->small;
@@ -483,7 +586,7 @@ static int handle_memory(struct node_conn * c, const struct tb_header * h, struc
 static bool is_posted(uint16_t cmd) {
     switch (cmd) {
         case TB_CMD_FREE_BUFFER: case TB_CMD_BUFFER_CLEAR: case TB_CMD_SET_TENSOR: case TB_CMD_MEMSET_TENSOR:
-        case TB_CMD_COPY_TENSOR: case TB_CMD_GRAPH_COMPUTE: case TB_CMD_GRAPH_RECOMPUTE:
+        case TB_CMD_COPY_TENSOR: case TB_CMD_GRAPH_COMPUTE: case TB_CMD_GRAPH_RECOMPUTE: case TB_CMD_LOAD_FROM_FILE:
             return true;
         default:
             return false;
@@ -540,6 +643,8 @@ static int dispatch(struct node_conn * c, const struct tb_header * h, struct rep
         case TB_CMD_GRAPH_RECOMPUTE: return handle_graph_recompute(c, h, err, err_len);
         case TB_CMD_SUPPORTS_OP:     return handle_supports_op(c, h, r, err, err_len);
         case TB_CMD_GET_ALLOC_SIZE:  return handle_alloc_size(c, h, r, err, err_len);
+        case TB_CMD_OPEN_FILE:       return handle_open_file(c, h, r, err, err_len);
+        case TB_CMD_LOAD_FROM_FILE:  return handle_load_from_file(c, h, err, err_len);
         case TB_CMD_SYNC:            return expect_len(h->len, 0, "SYNC", err, err_len);
         case TB_CMD_STATUS:          return handle_status(c, h, r, err, err_len);
         default:
@@ -619,6 +724,7 @@ static void conn_free(struct node_conn * c) {
     pthread_mutex_destroy(&c->busy_lock);
     pthread_cond_destroy(&c->busy_changed);
     while (c->n_buffers > 0) release_buffer(c, c->n_buffers - 1);
+    for (size_t i = 0; i < c->n_files; i++) close(c->files[i].fd);
     if (c->graph_ctx) ggml_free(c->graph_ctx);
     if (c->backend) ggml_backend_free(c->backend);
     free(c->buffers);
@@ -838,7 +944,8 @@ struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, s
     else snprintf(n->name, sizeof n->name, "%s:%d", cfg->host && *cfg->host ? cfg->host : "*", n->port);
     if (pipe(n->stop_pipe) != 0) { snprintf(err, err_len, "pipe: %s", strerror(errno)); goto fail; }
     fcntl(n->stop_pipe[1], F_SETFL, O_NONBLOCK);
-    n->cfg.host = n->cfg.device = n->cfg.name = n->cfg.log_path = NULL;   // not owned; do not keep
+    snprintf(n->model_dirs, sizeof n->model_dirs, "%s", cfg->model_dirs ? cfg->model_dirs : "");
+    n->cfg.host = n->cfg.device = n->cfg.name = n->cfg.log_path = n->cfg.model_dirs = NULL;   // not owned; do not keep
     return n;
 fail:
     tb_node_free(n);
@@ -892,6 +999,7 @@ void tb_node_get_status(struct tb_node * n, struct tb_status * s) {
         s->bytes_allocated += __atomic_load_n(&slot->bytes_allocated, __ATOMIC_RELAXED);
         s->graphs_computed += __atomic_load_n(&slot->graphs_computed, __ATOMIC_RELAXED);
         s->bytes_received += __atomic_load_n(&slot->bytes_received, __ATOMIC_RELAXED);
+        s->bytes_from_files += __atomic_load_n(&slot->bytes_from_files, __ATOMIC_RELAXED);
     }
     s->mem_free = free_mem;
     s->mem_total = total_mem;

@@ -25,6 +25,8 @@ struct tb_node_config {
     const char * name;        // node name shown to clients and in logs
     const char * log_path;    // append log lines here; NULL/"" logs to stderr
     int          timeout_ms;  // a client silent mid-message for this long is dropped
+    const char * model_dirs;  // ':'-separated directories whose *.gguf files clients may
+                              // ask the node to load weights from (NULL/"": none)
     int          isolation;   // 1: one worker process per client (a request that crashes
                               // ggml ends only that client); 0: one thread per client;
                               // -1: the platform default (processes, threads on macOS

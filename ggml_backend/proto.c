@@ -17,6 +17,7 @@ static const char * const cmd_names[TB_CMD_COUNT_] = {
     [TB_CMD_GRAPH_COMPUTE] = "GRAPH_COMPUTE", [TB_CMD_GRAPH_RECOMPUTE] = "GRAPH_RECOMPUTE",
     [TB_CMD_SUPPORTS_OP] = "SUPPORTS_OP", [TB_CMD_SYNC] = "SYNC", [TB_CMD_STATUS] = "STATUS",
     [TB_CMD_KEEPALIVE] = "KEEPALIVE", [TB_CMD_GET_ALLOC_SIZE] = "GET_ALLOC_SIZE",
+    [TB_CMD_OPEN_FILE] = "OPEN_FILE", [TB_CMD_LOAD_FROM_FILE] = "LOAD_FROM_FILE",
 };
 
 const char * tb_cmd_name(uint16_t cmd) {

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "ggml.h"
+#include "model_file.h"
 #include "transport.h"
 
 #ifdef __cplusplus
@@ -53,6 +54,8 @@ enum tb_cmd {
     TB_CMD_STATUS,           // empty               reply: tb_status
     TB_CMD_KEEPALIVE,        // node -> client, empty, flagged REPLY with id 0: "still computing, keep waiting"
     TB_CMD_GET_ALLOC_SIZE,   // tb_graph_header + tensors (last one is the op)  reply: u64 bytes
+    TB_CMD_OPEN_FILE,        // tb_open_file        reply: u64 file id, 0 when the node has no such file
+    TB_CMD_LOAD_FROM_FILE,   // tb_file_range       posted: fill a buffer range from the node's own copy
     TB_CMD_COUNT_,
 };
 
@@ -106,12 +109,18 @@ struct tb_range       { uint64_t handle, offset, size; };
 struct tb_memset_req  { uint64_t handle, offset, size; uint8_t value; uint8_t pad[7]; };
 struct tb_copy_req    { uint64_t src_handle, src_offset, dst_handle, dst_offset, size; };
 
+// A model file the head has mapped; the node looks for `name` in its model
+// directories and accepts it only with the same size and fingerprint.
+struct tb_open_file   { uint64_t size; uint8_t fingerprint[TB_FINGERPRINT_LEN]; char name[TB_FILE_NAME_LEN]; };
+struct tb_file_range  { uint64_t handle, offset, size, file_id, file_offset; };
+
 struct tb_status {
     uint64_t buffers;            // live buffers, all clients
     uint64_t bytes_allocated;    // sum of their sizes
     uint64_t clients;            // connected clients
     uint64_t graphs_computed;
     uint64_t bytes_received;     // payload bytes received from all clients
+    uint64_t bytes_from_files;   // bytes loaded from the node's own model files
     uint64_t mem_free, mem_total;
     char     device_name[TB_NAME_LEN];
 };

@@ -29,6 +29,7 @@ struct tbrpc_node_info {
     uint64_t messages;               // all requests
     uint64_t graphs_sent;            // GRAPH_COMPUTE with a full graph
     uint64_t graphs_reused;          // GRAPH_RECOMPUTE (the node still had it)
+    uint64_t bytes_from_files;       // weights the node read from its own copy of the model
 };
 
 struct tbrpc_client * tbrpc_client_new(void);
@@ -48,6 +49,9 @@ void   tbrpc_client_reset_stats(struct tbrpc_client * c);
 // One-shot: connect, handshake, read status, close (for doctor and launch).
 int tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status,
                 char * err, size_t err_len);
+
+// Size and fingerprint of a model file, as nodes compare them (doctor too).
+int tbrpc_file_identity(const char * path, struct tb_file_identity * out, char * err, size_t err_len);
 
 // The ggml version string of the loaded ggml, and the one we were written for.
 const char * tbrpc_runtime_ggml_version(void);

@@ -18,7 +18,7 @@ from cffi import FFI
 
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "ggml_backend"
-C_SOURCES = ["proto.c", "client.c", "node.c", "transport/tcp.c"]
+C_SOURCES = ["proto.c", "client.c", "node.c", "model_file.c", "transport/tcp.c"]
 
 CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;
@@ -27,7 +27,7 @@ struct tb_hello { struct tb_abi abi; uint64_t mem_free; uint64_t mem_total; uint
                   uint64_t max_size; uint32_t device_type; char device_name[...];
                   char device_description[...]; char node_name[...]; ...; };
 struct tb_status { uint64_t buffers; uint64_t bytes_allocated; uint64_t clients; uint64_t graphs_computed;
-                   uint64_t bytes_received; uint64_t mem_free; uint64_t mem_total; char device_name[...]; ...; };
+                   uint64_t bytes_received; uint64_t bytes_from_files; uint64_t mem_free; uint64_t mem_total; char device_name[...]; ...; };
 struct tb_header { uint32_t magic; uint16_t cmd; uint16_t flags; uint64_t id; uint64_t len; };
 struct tb_reply_status { int32_t status; uint32_t reserved; };
 struct tb_range { uint64_t handle, offset, size; };
@@ -43,11 +43,13 @@ struct tb_wire_tensor { uint64_t buffer; uint64_t offset; int64_t ne[4]; uint64_
 enum tb_cmd { TB_CMD_HELLO, TB_CMD_GET_MEMORY, TB_CMD_ALLOC_BUFFER, TB_CMD_FREE_BUFFER, TB_CMD_BUFFER_CLEAR,
               TB_CMD_SET_TENSOR, TB_CMD_GET_TENSOR, TB_CMD_MEMSET_TENSOR, TB_CMD_COPY_TENSOR,
               TB_CMD_GRAPH_COMPUTE, TB_CMD_GRAPH_RECOMPUTE, TB_CMD_SUPPORTS_OP, TB_CMD_SYNC, TB_CMD_STATUS,
-              TB_CMD_KEEPALIVE, TB_CMD_GET_ALLOC_SIZE, ... };
+              TB_CMD_KEEPALIVE, TB_CMD_GET_ALLOC_SIZE, TB_CMD_OPEN_FILE, TB_CMD_LOAD_FROM_FILE, ... };
+struct tb_open_file { uint64_t size; uint8_t fingerprint[16]; char name[256]; };
+struct tb_file_range { uint64_t handle, offset, size, file_id, file_offset; };
 void tb_abi_fill(struct tb_abi * abi);
 
 struct tb_node_config { const char * host; int port; const char * device; int threads; const char * name;
-                        const char * log_path; int timeout_ms; int isolation; };
+                        const char * log_path; int timeout_ms; const char * model_dirs; int isolation; };
 struct tb_node;
 struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, size_t err_len);
 int  tb_node_port(const struct tb_node * node);
@@ -58,7 +60,10 @@ void tb_node_free(struct tb_node * node);
 
 struct tbrpc_node_info { char endpoint[...]; char device_name[...]; struct tb_hello hello; int failed;
                          char error[...]; uint64_t bytes_sent; uint64_t bytes_received; uint64_t round_trips;
-                         uint64_t messages; uint64_t graphs_sent; uint64_t graphs_reused; ...; };
+                         uint64_t messages; uint64_t graphs_sent; uint64_t graphs_reused;
+                         uint64_t bytes_from_files; ...; };
+struct tb_file_identity { uint64_t size; uint8_t fingerprint[16]; };
+int tbrpc_file_identity(const char * path, struct tb_file_identity * out, char * err, size_t err_len);
 struct tbrpc_client;
 struct tbrpc_client * tbrpc_client_new(void);
 int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, char * err, size_t err_len);

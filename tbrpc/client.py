@@ -40,6 +40,7 @@ class NodeInfo:
     messages: int
     graphs_sent: int
     graphs_reused: int
+    bytes_from_files: int     # weights the node read from its own copy of the model
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class NodeStatus:
     clients: int
     graphs_computed: int
     bytes_received: int
+    bytes_from_files: int
     mem_free: int
     mem_total: int
     device: str
@@ -57,7 +59,7 @@ class NodeStatus:
 def _status_from_c(s: Any) -> NodeStatus:
     return NodeStatus(
         buffers=s.buffers, bytes_allocated=s.bytes_allocated, clients=s.clients,
-        graphs_computed=s.graphs_computed, bytes_received=s.bytes_received,
+        graphs_computed=s.graphs_computed, bytes_received=s.bytes_received, bytes_from_files=s.bytes_from_files,
         mem_free=s.mem_free, mem_total=s.mem_total, device=text(s.device_name),
     )
 
@@ -110,6 +112,7 @@ class Cluster:
             mem_free=h.mem_free, mem_total=h.mem_total, failed=bool(out.failed), error=text(out.error),
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, round_trips=out.round_trips,
             messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
+            bytes_from_files=out.bytes_from_files,
         )
 
     def nodes(self) -> list[NodeInfo]:
@@ -212,6 +215,6 @@ def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[NodeInfo, 
         endpoint=endpoint, device_name="", node_name=text(hello.node_name), node_device=text(hello.device_name),
         description=text(hello.device_description), mem_free=hello.mem_free, mem_total=hello.mem_total,
         failed=False, error="", bytes_sent=0, bytes_received=0, round_trips=0, messages=0, graphs_sent=0,
-        graphs_reused=0,
+        graphs_reused=0, bytes_from_files=0,
     )
     return info, _status_from_c(status)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from tbrpc.client import NodeStatus, _status_from_c
@@ -28,6 +29,7 @@ class NodeConfig:
     log_path: str | None = None
     timeout: float = 10.0         # a client silent mid-message for this long is dropped
     isolation: str = "auto"       # "process": a worker per client; "thread"; "auto": process except on macOS
+    model_dirs: list[str] = field(default_factory=list)  # clients may load weights from *.gguf files here
 
 
 class NodeServer:
@@ -37,12 +39,14 @@ class NodeServer:
         ffi, lib = load()
         self._ffi, self._lib = ffi, lib
         self.config = config
-        keep = [ffi.new("char[]", (s or "").encode()) for s in (config.host, config.device, config.name, config.log_path)]
+        dirs = os.pathsep.join(os.path.abspath(d) for d in config.model_dirs)
+        keep = [ffi.new("char[]", (s or "").encode())
+                for s in (config.host, config.device, config.name, config.log_path, dirs)]
         c_cfg = ffi.new("struct tb_node_config *", {
             "host": keep[0], "port": config.port, "device": keep[1], "threads": config.threads,
             "name": keep[2],
             "log_path": keep[3], "timeout_ms": int(config.timeout * 1000),
-            "isolation": ISOLATION[config.isolation],
+            "model_dirs": keep[4], "isolation": ISOLATION[config.isolation],
         })
         err = error_buffer()
         self._node = lib.tb_node_create(c_cfg, err, len(err))

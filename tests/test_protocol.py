@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -327,3 +328,47 @@ def test_disconnect_frees_the_clients_buffers(node: Any) -> None:
         time.sleep(0.05)
     assert tbrpc.probe(node.endpoint)[1].bytes_allocated == 0
 
+
+
+# ---- model files --------------------------------------------------------------------
+
+def open_file(w: Wire, name: str, size: int = 100) -> int:
+    w.send(lib.TB_CMD_OPEN_FILE, pack("struct tb_open_file", size=size, name=name.encode()))
+    status, body = w.reply()
+    assert status == 0, body
+    return struct.unpack("<Q", body)[0]
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", ".hidden.gguf", "notes.txt", "missing.gguf"])
+def test_open_file_only_serves_plain_gguf_names_from_model_dirs(nodes: Any, tmp_path: Path, name: str) -> None:
+    (tmp_path / "notes.txt").write_text("secret")
+    node = nodes(1, "--model-dir", str(tmp_path))[0]
+    assert open_file(ready(node), name) == 0
+
+
+def test_load_from_file_checks_ids_and_ranges(nodes: Any, tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * 4096)
+    node = nodes(1, "--model-dir", str(tmp_path))[0]
+    w = ready(node)
+    identity = ffi.new("struct tb_file_identity *")
+    err = ffi.new("char[]", 256)
+    assert lib.tbrpc_file_identity(str(model).encode(), identity, err, 256) == 0
+    w.send(lib.TB_CMD_OPEN_FILE, pack("struct tb_open_file", size=identity.size, fingerprint=bytes(identity.fingerprint),
+                                      name=b"m.gguf"))
+    status, body = w.reply()
+    file_id = struct.unpack("<Q", body)[0]
+    assert status == 0 and file_id == 1
+    handle = w.alloc(8192)
+    w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=0, size=4096, file_id=7,
+                                           file_offset=0))
+    assert "unknown file id 7" in w.sync_error()
+    w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=0, size=4096, file_id=1,
+                                           file_offset=1))
+    assert "outside m.gguf" in w.sync_error()
+    w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=8000, size=4096, file_id=1,
+                                           file_offset=0))
+    assert "outside buffer" in w.sync_error()
+    w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=10, size=4096, file_id=1,
+                                           file_offset=0))
+    assert w.sync_error() == ""
