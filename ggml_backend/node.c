@@ -740,8 +740,15 @@ static void serve_connection(struct node_conn * c) {
     snprintf(peer, sizeof peer, "%s", c->tp->peer);
     node_log(n, "client %s connected%s", peer, c->slot->pid ? " (own worker process)" : "");
     bool said_hello = false;
+    // A peer that never says HELLO (a port scanner, a stuck client) must not
+    // hold one of the MAX_CLIENTS slots forever.
+    int hello_wait_ms = n->cfg.timeout_ms > 0 ? n->cfg.timeout_ms : 10000;
     while (!n->stopping) {
         int ready = tb_poll(c->tp, IDLE_POLL_MS);
+        if (ready == 0 && !said_hello && (hello_wait_ms -= IDLE_POLL_MS) <= 0) {
+            node_log(n, "client %s: no HELLO within %d ms; dropping it", peer, n->cfg.timeout_ms);
+            break;
+        }
         if (ready == 0) continue;
         if (ready < 0 || serve_one(c, &said_hello) != 0) break;
     }

@@ -149,6 +149,13 @@ def test_ggml_abi_mismatch_is_refused(node: Any) -> None:
     assert "ggml ABI mismatch" in node.log_text()
 
 
+def test_silent_peer_is_dropped_after_the_timeout(nodes: Any) -> None:
+    node = nodes(1, "--timeout", "1")[0]
+    w = Wire(node.endpoint)
+    assert w.closed(timeout=10)
+    assert "no HELLO within 1000 ms" in node.log_text()
+
+
 def test_request_before_hello_drops_the_connection(node: Any) -> None:
     w = Wire(node.endpoint)
     w.send(lib.TB_CMD_STATUS)
