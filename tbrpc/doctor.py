@@ -11,7 +11,6 @@ run over ssh, or in this process for nodes on this machine.
 from __future__ import annotations
 
 import json
-import shlex
 import socket
 import subprocess
 import time
@@ -115,7 +114,8 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
                "is this port a tbrpc node? restart it: " + _start_command(spec))
         n.add("handshake", FAIL, message, fix)
         return False, None
-    n.add("handshake", OK, f"protocol and ggml ABI match; node {info.node_name!r}, {status.clients} client(s)")
+    others = max(0, status.clients - 1)   # this probe is a client too
+    n.add("handshake", OK, f"protocol and ggml ABI match; node {info.node_name!r}, {others} other client(s)")
     return True, (info, status)
 
 
@@ -156,7 +156,8 @@ def _check_model(n: _Node, facts: dict[str, Any], reference: dict[str, Any] | No
     spec, got = n.spec, facts.get("model")
     if got is None:
         return
-    copy = f"rsync -a --progress HEAD_MODEL {spec.ssh_destination() + ':' if spec.start == 'ssh' else ''}{got['path']}"
+    source = reference["path"] if reference else "MODEL"
+    copy = f"rsync -a --progress {source} {spec.ssh_destination() + ':' if spec.start == 'ssh' else ''}{got['path']}"
     if not got["exists"]:
         n.add("model", FAIL, f"{got['path']}: missing {', '.join(got['missing'][:3])}",
               f"copy the model to the node (e.g. `{copy}`) or fix `model` in the cluster file")
@@ -169,7 +170,7 @@ def _check_model(n: _Node, facts: dict[str, Any], reference: dict[str, Any] | No
     elif (got["size"], got["fingerprint"]) != (reference["size"], reference["fingerprint"]):
         n.add("model", FAIL, f"{detail}; differs from the head's ({format_size(reference['size'])}, "
               f"fingerprint {reference['fingerprint'][:12]})",
-              f"the node has another file under this name: copy the head's (`{copy}`)")
+              f"the node's file is not the head's model: copy the head's (`{copy}`)")
     else:
         n.add("model", OK, detail + ", same as the head's")
 
@@ -227,8 +228,8 @@ def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float 
         facts, why, failing = _facts(spec, model, timeout=max(30.0, timeout))
         if facts is None:
             if failing == "ssh":
-                n.add("ssh", FAIL, why, f"`{shlex.join(spec.ssh_argv('true'))}` must work without a password: "
-                      "ssh-copy-id, the right `key`, and accept the host key once")
+                n.add("ssh", FAIL, why, f"`{spec.ssh.human() if spec.ssh else 'ssh'}` must work without a password "
+                      "(BatchMode): ssh-copy-id, the right `key`, and accept the host key once")
             elif failing:
                 n.add(failing, FAIL, why, "install tbrpc on the node, or set `python = \"/path/to/venv/bin/python\"` "
                       "for it in the cluster file")

@@ -44,6 +44,11 @@ class SshTarget:
     def destination(self) -> str:
         return f"{self.user}@{self.host}" if self.user else self.host
 
+    def human(self, remote_command: str = "true") -> str:
+        """The same connection as a person would type it."""
+        words = ["ssh"] + (["-i", self.key] if self.key else []) + (["-p", str(self.port)] if self.port else [])
+        return " ".join(words + [self.destination, remote_command])
+
     def argv(self, remote_command: str) -> list[str]:
         """The system ssh client's command line: non-interactive, failing fast, detecting dead links."""
         argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",

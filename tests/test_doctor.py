@@ -1,0 +1,219 @@
+"""`tbrpc doctor` on a healthy cluster and on broken ones: a node down, a wrong
+model file, a protocol version mismatch (a fake node), ssh that fails. The
+macOS rows (RDMA, Thunderbolt, wired memory) are checked with recorded facts:
+this machine is not a Mac."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import models
+from launch_helpers import ENV, free_port
+
+from tbrpc.doctor import FAIL, OK, WARN, Check, _check_macos, _Node, diagnose, failed, format_checks
+from tbrpc.facts import file_fingerprint, model_identity
+from tbrpc.spec import NodeSpec, load_specs
+
+
+def write_cluster(path: Path, nodes: list[dict[str, Any]]) -> Path:
+    text = ""
+    for n in nodes:
+        text += "[[node]]\n" + "".join(f"{k} = {v!r}\n" if isinstance(v, str) else f"{k} = {v}\n"
+                                       for k, v in n.items()).replace("'", '"')
+    path.write_text(text)
+    return path
+
+
+def node_table(name: str, port: int, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "host": "127.0.0.1", "port": port, "memory": "1GiB", "kind": "cpu", "start": "manual", **extra}
+
+
+def by(checks: list[Check], node: str, name: str) -> Check:
+    found = [c for c in checks if c.node == node and c.name == name]
+    assert found, format_checks(checks)
+    return found[0]
+
+
+def test_healthy_cluster(nodes: Any, tmp_path: Path) -> None:
+    model = models.ensure("llama")
+    a, b = nodes(2)
+    cluster = write_cluster(tmp_path / "tbrpc.toml", [node_table("a", a.port, model=str(model)),
+                                                      node_table("b", b.port)])
+    checks = diagnose(load_specs(cluster), str(model))
+    table = format_checks(checks)
+    assert not failed(checks), table
+    for node in ("a", "b"):
+        for name in ("reachable", "handshake", "device", "versions", "model"):
+            assert by(checks, node, name).status == OK, table
+    assert "same as the head's" in by(checks, "a", "model").detail
+    assert "all checks passed" in table
+
+    proc = subprocess.run([sys.executable, "-m", "tbrpc.cli", "doctor", "--cluster", str(cluster), "--gguf", str(model)],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all checks passed" in proc.stdout
+
+
+def test_node_down_fails_with_a_fix(nodes: Any, tmp_path: Path) -> None:
+    (a,) = nodes(1)
+    closed = free_port()
+    cluster = write_cluster(tmp_path / "c.toml", [node_table("up", a.port), node_table("down", closed)])
+    proc = subprocess.run([sys.executable, "-m", "tbrpc.cli", "doctor", "--cluster", str(cluster)],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout
+    checks = diagnose(load_specs(cluster))
+    down = by(checks, "down", "reachable")
+    assert down.status == FAIL and f"127.0.0.1:{closed}" in down.detail
+    assert f"tbrpc node --host 127.0.0.1 --port {closed}" in down.fix
+    assert by(checks, "up", "handshake").status == OK
+    assert "fix: start it on 127.0.0.1" in proc.stdout
+
+
+def test_wrong_and_missing_model_file(nodes: Any, tmp_path: Path) -> None:
+    head_model = models.ensure("llama")
+    impostor = tmp_path / "node-b" / head_model.name     # same name, other bytes
+    impostor.parent.mkdir()
+    shutil.copy(models.ensure("deepseek2"), impostor)
+    a, b = nodes(2)
+    cluster = write_cluster(tmp_path / "c.toml", [
+        node_table("a", a.port, model=str(tmp_path / "nowhere.gguf")),
+        node_table("b", b.port, model=str(impostor)),
+    ])
+    checks = diagnose(load_specs(cluster), str(head_model))
+    missing, wrong = by(checks, "a", "model"), by(checks, "b", "model")
+    assert missing.status == FAIL and "missing" in missing.detail and "copy the model" in missing.fix
+    assert wrong.status == FAIL and "differs from the head's" in wrong.detail and "rsync" in wrong.fix
+    assert failed(checks)
+
+
+def test_model_identity_covers_every_shard(tmp_path: Path) -> None:
+    parts = [tmp_path / f"m-0000{i}-of-00002.gguf" for i in (1, 2)]
+    for i, p in enumerate(parts):
+        p.write_bytes(bytes([i]) * (3 << 20))
+    ident = model_identity(parts[0])
+    assert ident["exists"] and ident["files"] == 2 and ident["size"] == 6 << 20
+    before = ident["fingerprint"]
+    with open(parts[1], "r+b") as f:      # a change in the head of the second shard (the header)
+        f.seek(10)
+        f.write(b"\xff")
+    assert model_identity(parts[0])["fingerprint"] != before
+    assert file_fingerprint(parts[0]) == file_fingerprint(parts[0])
+    parts[1].unlink()
+    assert model_identity(parts[0])["missing"] == [str(parts[1])]
+
+
+@pytest.fixture
+def fake_node() -> Iterator[int]:
+    """A socket server that answers HELLO like a node speaking tbrpc protocol 99."""
+    from tbrpc.native import load
+
+    ffi, lib = load()
+    hello = ffi.new("struct tb_hello *")
+    lib.tb_abi_fill(ffi.addressof(hello.abi))
+    hello.abi.proto_version = 99
+    hello.alignment = 32
+    hello.mem_total = hello.mem_free = 1 << 30
+    hello.node_name = b"from-the-future"
+    body = struct.pack("<iI", 0, 0) + bytes(ffi.buffer(hello))
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.1)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(10)
+            with conn:
+                header = conn.recv(24, socket.MSG_WAITALL)
+                if len(header) < 24:
+                    continue
+                magic, cmd, flags, ident, length = struct.unpack("<IHHQQ", header)
+                conn.recv(length, socket.MSG_WAITALL)
+                conn.sendall(struct.pack("<IHHQQ", magic, cmd, 1, ident, len(body)) + body)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    server.close()
+    thread.join(timeout=5)
+
+
+def test_version_mismatch(fake_node: int, tmp_path: Path) -> None:
+    cluster = write_cluster(tmp_path / "c.toml", [node_table("future", fake_node)])
+    checks = diagnose(load_specs(cluster))
+    hs = by(checks, "future", "handshake")
+    assert hs.status == FAIL and "protocol version mismatch" in hs.detail and "99" in hs.detail
+    assert "same tbrpc and llama-cpp-python" in hs.fix
+
+
+def test_ssh_that_fails_says_how_to_fix(tmp_path: Path) -> None:
+    port = free_port()   # nothing listens: ssh fails at once
+    spec_file = write_cluster(tmp_path / "c.toml", [{
+        "name": "remote", "host": "127.0.0.1", "port": free_port(), "memory": "1GiB", "kind": "cpu",
+    }])
+    spec_file.write_text(spec_file.read_text() + f'ssh = {{ host = "127.0.0.1", port = {port} }}\n')
+    (spec,) = load_specs(spec_file)
+    assert spec.start == "ssh"
+    if shutil.which("ssh") is None:
+        pytest.skip("no ssh client")
+    checks = diagnose([spec])
+    ssh = by(checks, "remote", "ssh")
+    assert ssh.status == FAIL and "ssh 127.0.0.1 failed" in ssh.detail
+    assert "must work without a password" in ssh.fix
+    assert by(checks, "remote", "reachable").status == WARN   # not running: launch would start it
+
+
+MAC_FACTS: dict[str, Any] = {
+    "rdma_ctl": {"rc": 0, "output": "disabled"},
+    "ibv_devices": {"rc": 0, "output": ""},
+    "wired_limit_mb": 0,
+    "memsize": 512 << 30,
+    "thunderbolt_ports": ["en2", "en3"],
+    "link": {"address": "10.0.0.2", "interface": "bridge0", "ports": ["Thunderbolt 1"], "thunderbolt": True,
+             "active": True},
+}
+
+
+def test_macos_rows_from_recorded_facts(tmp_path: Path) -> None:
+    cluster = write_cluster(tmp_path / "c.toml", [{"name": "mac2", "host": "10.0.0.2", "port": 50052,
+                                                   "memory": "512GiB", "usable_memory": "480GiB"}])
+    (spec,) = load_specs(cluster)
+    n = _Node(spec)
+    _check_macos(n, MAC_FACTS)
+    rows = {c.name: c for c in n.checks}
+    assert rows["rdma"].status == WARN and "rdma_ctl enable" in rows["rdma"].fix
+    assert rows["thunderbolt"].status == OK and "bridge0" in rows["thunderbolt"].detail
+    wired = rows["wired memory"]
+    assert wired.status == FAIL and "sudo sysctl iogpu.wired_limit_mb=" in wired.fix   # default 75% < 480 GiB
+
+    n = _Node(spec)
+    _check_macos(n, {**MAC_FACTS, "rdma_ctl": {"rc": 0, "output": "RDMA is enabled"}, "wired_limit_mb": 500 * 1024,
+                     "link": {**MAC_FACTS["link"], "interface": "en0", "ports": ["Wi-Fi"], "thunderbolt": False}})
+    rows = {c.name: c for c in n.checks}
+    assert rows["rdma"].status == OK and rows["wired memory"].status == OK
+    assert rows["thunderbolt"].status == WARN and "Thunderbolt Bridge" in rows["thunderbolt"].fix
+
+
+def test_table_format() -> None:
+    checks = [Check("a", "reachable", OK, "fine"), Check("bb", "model", FAIL, "differs", "copy it")]
+    table = format_checks(checks)
+    assert "fix: copy it" in table and "1 failed check(s)" in table
+    assert isinstance(NodeSpec("x", "h", 1), NodeSpec)
