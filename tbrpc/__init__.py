@@ -11,6 +11,16 @@ from tbrpc.client import Cluster, NodeError, NodeInfo, NodeStatus, cluster, conn
 from tbrpc.native import TbrpcError, VersionMismatchError
 
 __all__ = [
-    "Cluster", "NodeError", "NodeInfo", "NodeStatus", "TbrpcError", "VersionMismatchError",
+    "Cluster", "Llama", "NodeError", "NodeInfo", "NodeStatus", "TbrpcError", "VersionMismatchError",
     "cluster", "connect", "probe",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # tbrpc.Llama imports llama_cpp; loaded on first use so `tbrpc node` and
+    # `python -m tbrpc.facts` do not pay for it (or fail with it).
+    if name == "Llama":
+        from tbrpc.llama import Llama
+
+        return Llama
+    raise AttributeError(f"module 'tbrpc' has no attribute {name!r}")

@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -99,8 +98,8 @@ class RunningNode:
         if not self.port and (m := _LISTENING_RE.search(text)):
             self.port = int(m.group(1))
 
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """Stop the node: end of its stdin, then SIGTERM, then SIGKILL. Idempotent."""
+    def begin_stop(self) -> None:
+        """Ask the node to stop: end of its stdin (over ssh too), and SIGTERM to a local node."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()
@@ -108,13 +107,21 @@ class RunningNode:
                 pass
         if self.proc.poll() is None and self.spec.start == "local":
             self._signal(signal.SIGTERM)
+
+    def finish_stop(self, deadline: float) -> None:
+        """Wait until `deadline` (monotonic), then make sure: ssh kill by pid, SIGKILL."""
         try:
-            self.proc.wait(timeout=timeout)
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             if self.spec.start == "ssh":
                 self._remote_kill()
             self._signal(signal.SIGKILL)
             self.proc.wait()
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the node: end of its stdin, then SIGTERM, then SIGKILL. Idempotent."""
+        self.begin_stop()
+        self.finish_stop(time.monotonic() + timeout)
 
     def _signal(self, sig: int) -> None:
         try:
@@ -292,12 +299,13 @@ class Nodes:
         self.stop()
 
 
-def stop_all(nodes: Sequence[RunningNode]) -> None:
-    threads = [threading.Thread(target=n.stop, daemon=True) for n in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def stop_all(nodes: Sequence[RunningNode], timeout: float = STOP_TIMEOUT_S) -> None:
+    """Stop nodes in parallel, without threads (this also runs from __del__ at interpreter exit)."""
+    for node in nodes:
+        node.begin_stop()
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        node.finish_stop(deadline)
 
 
 def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START_TIMEOUT_S,

@@ -1,0 +1,136 @@
+"""`from tbrpc import Llama`: llama_cpp.Llama with `cluster=`, answering like one process.
+
+Each scenario runs in its own head process (ggml's device registry is
+process-wide) and reports JSON; node processes are checked by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import models
+from launch_helpers import ENV, PROMPT, alive, assert_gone, baseline, with_descendants
+
+N_TOKENS = 12
+
+
+@cache
+def expected(model_name: str) -> dict[str, Any]:
+    return baseline(models.ensure(model_name), PROMPT, N_TOKENS)
+
+
+def run_head(code: str) -> dict[str, Any]:
+    """Run `code` (which ends by printing one JSON line) in a fresh process."""
+    prelude = (f"import json, os, gc, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+               "from launch_helpers import with_descendants as tree\nfrom tbrpc import Llama\n")
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_local_nodes_started_and_stopped(tmp_path: Path) -> None:
+    """cluster=N: nodes started here; close() and garbage collection both stop them."""
+    model = models.ensure("llama")
+    out = run_head(f"""
+        llm = Llama({str(model)!r}, cluster=2, n_ctx=256, verbose=False, log_dir={str(tmp_path / "a")!r})
+        text = llm({PROMPT!r}, max_tokens={N_TOKENS}, temperature=0)["choices"][0]["text"]
+        first = tree(llm.tbrpc_node_pids)
+        alive_before = all(os.path.exists(f"/proc/{{p}}") for p in first)
+        llm.close()
+        llm2 = Llama({str(model)!r}, cluster=1, n_ctx=256, verbose=False, log_dir={str(tmp_path / "b")!r})
+        text2 = llm2({PROMPT!r}, max_tokens={N_TOKENS}, temperature=0)["choices"][0]["text"]
+        second = tree(llm2.tbrpc_node_pids)
+        devices = [llm.tbrpc_devices, llm2.tbrpc_devices]
+        del llm2
+        gc.collect()
+        print(json.dumps({{"text": text, "text2": text2, "first": first, "second": second,
+                          "alive_before": alive_before, "devices": devices}}))
+    """)
+    want = expected("llama")
+    assert out["text"] == want["text"] and out["text2"] == want["text"]
+    assert out["alive_before"] and len(out["first"]) >= 2 and len(out["second"]) >= 1
+    assert out["devices"] == [["TBRPC0", "TBRPC1"], ["TBRPC2"]]
+    assert_gone(out["first"] + out["second"], timeout=5)
+
+
+def test_endpoints_pick_exactly_their_nodes(nodes: Any) -> None:
+    """cluster=["host:port", ...] with another tbrpc device already registered: only ours hold the model."""
+    model = models.ensure("llama")
+    extra, a, b = nodes(3)
+    out = run_head(f"""
+        import tbrpc
+        tbrpc.connect([{extra.endpoint!r}])
+        llm = Llama({str(model)!r}, cluster=[{a.endpoint!r}, {b.endpoint!r}], n_ctx=256, verbose=False)
+        text = llm({PROMPT!r}, max_tokens={N_TOKENS}, temperature=0)["choices"][0]["text"]
+        used = [tbrpc.probe(e)[1].bytes_allocated for e in ({extra.endpoint!r}, {a.endpoint!r}, {b.endpoint!r})]
+        devices = llm.tbrpc_devices
+        llm.close()
+        print(json.dumps({{"text": text, "used": used, "devices": devices}}))
+    """)
+    assert out["text"] == expected("llama")["text"]
+    assert out["devices"] == ["TBRPC1", "TBRPC2"]
+    extra_bytes, a_bytes, b_bytes = out["used"]
+    assert extra_bytes == 0 and a_bytes > 0 and b_bytes > 0
+    for node in (extra, a, b):   # nodes someone else started are left running
+        assert node.proc.poll() is None
+
+
+def test_cluster_file_with_gemma(tmp_path: Path) -> None:
+    model = models.ensure("gemma")
+    cluster = tmp_path / "tbrpc.toml"
+    cluster.write_text("".join(f'[[node]]\nname = "n{i}"\nhost = "127.0.0.1"\nport = 0\nmemory = "8GiB"\nkind = "cpu"\n'
+                               f"threads = 1\n" for i in range(2)))
+    out = run_head(f"""
+        llm = Llama({str(model)!r}, cluster={str(cluster)!r}, n_ctx=256, verbose=False)
+        text = llm({PROMPT!r}, max_tokens={N_TOKENS}, temperature=0)["choices"][0]["text"]
+        pids = llm.tbrpc_node_pids
+        plan = [n.layers for n in llm.tbrpc_plan.nodes]
+        print(json.dumps({{"text": text, "pids": pids, "plan": plan}}))
+    """)   # the process exits without close(): the nodes must stop anyway
+    assert out["text"] == expected("gemma")["text"]
+    assert len(out["plan"]) == 2 and out["plan"][-1][1] == 17   # Gemma 3 270M: 18 layers
+    assert_gone(out["pids"], timeout=15)
+
+
+def test_does_not_fit_raises_and_stops_nodes(tmp_path: Path) -> None:
+    model = models.ensure("llama")
+    cluster = tmp_path / "small.toml"
+    cluster.write_text('[[node]]\nname = "small"\nhost = "127.0.0.1"\nport = 0\nmemory = "1GiB"\nkind = "cpu"\n')
+    out = run_head(f"""
+        import tbrpc.launch as launch
+        started = []
+        original = launch.start_process
+        def spy(spec, log_dir):
+            node = original(spec, log_dir)
+            started.append(node)
+            return node
+        launch.start_process = spy
+        from tbrpc.llama import DoesNotFitError
+        try:
+            Llama({str(model)!r}, cluster={str(cluster)!r}, n_ctx=256, verbose=False)
+            error = None
+        except DoesNotFitError as exc:
+            error = str(exc)
+        print(json.dumps({{"error": error, "exit_codes": [n.proc.poll() for n in started]}}))
+    """)
+    assert out["error"] and "step plan" in out["error"] and "does not fit" in out["error"]
+    assert out["exit_codes"] and all(code is not None for code in out["exit_codes"])
+
+
+def test_tbrpc_exports() -> None:
+    out = run_head("""
+        import tbrpc, llama_cpp
+        print(json.dumps({"subclass": issubclass(tbrpc.Llama, llama_cpp.Llama), "connect": callable(tbrpc.connect)}))
+    """)
+    assert out == {"subclass": True, "connect": True}
+
+
+def test_helpers_agree() -> None:
+    assert alive(__import__("os").getpid()) and with_descendants([]) == []
