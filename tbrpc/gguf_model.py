@@ -325,6 +325,7 @@ class ArchParams:
     head_k_mla: int = 0  # per-head dims after MLA "decompression" (compute graph)
     head_v_mla: int = 0
     n_lora_kv: int = 0
+    n_lora_q: int = 0  # MLA query low-rank width (0: a plain wq, the "lite" variants)
     dense_lead: int = 0  # leading blocks with a dense FFN in a MoE model
 
     @property
@@ -405,6 +406,7 @@ def arch_params(model: GGUFModel) -> ArchParams:
         head_k_mla=head_k_mla,
         head_v_mla=head_v_mla,
         n_lora_kv=int(model.get("attention.kv_lora_rank", 0) or 0),
+        n_lora_q=int(model.get("attention.q_lora_rank", 0) or 0),
         dense_lead=int(model.get("leading_dense_block_count", 0) or 0),
     )
 

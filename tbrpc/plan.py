@@ -10,12 +10,19 @@ derivation and the figures it was calibrated on):
   256, K only for MLA (deepseek2), window-sized for sliding-window layers
   unless ``swa_full`` (llama.cpp's default is a full-size SWA cache);
 * compute buffers: the worst-case prompt graph for one ubatch, per device:
-  the largest of the attention, FFN and output phases;
+  the largest of the attention, FFN and output phases, plus the graph inputs
+  (KQ mask per KV cache, row indices) its layers keep alive;
 * head extras: llama.cpp's output buffer and llama-cpp-python's logits array.
 
 Assignment: contiguous layer ranges, head first, minimising the largest
 fraction of usable memory any node needs (so heterogeneous nodes are loaded
 in proportion), realised exactly through ``tensor_split`` layer counts.
+
+Who is the head: with ``head_device="gpu"`` or ``"cpu"`` the first node is
+the machine running llama.cpp and holds the first layers itself; with
+``head_device="none"`` every node is a remote TBRPC device (TBRPC0 first)
+and the head process only keeps the token embeddings, the graph inputs and
+the logits, reported separately as ``Plan.head``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ DEFAULT_CTX = 32768
 DEFAULT_MARGIN = 2 * GiB
 
 CACHE_TYPES = {name.lower(): t for name, t in GGMLQuantizationType.__members__.items()}
+# "gpu": the head is node 0 and runs its layers on its own device (Metal's MTL0);
+# "cpu": the head is node 0 and runs its layers on its CPU backend;
+# "none": the head runs no layers, every node is a remote device (TBRPC0, TBRPC1, ...).
+HEAD_DEVICES = ("gpu", "cpu", "none")
 
 
 class PlanError(ValueError):
@@ -93,34 +104,66 @@ def layer_kv_bytes(p: ArchParams, il: int, c: ContextParams) -> int:
 F32 = 4
 
 
-# Per-head bytes of the MLA query path (q_b output, absorbed q_nope, the
-# concatenated latent query) that are live at once, as a multiple of
-# (head_k_mla + kv_lora_rank + key_length) float32s.  Fitted on llama.cpp's
-# own no_alloc reservations for deepseek2 graphs with 16, 64 and 128 heads.
-MLA_QUERY_FACTOR = 1.091
-MLA_FIXED_PER_TOKEN = 63_200  # latent KV projection and norms, per token
-
-
 def _n_kv(p: ArchParams, il: int, c: ContextParams) -> int:
     if p.is_swa[il] and not c.swa_full:
         return min(c.kv_size, pad(p.n_swa * c.n_seq + c.ubatch, 256))
     return c.kv_size
 
 
-def _mask_bytes(p: ArchParams, c: ContextParams) -> int:
-    """The KQ mask: an input every layer reads, so it lives through the whole graph."""
-    return c.kv_size * c.n_tokens * (2 if c.flash_attn else F32)
+FULL, SWA = 1, 2  # bits of a device's set of KV-cache kinds
+
+
+def _cache_kind(p: ArchParams, il: int) -> int:
+    """Which KV cache layer il attends (0 for MTP blocks, which are not in the graph)."""
+    if il >= p.n_layer:
+        return 0
+    return SWA if p.is_swa[il] else FULL
+
+
+def _inputs_bytes(p: ArchParams, c: ContextParams, kind: int) -> int:
+    """Graph inputs of one KV cache that a device holding its layers copies in.
+
+    The KQ mask (F16 with flash attention, else F32) lives until the
+    device's last layer of that kind has attended; without flash attention
+    the V-cache row indices (i64 per value of the transposed V rows) come
+    along; MLA has no V cache.  A mixed sliding-window device (gemma3)
+    holds both caches' inputs.
+    """
+    layers = [il for il in range(p.n_layer) if _cache_kind(p, il) == kind]
+    if not layers:
+        return 0
+    n_kv = _n_kv(p, layers[0], c)
+    total = n_kv * c.n_tokens * (2 if c.flash_attn else F32)
+    if not c.flash_attn and not p.is_mla:
+        total += c.n_tokens * max(p.kv_row_elems(il)[1] for il in layers) * 8
+    return total
+
+
+def _kinds_inputs(p: ArchParams, c: ContextParams, kinds: int) -> int:
+    return sum(_inputs_bytes(p, c, kind) for kind in (FULL, SWA) if kinds & kind)
 
 
 def _attention_phase(p: ArchParams, il: int, c: ContextParams) -> int:
-    """Bytes live while layer il attends (mask included)."""
+    """Bytes live while layer il attends (graph inputs such as the mask not included)."""
     n_kv, u, n_head = _n_kv(p, il, c), c.n_tokens, p.n_head[il]
     per_tok = 2 * p.n_embd * F32  # residual stream + normed input
-    fixed = _mask_bytes(p, c)
+    fixed = 0
     if p.is_mla:
-        per_tok += int(n_head * (p.head_k_mla + p.n_lora_kv + p.head_k) * F32 * MLA_QUERY_FACTOR) + MLA_FIXED_PER_TOKEN
+        # Absorbed MLA (llama.cpp's deepseek2 graph): at the peak, per head the
+        # decompressed query (head_k_mla), its RoPE'd part, the query absorbed
+        # into the latent space (kv_lora_rank) and the concatenated latent
+        # query (kv_lora_rank + rope) are live, plus per token a third
+        # n_embd-wide stream and the q_a projection.  Without flash attention
+        # V is a transposed copy of the latent cache (in the cache's type),
+        # live next to the KQ scores.  Measured with llama.cpp's own
+        # no_alloc reservations over 15 geometries (n_embd 4096-10240, 32-128
+        # heads, q_lora 512-3072, kv_lora 256-1024, rope 32-128): within 3%
+        # for ctx >= 768; at ctx 512 llama.cpp packs the no-FA graph tighter
+        # (the model is then up to 30% high).
+        rope = p.head_k - p.n_lora_kv
+        per_tok += (p.n_embd + p.n_lora_q + n_head * (p.head_k_mla + p.n_lora_kv + p.head_k + rope)) * F32
         if not c.flash_attn:
-            fixed += n_kv * p.n_lora_kv * 2  # V = transposed F16 copy of the latent cache
+            fixed += n_kv * row_bytes(c.cache_type_k, p.n_lora_kv)
     else:
         k_elems, v_elems = p.kv_row_elems(il)
         per_tok += (n_head * p.head_k + k_elems + v_elems + 2 * n_head * p.head_v) * F32
@@ -137,7 +180,7 @@ def _ffn_phase(p: ArchParams, il: int, c: ContextParams) -> int:
         per_tok += p.n_expert_used * p.n_embd * F32  # expert outputs before the weighted sum
     else:
         per_tok += 3 * p.n_ff[il] * F32
-    return per_tok * c.n_tokens + _mask_bytes(p, c)
+    return per_tok * c.n_tokens
 
 
 def _is_moe_layer(p: ArchParams, il: int) -> bool:
@@ -145,21 +188,28 @@ def _is_moe_layer(p: ArchParams, il: int) -> bool:
 
 
 def _output_phase(p: ArchParams, c: ContextParams) -> int:
-    """Logits for every token of the reserve graph, plus what survives the last layer."""
+    """Logits for every token of the reserve graph, plus what survives the last layer.
+
+    The masks are free by then (no layer left to attend).
+    """
     u = c.n_tokens
     streams = 4 if p.n_expert else 2  # MoE: the last layer's expert sum is still live
-    return u * p.n_vocab * F32 + max(streams * u * p.n_embd * F32, _mask_bytes(p, c))
+    return u * p.n_vocab * F32 + streams * u * p.n_embd * F32
 
 
 def compute_bytes(p: ArchParams, layers: range, c: ContextParams, has_output: bool, has_input: bool) -> int:
     """Worst-case compute buffer of one device holding ``layers``.
 
     ggml-alloc frees intermediates once their last consumer ran, so the
-    buffer is the peak of a single phase (plus what lives across phases,
-    like the KQ mask), not a sum over layers.
+    buffer is the peak of a single phase plus what lives across phases (the
+    graph inputs of each KV cache the device's layers use), not a sum over
+    layers.
     """
     peak = max((_layer_peak(p, il, c) for il in layers), default=0)
-    return _finish_compute(p, c, peak, _output_phase(p, c) if has_output else 0, has_input)
+    kinds = 0
+    for il in layers:
+        kinds |= _cache_kind(p, il)
+    return _finish_compute(p, c, peak, _kinds_inputs(p, c, kinds), _output_phase(p, c) if has_output else 0, has_input)
 
 
 def _layer_peak(p: ArchParams, il: int, c: ContextParams) -> int:
@@ -168,11 +218,28 @@ def _layer_peak(p: ArchParams, il: int, c: ContextParams) -> int:
     return max(_attention_phase(p, il, c), _ffn_phase(p, il, c))
 
 
-def _finish_compute(p: ArchParams, c: ContextParams, layers_peak: int, output_peak: int, has_input: bool) -> int:
-    peak = max(layers_peak, output_peak)
+def _finish_compute(p: ArchParams, c: ContextParams, layers_peak: int, inputs: int, output_peak: int, has_input: bool) -> int:
+    peak = max(layers_peak + inputs if layers_peak else 0, output_peak)
     if has_input:
-        peak += c.n_tokens * p.n_embd * F32  # embeddings gathered on the host, copied to the first device
+        peak += c.n_tokens * p.n_embd * F32  # embeddings gathered on the head's CPU, copied to layer 0's device
     return pad(peak, TENSOR_ALIGN)
+
+
+def head_compute_bytes(p: ArchParams, c: ContextParams) -> int:
+    """The head's CPU compute buffer when all layers are on remote devices.
+
+    It holds the token embeddings gathered from the CPU copy of token_embd
+    and the graph inputs every device copies from it (per KV cache: the KQ
+    mask, without flash attention the V row indices).  Measured against
+    llama.cpp's "CPU compute buffer" for split loads (tests/test_plan_split.py).
+    """
+    u = c.n_tokens
+    kinds = 0
+    for il in range(p.n_layer):
+        kinds |= _cache_kind(p, il)
+    total = _kinds_inputs(p, c, kinds) + 2 * u * p.n_embd * F32
+    total += 8 * u * 6  # tokens, positions, K row indices, out_ids
+    return pad(total, TENSOR_ALIGN)
 
 
 def host_bytes(p: ArchParams, c: ContextParams) -> int:
@@ -208,6 +275,22 @@ class NodePlan:
 
 
 @dataclass
+class HeadPlan:
+    """What the head process itself holds when it runs no layers (head_device="none").
+
+    Not checked against any node's memory: the head machine is not one of
+    the planned nodes (with ``tbrpc launch --local N`` it is the same
+    machine, whose RAM the nodes share).
+    """
+
+    device: str  # "CPU": the head's ggml CPU backend
+    weights_bytes: int  # token embeddings (llama.cpp never offloads the input layer)
+    compute_bytes: int  # CPU compute buffer: gathered embeddings and graph inputs
+    host_bytes: int  # llama.cpp's output buffer + llama-cpp-python's logits array
+    total_bytes: int
+
+
+@dataclass
 class Shortfall:
     """Why a plan does not fit, with the nearest plans that would."""
 
@@ -235,6 +318,7 @@ class Plan:
     head_device: str
     shortfall: Shortfall | None = None
     notes: list[str] = field(default_factory=list)
+    head: HeadPlan | None = None  # the head process's own bytes when head_device="none"
 
     @property
     def ctx(self) -> int:
@@ -275,6 +359,7 @@ class Plan:
             "tensor_split": self.tensor_split,
             "n_gpu_layers": self.n_gpu_layers,
             "head_device": self.head_device,
+            "head": None if self.head is None else asdict(self.head),
             "device_order": [n.device for n in self.nodes if n.device != "CPU"],
             "llama_cpp_args": self.cli_args,
             "shortfall": None if self.shortfall is None else asdict(self.shortfall),
@@ -301,7 +386,10 @@ class _Costs:
     weight_prefix: list[int]
     kv_prefix: list[int]
     layer_peak: list[int]  # compute peak of each layer's attention/FFN phases
+    layer_kind: list[int]  # the KV cache (FULL/SWA bit) each layer attends
+    kinds_inputs: list[int]  # graph-input bytes of a device, indexed by its set of kinds
     output_peak: int
+    head_is_node: bool  # node 0 is the head (embeddings, host buffers) unless head_device="none"
 
     def weights(self, first: int, last: int) -> int:
         return self.weight_prefix[last + 1] - self.weight_prefix[first]
@@ -310,25 +398,33 @@ class _Costs:
         return self.kv_prefix[last + 1] - self.kv_prefix[first]
 
 
-def _costs(params: ArchParams, layout: WeightLayout, c: ContextParams) -> _Costs:
+def _costs(params: ArchParams, layout: WeightLayout, c: ContextParams, head_is_node: bool = True) -> _Costs:
     wp, kp = [0], [0]
     for lw in layout.layers:
         wp.append(wp[-1] + (lw.total + TENSOR_ALIGN * lw.n_tensors if lw.loaded else 0))
         kp.append(kp[-1] + layer_kv_bytes(params, lw.index, c))
     peaks = [_layer_peak(params, il, c) for il in range(params.n_layer_all)]
-    return _Costs(params, layout, c, wp, kp, peaks, _output_phase(params, c))
+    kinds = [_cache_kind(params, il) for il in range(params.n_layer_all)]
+    inputs = [_kinds_inputs(params, c, k) for k in range((FULL | SWA) + 1)]
+    return _Costs(params, layout, c, wp, kp, peaks, kinds, inputs, _output_phase(params, c), head_is_node)
 
 
-def _node_need(costs: _Costs, index: int, first: int, last: int, layers_peak: int | None = None) -> tuple[int, int, int, int]:
+def _node_need(costs: _Costs, index: int, first: int, last: int, layers_peak: int | None = None,
+               kinds: int | None = None) -> tuple[int, int, int, int]:
     """(weights, kv, compute, host) of node ``index`` holding layers first..last.
 
-    ``layers_peak`` (the max of layer_peak over the range) lets the greedy
-    pass extend a range one layer at a time without rescanning it.
+    ``layers_peak`` (the max of layer_peak over the range) and ``kinds`` (the
+    KV caches its layers use) let the greedy pass extend a range one layer at
+    a time without rescanning it.
     """
     p, layout, c = costs.params, costs.layout, costs.context
     if layers_peak is None:
         layers_peak = max(costs.layer_peak[first : last + 1], default=0)
-    is_head, is_last = index == 0, last == p.n_layer_all - 1
+    if kinds is None:
+        kinds = 0
+        for kind in costs.layer_kind[first : last + 1]:
+            kinds |= kind
+    is_head, is_last = index == 0 and costs.head_is_node, last == p.n_layer_all - 1
     weights = kv = compute = 0
     if last >= first:
         weights = costs.weights(first, last) + layout.other_bytes
@@ -340,7 +436,8 @@ def _node_need(costs: _Costs, index: int, first: int, last: int, layers_peak: in
             weights -= layout.tied_bytes
     if is_head:
         weights += layout.input_bytes
-    compute = _finish_compute(p, c, layers_peak, costs.output_peak if is_last else 0, is_head)
+    # The device of layer 0 receives the embeddings gathered on the head's CPU.
+    compute = _finish_compute(p, c, layers_peak, costs.kinds_inputs[kinds], costs.output_peak if is_last else 0, first == 0)
     host = host_bytes(p, c) if is_head else 0
     return weights, kv, compute, host
 
@@ -359,12 +456,12 @@ def _greedy(costs: _Costs, budgets: list[float]) -> list[tuple[int, int]] | None
         remaining_nodes = n - index - 1
         last = first - 1
         limit = n_layers - 1 - remaining_nodes
-        peak = 0
+        peak = kinds = 0
         while last + 1 <= limit:
-            grown = max(peak, costs.layer_peak[last + 1])
-            if sum(_node_need(costs, index, first, last + 1, grown)) > budget:
+            grown, more = max(peak, costs.layer_peak[last + 1]), kinds | costs.layer_kind[last + 1]
+            if sum(_node_need(costs, index, first, last + 1, grown, more)) > budget:
                 break
-            last, peak = last + 1, grown
+            last, peak, kinds = last + 1, grown, more
         if last < first:
             return None
         ranges.append((first, last))
@@ -431,13 +528,16 @@ def plan(
     """Plan how ``gguf`` splits over ``nodes`` (head first) at context ``ctx``.
 
     ``head_device`` says how the head runs its own layers: ``"gpu"`` (a
-    device such as Metal's MTL0, listed first in tensor_split) or ``"cpu"``
-    (the CPU backend; its layers are the ones n_gpu_layers leaves out).
+    device such as Metal's MTL0, listed first in tensor_split), ``"cpu"``
+    (the CPU backend; its layers are the ones n_gpu_layers leaves out), or
+    ``"none"``: the head runs no layers and ``nodes`` are all remote devices
+    (TBRPC0 first), as with ``tbrpc.connect`` + ``n_gpu_layers=-1`` or
+    ``tbrpc launch --local N``; the head's own bytes are in ``Plan.head``.
     """
     if not nodes:
         raise PlanError("no nodes to plan for")
-    if head_device not in ("gpu", "cpu"):
-        raise PlanError("head_device must be 'gpu' or 'cpu'")
+    if head_device not in HEAD_DEVICES:
+        raise PlanError(f"head_device must be one of {', '.join(repr(h) for h in HEAD_DEVICES)}, got {head_device!r}")
     model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
     params = arch_params(model)
     layout = weight_layout(model, params, load_mtp=load_mtp)
@@ -449,7 +549,7 @@ def plan(
         ubatch=ubatch, batch=batch or ubatch, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
         flash_attn=flash_attn, swa_full=swa_full,
     )  # fmt: skip
-    costs = _costs(params, layout, context)
+    costs = _costs(params, layout, context, head_is_node=head_device != "none")
     ranges, _ = _balanced_ranges(costs, nodes, margin_b)
     node_plans = [_node_plan(model, costs, nodes, i, r, margin_b, head_device) for i, r in enumerate(ranges)]
     fits = all(n.headroom_bytes >= 0 for n in node_plans)
@@ -467,7 +567,8 @@ def plan(
         tensor_split=split,
         n_gpu_layers=ngl,
         head_device=head_device,
-        notes=_notes(params, layout, nodes, context),
+        notes=_notes(params, layout, nodes, context, head_device),
+        head=_head_plan(params, layout, context) if head_device == "none" else None,
     )
     if not fits and explain_shortfall:
         result.shortfall = _shortfall(model, result, nodes, params, layout, margin_b, head_device)
@@ -487,7 +588,12 @@ def _tensor_split(ranges: list[tuple[int, int]], n_layer_all: int, head_device: 
     counts[-1] += 1  # the output "layer"
     if head_device == "cpu":
         return counts[1:] if len(counts) > 1 else [], n_layer_all + 1 - int(ranges[0][1] - ranges[0][0] + 1)
-    return counts, n_layer_all + 1
+    return counts, n_layer_all + 1  # "gpu": the head's device first; "none": TBRPC0 first
+
+
+def _head_plan(p: ArchParams, layout: WeightLayout, c: ContextParams) -> HeadPlan:
+    weights, compute, host = layout.input_bytes, head_compute_bytes(p, c), host_bytes(p, c)
+    return HeadPlan("CPU", weights, compute, host, weights + compute + host)
 
 
 def _node_plan(model: GGUFModel, costs: _Costs, nodes: Sequence[Node], index: int, rng: tuple[int, int], margin: int, head_device: str) -> NodePlan:
@@ -495,7 +601,9 @@ def _node_plan(model: GGUFModel, costs: _Costs, nodes: Sequence[Node], index: in
     first, last = rng
     weights, kv, compute, host = _node_need(costs, index, first, last)
     total = weights + kv + compute + host
-    if index == 0:
+    if head_device == "none":
+        device = f"TBRPC{index}"  # every node is remote
+    elif index == 0:
         device = "CPU" if head_device == "cpu" else "GPU0 (head's own device, e.g. MTL0)"
     else:
         device = f"TBRPC{index - 1}"  # remote nodes, in cluster order after the head
@@ -510,12 +618,12 @@ def _node_plan(model: GGUFModel, costs: _Costs, nodes: Sequence[Node], index: in
         host_bytes=host,
         total_bytes=total,
         headroom_bytes=node.usable_bytes - margin - total,
-        shards=_shards_for(model, index, first, last, costs.params.n_layer_all),
+        shards=_shards_for(model, index == 0 and costs.head_is_node, first, last, costs.params.n_layer_all),
         device=device,
     )
 
 
-def _shards_for(model: GGUFModel, index: int, first: int, last: int, n_layer_all: int) -> list[str]:
+def _shards_for(model: GGUFModel, is_head: bool, first: int, last: int, n_layer_all: int) -> list[str]:
     """Shard files holding any tensor this node loads."""
     wanted: set[int] = set()
     for t in model.tensors:
@@ -523,7 +631,7 @@ def _shards_for(model: GGUFModel, index: int, first: int, last: int, n_layer_all
         if il is not None:
             mine = first <= il <= last
         elif t.name.startswith("token_embd."):
-            mine = index == 0 or (last == n_layer_all - 1 and model.tensor("output.weight") is None)
+            mine = is_head or (last == n_layer_all - 1 and model.tensor("output.weight") is None)
         elif t.name.startswith(("output.", "output_norm.")):
             mine = last == n_layer_all - 1
         else:
@@ -533,7 +641,7 @@ def _shards_for(model: GGUFModel, index: int, first: int, last: int, n_layer_all
     return [model.shards[i].path.name for i in sorted(wanted)]
 
 
-def _notes(params: ArchParams, layout: WeightLayout, nodes: Sequence[Node], c: ContextParams) -> list[str]:
+def _notes(params: ArchParams, layout: WeightLayout, nodes: Sequence[Node], c: ContextParams, head_device: str) -> list[str]:
     by_limit: dict[str, list[str]] = {}
     for n in nodes:
         by_limit.setdefault(n.limit_source, []).append(n.name)
@@ -544,6 +652,9 @@ def _notes(params: ArchParams, layout: WeightLayout, nodes: Sequence[Node], c: C
         notes.append("sliding-window layers get a full-size cache (llama.cpp default swa_full=true); --no-swa-full shrinks it.")
     if params.n_layer_nextn:
         notes.append(f"{params.n_layer_nextn} MTP block(s) in the file are not loaded (llama.cpp default load_mtp=false).")
+    if head_device == "none":
+        notes.append("the head runs no layers: it keeps the token embeddings, graph inputs and logits (see 'head'), "
+                     "not checked against any node's memory.")
     if layout.output_tied:
         notes.append("output layer is tied to the token embeddings: the last node holds its own copy (unless it is the head).")
     if not c.flash_attn:
@@ -621,6 +732,10 @@ def format_table(p: Plan) -> str:
         layers = "-" if n.layers is None else f"{n.layers[0]}-{n.layers[1]}"
         rows.append((n.name, layers, format_size(n.weights_bytes), format_size(n.kv_bytes), format_size(n.compute_bytes),
                      format_size(n.host_bytes), format_size(n.total_bytes), format_size(n.usable_bytes), format_size(n.headroom_bytes)))  # fmt: skip
+    if p.head is not None:  # the head process itself, when it runs no layers
+        h = p.head
+        rows.append(("(head)", "-", format_size(h.weights_bytes), "-", format_size(h.compute_bytes),
+                     format_size(h.host_bytes), format_size(h.total_bytes), "-", "-"))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
@@ -638,6 +753,8 @@ def format_table(p: Plan) -> str:
     lines.append(f"llama-cpp-python  n_gpu_layers={p.n_gpu_layers}, tensor_split={[int(x) for x in p.tensor_split]}")
     lines.append(f"llama.cpp CLI     {p.cli_args}")
     lines.append("device order      " + ", ".join(f"{n.device}={n.name}" for n in p.nodes))
+    if p.head is not None:
+        lines.append("head              runs no layers (token embeddings and logits on its CPU)")
     lines.append("")
     lines.append("shards per node:")
     for n in p.nodes:

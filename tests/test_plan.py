@@ -319,8 +319,8 @@ def _real_model(name: str) -> Path:
 
 
 CALIBRATION = [
-    # (model, ctx, ubatch, flash_attn); split=None is a single CPU device. A split
-    # variant adds tensor_split and compares per device buffer names (TBRPC0..).
+    # (model, ctx, ubatch, flash_attn) on a single CPU device; the split over
+    # real nodes (per device TBRPC0..) is tests/test_plan_split.py.
     ("llama", 512, 512, False),
     ("llama", 2048, 512, False),
     ("deepseek2", 512, 512, False),
