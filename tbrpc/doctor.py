@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tbrpc.client import NodeError, probe
@@ -153,14 +154,24 @@ def _check_versions(n: _Node, facts: dict[str, Any]) -> None:
 
 
 def _check_model(n: _Node, facts: dict[str, Any], reference: dict[str, Any] | None) -> None:
+    """The node's copy of the model, which it loads weights from (``tbrpc node --model-dir``).
+
+    With `model` set in the cluster file, a missing or different copy fails:
+    launch would point the node at it. Without it, the head's path is looked up
+    on the node only to say whether weights will have to cross the network.
+    """
     spec, got = n.spec, facts.get("model")
     if got is None:
         return
+    configured = spec.model is not None
+    bad = FAIL if configured else WARN
     source = reference["path"] if reference else "MODEL"
     copy = f"rsync -a --progress {source} {spec.ssh_destination() + ':' if spec.start == 'ssh' else ''}{got['path']}"
     if not got["exists"]:
-        n.add("model", FAIL, f"{got['path']}: missing {', '.join(got['missing'][:3])}",
-              f"copy the model to the node (e.g. `{copy}`) or fix `model` in the cluster file")
+        streamed = "" if configured else "; launch will send this node its weights over the network"
+        n.add("model", bad, f"{got['path']}: missing {', '.join(got['missing'][:3])}{streamed}",
+              f"copy the model to the node (`{copy}`)" + (" or fix `model` in the cluster file" if configured
+                                                          else " and set `model` for it in the cluster file"))
         return
     detail = f"{got['path']}: {format_size(got['size'])} in {got.get('files', 1)} file(s), fingerprint {got['fingerprint'][:12]}"
     if reference is None:
@@ -168,9 +179,12 @@ def _check_model(n: _Node, facts: dict[str, Any], reference: dict[str, Any] | No
     elif not reference["exists"]:
         n.add("model", WARN, detail + f"; the head's {reference['path']} is missing", "pass the head's model with --gguf")
     elif (got["size"], got["fingerprint"]) != (reference["size"], reference["fingerprint"]):
-        n.add("model", FAIL, f"{detail}; differs from the head's ({format_size(reference['size'])}, "
+        n.add("model", bad, f"{detail}; differs from the head's ({format_size(reference['size'])}, "
               f"fingerprint {reference['fingerprint'][:12]})",
               f"the node's file is not the head's model: copy the head's (`{copy}`)")
+    elif Path(got["path"]).name != Path(reference["path"]).name:
+        n.add("model", bad, f"{detail}: the head's model, but the node looks for it under the head's file name "
+              f"{Path(reference['path']).name!r}", "rename the node's copy (every shard) to the head's file names")
     else:
         n.add("model", OK, detail + ", same as the head's")
 

@@ -136,8 +136,22 @@ class RunningNode:
         subprocess.run(self.spec.ssh_argv(cmd), stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
 
 
-def _node_argv(spec: NodeSpec, port: int) -> list[str]:
+def model_dir(spec: NodeSpec, head_model: str | None) -> str | None:
+    """The directory a node may load weights from: that of its `model`, else (local nodes) the head's."""
+    path = spec.model or (head_model if spec.start == "local" else None)
+    if not path:
+        return None
+    parent = os.path.dirname(path)
+    if spec.start == "local":
+        return os.path.abspath(os.path.expanduser(parent or "."))
+    return parent or "."
+
+
+def _node_argv(spec: NodeSpec, port: int, head_model: str | None = None) -> list[str]:
     args = ["--host", spec.listen_address, "--port", str(port), "--name", spec.name]
+    directory = model_dir(spec, head_model)
+    if directory:
+        args += ["--model-dir", directory]
     if spec.device:
         args += ["--device", spec.device]
     if spec.threads:
@@ -154,21 +168,26 @@ def _remote_word(word: str) -> str:
     return shlex.quote(word)
 
 
-def start_process(spec: NodeSpec, log_dir: Path) -> RunningNode:
-    """Start the node process (without waiting for it to answer)."""
+def start_process(spec: NodeSpec, log_dir: Path, head_model: str | None = None) -> RunningNode:
+    """Start the node process (without waiting for it to answer).
+
+    The node may load weights from the directory of its `model` (local nodes:
+    of the head's model), so they need not cross the network.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
     port = spec.port
     if spec.start == "local":
         python = spec.python or sys.executable
-        argv = [python, "-m", "tbrpc._supervised", *_node_argv(spec, port)]
+        argv = [python, "-m", "tbrpc._supervised", *_node_argv(spec, port, head_model)]
         env = dict(os.environ)
         here = str(Path(__file__).resolve().parent.parent)
         if not spec.python:  # the same tbrpc as this process, wherever it is imported from
             env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     elif spec.start == "ssh":
         python = spec.python or "python3"
-        remote = " ".join(_remote_word(w) for w in [python, "-m", "tbrpc._supervised", *_node_argv(spec, port)])
+        remote = " ".join(_remote_word(w) for w in [python, "-m", "tbrpc._supervised",
+                                                     *_node_argv(spec, port, head_model)])
         argv = spec.ssh_argv("exec " + remote)
         env = None
     else:
@@ -309,10 +328,12 @@ def stop_all(nodes: Sequence[RunningNode], timeout: float = STOP_TIMEOUT_S) -> N
 
 
 def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START_TIMEOUT_S,
-                on_event: object = None) -> Nodes:
+                on_event: object = None, head_model: str | None = None) -> Nodes:
     """Start (or find already running) every node and wait until each answers the handshake.
 
-    On any failure every node started here is stopped before the LaunchError is raised.
+    `head_model`: the model the head will load (local nodes read its weights
+    from disk). On any failure every node started here is stopped before the
+    LaunchError is raised.
     """
     say = on_event if callable(on_event) else (lambda message: None)
     deadline = time.monotonic() + timeout
@@ -332,7 +353,7 @@ def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START
                 slots.append(None)
             else:
                 say(f"node {spec.name}: starting ({spec.start}{' ' + spec.ssh_destination() if spec.start == 'ssh' else ''})")
-                node = start_process(spec, log_dir)
+                node = start_process(spec, log_dir, head_model)
                 started.append(node)
                 slots.append(node)
         endpoints, infos = [], []

@@ -33,6 +33,7 @@ from tbrpc.launch import LaunchError, Nodes, start_nodes
 from tbrpc.native import TbrpcError
 from tbrpc.plan import Plan, PlanError, format_table, plan
 from tbrpc.spec import NodeSpec, endpoint_specs, load_specs, local_specs
+from tbrpc.units import format_size
 
 ClusterArg = str | os.PathLike[str] | Sequence[str] | int | Nodes
 Progress = Callable[[float], Any]
@@ -78,7 +79,8 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
               **plan_kwargs: Any) -> Plan:
     """Plan the split; DoesNotFitError (with the planner's table) when it does not fit."""
     try:
-        result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="gpu", **plan_kwargs)
+        # every node is a TBRPC device; the head keeps only embeddings, inputs and logits (result.head)
+        result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="none", **plan_kwargs)
     except PlanError as exc:
         raise TbrpcError(f"step plan: {exc}\n  try: check the model file and the --ctx value") from exc
     if not result.fits:
@@ -183,7 +185,8 @@ class Llama(llama_cpp.Llama):
             nodes = cluster
         else:
             logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="tbrpc-logs-"))
-            nodes = start_nodes(resolve_cluster(cluster), logs, timeout=start_timeout, on_event=say)
+            nodes = start_nodes(resolve_cluster(cluster), logs, timeout=start_timeout, on_event=say,
+                                head_model=str(model_path))
         self._tbrpc_nodes = nodes
         try:
             self._tbrpc_load(model_path, nodes, progress, plan_options or {}, say, kwargs)
@@ -197,8 +200,10 @@ class Llama(llama_cpp.Llama):
         self.tbrpc_plan = make_plan(model_path, nodes.specs, nodes, n_ctx or None,
                                     ubatch=kwargs.get("n_ubatch", 512), batch=kwargs.get("n_batch", 512),
                                     **plan_options)
+        head = self.tbrpc_plan.head
         say("plan: " + ", ".join(f"{n.name} layers {n.layers[0]}-{n.layers[1]}" if n.layers else f"{n.name} -"
-                                 for n in self.tbrpc_plan.nodes) + f" (context {self.tbrpc_plan.ctx})")
+                                 for n in self.tbrpc_plan.nodes) + f" (context {self.tbrpc_plan.ctx}"
+            + (f"; this process keeps {format_size(head.total_bytes)})" if head else ")"))
         try:
             self.tbrpc_devices = connect(nodes.endpoints)
         except TbrpcError as exc:

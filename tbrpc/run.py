@@ -23,6 +23,7 @@ from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve
 from tbrpc.native import TbrpcError
 from tbrpc.serve import chat, complete_once, listen, serve_http
 from tbrpc.status import launch_record
+from tbrpc.units import format_size
 
 EXIT_OK, EXIT_FAILED, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -98,7 +99,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
         try:
             specs = resolve_cluster(opts.cluster)
             say(f"{len(specs)} node(s); node logs in {log_dir}")
-            nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say)
+            nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say, head_model=opts.gguf)
             records.enter_context(launch_record(opts.gguf, [s.name for s in nodes.specs], nodes.endpoints))
             step = "load"
             bar = ProgressBar("tbrpc: loading")
@@ -125,7 +126,10 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 signals.loading = False
             if signals.received is not None:
                 raise _Interrupted(signal.Signals(signals.received).name)
-            say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}")
+            from_files = sum(client_cluster().info(i).bytes_from_files for i, e in enumerate(client_cluster().endpoints)
+                             if e in nodes.endpoints)
+            say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"
+                + (f"; the nodes read {format_size(from_files)} of weights from their own model files" if from_files else ""))
             step = "generate"
             if opts.prompt is not None:
                 complete_once(llm, opts.prompt, out, opts.max_tokens, opts.temperature, opts.seed)

@@ -150,10 +150,11 @@ def local_specs(n: int, threads: int | None = None) -> list[NodeSpec]:
     if n < 1:
         raise ClusterError("--local needs at least one node")
     share = physical_memory() // n
+    kind = "metal" if sys.platform == "darwin" else "cpu"   # on a Mac the nodes serve Metal: its wired-memory cap applies
     per_node_threads = threads if threads is not None else max(1, (os.cpu_count() or 1) // n)
     return [
         NodeSpec(name=f"local{i}", host="127.0.0.1", port=0, start="local", threads=per_node_threads,
-                 plan_node=make_node(f"local{i}", share, host="127.0.0.1", port=0, kind="cpu"))
+                 plan_node=make_node(f"local{i}", share, host="127.0.0.1", port=0, kind=kind))
         for i in range(n)
     ]
 

@@ -79,14 +79,15 @@ def query(nodes: Sequence[tuple[str, str, str]], timeout: float = 5.0) -> list[R
 
 
 def format_rows(rows: Sequence[Row]) -> str:
-    header = ("node", "endpoint", "device", "in use", "buffers", "clients", "graphs", "free/total", "")
+    header = ("node", "endpoint", "device", "in use", "from files", "buffers", "clients", "graphs", "free/total", "")
     table = [header]
     for r in rows:
         if r.status is None or r.info is None:
-            table.append((r.name, r.endpoint, "-", "-", "-", "-", "-", "-", f"DOWN: {r.error}"))
+            table.append((r.name, r.endpoint, "-", "-", "-", "-", "-", "-", "-", f"DOWN: {r.error}"))
             continue
         s = r.status
-        table.append((r.name, r.endpoint, s.device, format_size(s.bytes_allocated), str(s.buffers), str(s.clients),
+        table.append((r.name, r.endpoint, s.device, format_size(s.bytes_allocated), format_size(s.bytes_from_files),
+                      str(s.buffers), str(s.clients),
                       str(s.graphs_computed), f"{format_size(s.mem_free)}/{format_size(s.mem_total)}", r.launch))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

@@ -148,12 +148,17 @@ class Launch:
         return node_pids(self.log_dir)
 
 
-def start_launch(tmp_path: Path, *args: str) -> Launch:
+def start_launch(tmp_path: Path, *args: str, stdin_text: str | None = None) -> Launch:
     log_dir = tmp_path / f"logs-{time.monotonic_ns()}"
     stdout_path = tmp_path / f"stdout-{time.monotonic_ns()}.txt"
     out = open(stdout_path, "w")
+    stdin: Any = subprocess.DEVNULL
+    if stdin_text is not None:
+        stdin = open(tmp_path / f"stdin-{time.monotonic_ns()}.txt", "w+")
+        stdin.write(stdin_text)
+        stdin.seek(0)
     proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "launch", "--log-dir", str(log_dir), *args],
-                            cwd=tmp_path, env=ENV, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE,
+                            cwd=tmp_path, env=ENV, stdin=stdin, stdout=out, stderr=subprocess.PIPE,
                             text=True)
     out.close()
     launch = Launch(proc, log_dir, stdout_path)

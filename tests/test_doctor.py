@@ -95,6 +95,18 @@ def test_wrong_and_missing_model_file(nodes: Any, tmp_path: Path) -> None:
     assert wrong.status == FAIL and "differs from the head's" in wrong.detail and "rsync" in wrong.fix
     assert failed(checks)
 
+    renamed = tmp_path / "node-c" / "other-name.gguf"      # the right bytes under another name
+    renamed.parent.mkdir()
+    shutil.copy(head_model, renamed)
+    cluster = write_cluster(tmp_path / "c2.toml", [node_table("c", a.port, model=str(renamed)),
+                                                   node_table("d", b.port)])   # d: no `model`, head's path checked
+    checks = diagnose(load_specs(cluster), str(tmp_path / "elsewhere" / head_model.name))
+    assert by(checks, "c", "model").status == WARN   # the head's file is missing: nothing to compare with
+    checks = diagnose(load_specs(cluster), str(head_model))
+    named = by(checks, "c", "model")
+    assert named.status == FAIL and "file name" in named.detail and "rename" in named.fix
+    assert by(checks, "d", "model").status == OK
+
 
 def test_model_identity_covers_every_shard(tmp_path: Path) -> None:
     parts = [tmp_path / f"m-0000{i}-of-00002.gguf" for i in (1, 2)]

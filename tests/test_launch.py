@@ -117,7 +117,7 @@ def test_cluster_file_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 # --- serving over HTTP -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_name,n_nodes", [("llama", 2), ("deepseek2", 4), ("gemma", 2)])
+@pytest.mark.parametrize("model_name,n_nodes", [("llama", 2), ("llama", 4), ("deepseek2", 4), ("gemma", 2)])
 def test_http_api_answers_like_one_process(model_name: str, n_nodes: int, tmp_path: Path) -> None:
     want = expected(model_name)
     chat_format = ["--chat-format", CHAT_FORMAT[model_name]] if model_name in CHAT_FORMAT else []
@@ -126,6 +126,8 @@ def test_http_api_answers_like_one_process(model_name: str, n_nodes: int, tmp_pa
     try:
         base = launch.http_base()
         assert len(launch.node_pids()) == n_nodes
+        if model_name == "gemma":   # local nodes read the weights from the model file, not from the socket
+            assert "of weights from their own model files" in launch.stderr
         assert [m["id"] for m in http_json(f"{base}/models")["data"]] == ["m"]
 
         # repeat_penalty: the server defaults to 1.1, llama_cpp.Llama (the baseline) to 1.0
@@ -157,6 +159,17 @@ def test_prompt_prints_one_completion(tmp_path: Path) -> None:
     assert launch.finish() == 0, launch.stderr
     assert launch.stdout == want["text"] + "\n"
     assert "model loaded in" in launch.stderr and "loading" in launch.stderr
+    assert_gone(launch.node_pids())
+
+
+def test_chat_in_the_terminal(tmp_path: Path) -> None:
+    want = baseline(models.ensure("llama"), PROMPT, N_TOKENS, chat_format="llama-2")
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256", "--chat",
+                          "--chat-format", "llama-2", "--max-tokens", str(N_TOKENS),
+                          stdin_text=CHAT[0]["content"] + "\n")
+    assert launch.finish() == 0, launch.stderr
+    assert launch.stdout.startswith("chat: type a message")
+    assert f"> {want['chat']}\n> " in launch.stdout
     assert_gone(launch.node_pids())
 
 

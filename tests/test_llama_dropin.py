@@ -107,8 +107,8 @@ def test_does_not_fit_raises_and_stops_nodes(tmp_path: Path) -> None:
         import tbrpc.launch as launch
         started = []
         original = launch.start_process
-        def spy(spec, log_dir):
-            node = original(spec, log_dir)
+        def spy(*args):
+            node = original(*args)
             started.append(node)
             return node
         launch.start_process = spy
