@@ -156,9 +156,11 @@ def _check_versions(n: _Node, facts: dict[str, Any]) -> None:
 def _check_model(n: _Node, facts: dict[str, Any], reference: dict[str, Any] | None) -> None:
     """The node's copy of the model, which it loads weights from (``tbrpc node --model-dir``).
 
-    With `model` set in the cluster file, a missing or different copy fails:
-    launch would point the node at it. Without it, the head's path is looked up
-    on the node only to say whether weights will have to cross the network.
+    Compared file by file with the head's (a node needs only the shards of
+    its layers: `tbrpc plan` lists them). With `model` set in the cluster
+    file, no copy at all or a different file fails; without it, the head's
+    path is looked up on the node only to say whether weights will cross the
+    network.
     """
     spec, got = n.spec, facts.get("model")
     if got is None:
@@ -167,26 +169,38 @@ def _check_model(n: _Node, facts: dict[str, Any], reference: dict[str, Any] | No
     bad = FAIL if configured else WARN
     source = reference["path"] if reference else "MODEL"
     copy = f"rsync -a --progress {source} {spec.ssh_destination() + ':' if spec.start == 'ssh' else ''}{got['path']}"
-    if not got["exists"]:
+    files = got.get("files", [])
+    present = [f for f in files if not f.get("missing")]
+    if not present:
         streamed = "" if configured else "; launch will send this node its weights over the network"
-        n.add("model", bad, f"{got['path']}: missing {', '.join(got['missing'][:3])}{streamed}",
+        n.add("model", bad, f"{got['path']}: missing{streamed}",
               f"copy the model to the node (`{copy}`)" + (" or fix `model` in the cluster file" if configured
                                                           else " and set `model` for it in the cluster file"))
         return
-    detail = f"{got['path']}: {format_size(got['size'])} in {got.get('files', 1)} file(s), fingerprint {got['fingerprint'][:12]}"
+    where = f"{got['path']}: {len(present)} of {len(files)} file(s), {format_size(sum(f['size'] for f in present))}"
     if reference is None:
-        n.add("model", OK, detail + " (no head copy to compare: pass --gguf)")
-    elif not reference["exists"]:
-        n.add("model", WARN, detail + f"; the head's {reference['path']} is missing", "pass the head's model with --gguf")
-    elif (got["size"], got["fingerprint"]) != (reference["size"], reference["fingerprint"]):
-        n.add("model", bad, f"{detail}; differs from the head's ({format_size(reference['size'])}, "
-              f"fingerprint {reference['fingerprint'][:12]})",
+        n.add("model", OK, where + " (no head copy to compare: pass --gguf)")
+        return
+    if not reference["exists"]:
+        n.add("model", WARN, where + f"; the head's {reference['path']} is incomplete or missing",
+              "pass the head's model with --gguf")
+        return
+    head_files = {f["name"]: f for f in reference["files"]}
+    differ = [f["name"] for f in present
+              if f["name"] not in head_files or (f["size"], f["fingerprint"]) != (head_files[f["name"]]["size"],
+                                                                                  head_files[f["name"]]["fingerprint"])]
+    if [f["name"] for f in files] != list(head_files):
+        n.add("model", bad, f"{where}: named {files[0]['name']!r}, the head's is {reference['files'][0]['name']!r}; "
+              "the node looks for the head's file names", "name the node's copy (every shard) like the head's")
+    elif differ:
+        n.add("model", bad, f"{where}: differs from the head's copy in {', '.join(differ[:3])}"
+              + (f" and {len(differ) - 3} more" if len(differ) > 3 else ""),
               f"the node's file is not the head's model: copy the head's (`{copy}`)")
-    elif Path(got["path"]).name != Path(reference["path"]).name:
-        n.add("model", bad, f"{detail}: the head's model, but the node looks for it under the head's file name "
-              f"{Path(reference['path']).name!r}", "rename the node's copy (every shard) to the head's file names")
+    elif len(present) < len(files):
+        n.add("model", WARN, f"{where}, same as the head's; the weights of the missing shards will cross the network",
+              "copy the shards this node needs (`tbrpc plan --gguf MODEL --cluster FILE` lists them)")
     else:
-        n.add("model", OK, detail + ", same as the head's")
+        n.add("model", OK, f"{where}, fingerprint {got['fingerprint'][:12]}, same as the head's")
 
 
 def _check_macos(n: _Node, mac: dict[str, Any]) -> None:

@@ -74,16 +74,28 @@ def file_fingerprint(path: Path) -> str:
 
 
 def model_identity(path: str | Path) -> dict[str, Any]:
-    """{"path", "exists", "size", "fingerprint", "missing": [...]}; size and fingerprint cover every shard."""
+    """The model at `path` (every shard of a split set): per file and as a whole.
+
+    {"path", "exists" (all files), "missing", "size", "fingerprint" (of the
+    whole set, None unless complete), "files": [{"name", "size",
+    "fingerprint"} or {"name", "missing": True}]}
+    """
     files = model_files(path)
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        return {"path": str(path), "exists": False, "missing": missing, "size": None, "fingerprint": None}
-    h = hashlib.blake2b(digest_size=16)
+    per_file: list[dict[str, Any]] = []
     for f in files:
-        h.update(file_fingerprint(f).encode())
-    return {"path": str(path), "exists": True, "missing": [], "files": len(files),
-            "size": sum(f.stat().st_size for f in files), "fingerprint": h.hexdigest()}
+        if f.is_file():
+            per_file.append({"name": f.name, "size": f.stat().st_size, "fingerprint": file_fingerprint(f)})
+        else:
+            per_file.append({"name": f.name, "missing": True})
+    missing = [str(f) for f, info in zip(files, per_file) if info.get("missing")]
+    whole = None
+    if not missing:
+        h = hashlib.blake2b(digest_size=16)
+        for info in per_file:
+            h.update(info["fingerprint"].encode())
+        whole = h.hexdigest()
+    return {"path": str(path), "exists": not missing, "missing": missing,
+            "size": sum(i.get("size", 0) for i in per_file), "fingerprint": whole, "files": per_file}
 
 
 def _run(argv: list[str], timeout: float = 10) -> tuple[int, str]:

@@ -92,7 +92,7 @@ def test_wrong_and_missing_model_file(nodes: Any, tmp_path: Path) -> None:
     checks = diagnose(load_specs(cluster), str(head_model))
     missing, wrong = by(checks, "a", "model"), by(checks, "b", "model")
     assert missing.status == FAIL and "missing" in missing.detail and "copy the model" in missing.fix
-    assert wrong.status == FAIL and "differs from the head's" in wrong.detail and "rsync" in wrong.fix
+    assert wrong.status == FAIL and "differs from the head's copy" in wrong.detail and "rsync" in wrong.fix
     assert failed(checks)
 
     renamed = tmp_path / "node-c" / "other-name.gguf"      # the right bytes under another name
@@ -104,7 +104,7 @@ def test_wrong_and_missing_model_file(nodes: Any, tmp_path: Path) -> None:
     assert by(checks, "c", "model").status == WARN   # the head's file is missing: nothing to compare with
     checks = diagnose(load_specs(cluster), str(head_model))
     named = by(checks, "c", "model")
-    assert named.status == FAIL and "file name" in named.detail and "rename" in named.fix
+    assert named.status == FAIL and "file names" in named.detail and "name the node's copy" in named.fix
     assert by(checks, "d", "model").status == OK
 
 
@@ -113,7 +113,7 @@ def test_model_identity_covers_every_shard(tmp_path: Path) -> None:
     for i, p in enumerate(parts):
         p.write_bytes(bytes([i]) * (3 << 20))
     ident = model_identity(parts[0])
-    assert ident["exists"] and ident["files"] == 2 and ident["size"] == 6 << 20
+    assert ident["exists"] and len(ident["files"]) == 2 and ident["size"] == 6 << 20
     before = ident["fingerprint"]
     with open(parts[1], "r+b") as f:      # a change in the head of the second shard (the header)
         f.seek(10)
@@ -121,7 +121,26 @@ def test_model_identity_covers_every_shard(tmp_path: Path) -> None:
     assert model_identity(parts[0])["fingerprint"] != before
     assert file_fingerprint(parts[0]) == file_fingerprint(parts[0])
     parts[1].unlink()
-    assert model_identity(parts[0])["missing"] == [str(parts[1])]
+    partial = model_identity(parts[0])
+    assert partial["missing"] == [str(parts[1])] and partial["fingerprint"] is None
+    assert partial["files"][0]["size"] == 3 << 20 and partial["files"][1] == {"name": parts[1].name, "missing": True}
+
+
+def test_a_node_with_only_its_shards(nodes: Any, tmp_path: Path) -> None:
+    """A split set: a node holding some shards is a warning (the rest streams), a different shard fails."""
+    head_dir, node_dir = tmp_path / "head", tmp_path / "node"
+    head_dir.mkdir(), node_dir.mkdir()
+    names = [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    for i, name in enumerate(names):
+        (head_dir / name).write_bytes(bytes([i + 1]) * (1 << 20))
+    shutil.copy(head_dir / names[1], node_dir / names[1])
+    (a,) = nodes(1)
+    cluster = write_cluster(tmp_path / "c.toml", [node_table("a", a.port, model=str(node_dir / names[0]))])
+    row = by(diagnose(load_specs(cluster), str(head_dir / names[0])), "a", "model")
+    assert row.status == WARN and "1 of 3 file(s)" in row.detail and "tbrpc plan" in row.fix
+    (node_dir / names[2]).write_bytes(b"\0" * (1 << 20))
+    row = by(diagnose(load_specs(cluster), str(head_dir / names[0])), "a", "model")
+    assert row.status == FAIL and names[2] in row.detail
 
 
 @pytest.fixture
