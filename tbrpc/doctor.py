@@ -16,7 +16,6 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tbrpc.client import NodeError, probe

@@ -352,18 +352,18 @@ def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START
             elif spec.start == "manual":
                 slots.append(None)
             else:
-                say(f"node {spec.name}: starting ({spec.start}{' ' + spec.ssh_destination() if spec.start == 'ssh' else ''})")
-                node = start_process(spec, log_dir, head_model)
-                started.append(node)
-                slots.append(node)
+                say(f"node {spec.name}: starting ({spec.describe_start()})")
+                new = start_process(spec, log_dir, head_model)
+                started.append(new)
+                slots.append(new)
         endpoints, infos = [], []
-        for spec, node in zip(specs, slots):
-            if node is not None:
-                _wait_listening(node, deadline)
-                endpoint = node.endpoint
+        for spec, slot in zip(specs, slots):
+            if slot is not None:
+                _wait_listening(slot, deadline)
+                endpoint = slot.endpoint
             else:
                 endpoint = spec.endpoint
-            info = wait_handshake(spec, endpoint, deadline, node)
+            info = wait_handshake(spec, endpoint, deadline, slot)
             say(f"node {spec.name}: {endpoint} answers ({info.node_device}, {info.mem_total / 2**30:.1f} GiB)")
             endpoints.append(endpoint)
             infos.append(info)

@@ -55,7 +55,9 @@ def resolve_cluster(cluster: ClusterArg) -> list[NodeSpec]:
     if isinstance(cluster, int):
         return local_specs(cluster)
     if isinstance(cluster, (str, os.PathLike)):
-        return load_specs(cluster)
+        return load_specs(os.fspath(cluster))
+    if isinstance(cluster, Nodes):
+        return list(cluster.specs)
     return endpoint_specs(list(cluster))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -66,7 +67,8 @@ class _Signals:
             raise _Interrupted(signal.Signals(signum).name)
 
     def __enter__(self) -> _Signals:
-        self._previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread():   # signals reach only the main thread
+            self._previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -118,7 +118,7 @@ def complete_once(llm: llama_cpp.Llama, prompt: str, out: TextIO, max_tokens: in
     pieces = []
     for chunk in llm.create_completion(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                        stream=True):
-        piece = chunk["choices"][0]["text"]
+        piece = str(chunk["choices"][0]["text"])  # type: ignore[index]
         pieces.append(piece)
         out.write(piece)
         out.flush()
@@ -142,7 +142,7 @@ def chat(llm: llama_cpp.Llama, max_tokens: int, temperature: float, stdin: TextI
         reply = []
         for chunk in llm.create_chat_completion(messages=messages, max_tokens=max_tokens,  # type: ignore[arg-type]
                                                 temperature=temperature, stream=True):
-            delta = chunk["choices"][0]["delta"].get("content") or ""  # type: ignore[index,union-attr]
+            delta = str(chunk["choices"][0]["delta"].get("content") or "")  # type: ignore[index,union-attr]
             reply.append(delta)
             out.write(delta)
             out.flush()
