@@ -1,0 +1,48 @@
+// node_internal.h - what node.c (the server: listening, workers, status)
+// and node_session.c (one client's session: buffers, requests, graphs)
+// share. Not part of the C API.
+#pragma once
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "ggml-backend.h"
+#include "node.h"
+
+#define IDLE_POLL_MS 250
+#define MAX_CLIENTS  64
+
+// Per-client counters. They live in memory shared with worker processes, so
+// the node can report totals whether a client is served by a thread or by
+// an isolated process. Only the client's own server writes its slot.
+struct client_slot {
+    int32_t  in_use;
+    int32_t  pid;              // worker process, or 0 when served by a thread
+    uint64_t buffers, bytes_allocated, graphs_computed, bytes_received, bytes_from_files;
+    char     peer[96];
+};
+
+struct tb_node {
+    struct tb_node_config cfg;
+    char     name[TB_NAME_LEN];
+    int      listen_fd;
+    int      port;
+    int      stop_pipe[2];        // written by tb_node_stop, watched by the accept loop
+    volatile int stopping;
+    bool     isolate;             // one worker process per client (see tb_node_config.isolation)
+    char     model_dirs[4096];    // ':'-separated; empty: clients cannot ask for files
+    struct client_slot * slots;   // MAX_CLIENTS, MAP_SHARED
+    ggml_backend_dev_t dev;
+    FILE *   log;                 // owned when it is not stderr
+
+    pthread_mutex_t lock;         // guards slot allocation, n_threads and log lines
+    pthread_cond_t  conn_done;
+    int      n_threads;           // connections served by threads, awaited at stop
+};
+
+void node_log(struct tb_node * node, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
+
+// Serve the client on `fd` (owned) until it leaves or the node stops; then
+// free everything it had. Counters go to `slot`.
+void node_serve_client(struct tb_node * node, int fd, struct client_slot * slot);

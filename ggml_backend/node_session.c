@@ -1,0 +1,730 @@
+// node_session.c - one client's session on a node: its buffers, its ggml
+// backend (stream), its model files, and the request loop.
+//
+// Requests are decoded and validated once, at the edge (proto.c and the
+// handlers below); execution trusts what decoding produced. Posted requests
+// that fail leave a sticky error that the next reply carries.
+#include "ggml_abi.h"
+#include "model_file.h"
+#include "node_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_FILES    256       // model files one client may have open (shards of a 1T model: ~13-60)
+#define FILE_CHUNK   (64u << 20)
+
+struct node_buffer {
+    uint64_t handle;
+    ggml_backend_buffer_t buf;
+    uint8_t * base;
+    uint64_t size;
+};
+
+struct node_conn {
+    struct tb_node *      node;
+    struct client_slot *  slot;
+    struct tb_transport * tp;
+    ggml_backend_t        backend;
+    struct node_buffer *  buffers;   // dense array; few per client (weights, KV, compute)
+    size_t   n_buffers, cap_buffers;
+    uint64_t next_handle;
+    uint8_t * payload;              // scratch for request payloads
+    size_t   payload_cap;
+    char     sticky[512];           // first failure of a posted request, reported with the next reply
+    struct ggml_context * graph_ctx; // the last graph, kept for GRAPH_RECOMPUTE
+    struct ggml_cgraph *  graph;
+
+    // While a graph computes, the watchdog thread sends KEEPALIVE so the
+    // client can tell a long computation from a dead node.
+    pthread_mutex_t send_lock;      // replies and keepalives share the transport
+    pthread_mutex_t busy_lock;
+    pthread_cond_t  busy_changed;
+    bool      computing, closing;
+    uint32_t  keepalive_ms;         // asked for by the client at HELLO
+
+    struct { int fd; uint64_t size; char name[TB_FILE_NAME_LEN]; } files[MAX_FILES];  // id = index + 1
+    size_t    n_files;
+    pthread_t watchdog;
+    bool      has_watchdog;
+};
+
+// ---- buffers ----------------------------------------------------------------
+
+static bool lookup_buffer(void * ctx, uint64_t handle, struct tb_buffer_view * out) {
+    struct node_conn * c = ctx;
+    for (size_t i = 0; i < c->n_buffers; i++) {
+        if (c->buffers[i].handle == handle) {
+            out->base = c->buffers[i].base;
+            out->size = c->buffers[i].size;
+            out->ggml_buffer = c->buffers[i].buf;
+            return true;
+        }
+    }
+    return false;
+}
+
+static struct node_buffer * find_buffer(struct node_conn * c, uint64_t handle) {
+    for (size_t i = 0; i < c->n_buffers; i++) {
+        if (c->buffers[i].handle == handle) return &c->buffers[i];
+    }
+    return NULL;
+}
+
+// A byte range [offset, offset+size) of a buffer, checked without overflow.
+static struct node_buffer * checked_range(struct node_conn * c, uint64_t handle, uint64_t offset, uint64_t size,
+                                          char * err, size_t err_len) {
+    struct node_buffer * b = find_buffer(c, handle);
+    if (!b) {
+        snprintf(err, err_len, "unknown buffer handle %llu", (unsigned long long) handle);
+        return NULL;
+    }
+    if (offset > b->size || size > b->size - offset) {
+        snprintf(err, err_len, "range [%llu, +%llu) lies outside buffer %llu of %llu bytes", (unsigned long long) offset,
+                 (unsigned long long) size, (unsigned long long) handle, (unsigned long long) b->size);
+        return NULL;
+    }
+    return b;
+}
+
+static void count(uint64_t * counter, int64_t delta) {
+    __atomic_add_fetch(counter, (uint64_t) delta, __ATOMIC_RELAXED);
+}
+
+static void release_buffer(struct node_conn * c, size_t i) {
+    count(&c->slot->buffers, -1);
+    count(&c->slot->bytes_allocated, -(int64_t) c->buffers[i].size);
+    ggml_backend_buffer_free(c->buffers[i].buf);
+    c->buffers[i] = c->buffers[--c->n_buffers];
+}
+
+// A 1-D byte view of a buffer range: lets us use ggml's generic tensor
+// set/get/memset, which work on any device (not only host memory).
+static struct ggml_tensor byte_view(struct node_buffer * b, uint64_t offset, uint64_t size) {
+    struct ggml_tensor t;
+    memset(&t, 0, sizeof t);
+    t.type = GGML_TYPE_I8;
+    t.buffer = b->buf;
+    t.ne[0] = (int64_t) size; t.ne[1] = t.ne[2] = t.ne[3] = 1;
+    t.nb[0] = 1; t.nb[1] = t.nb[2] = t.nb[3] = size;
+    t.data = b->base + offset;
+    return t;
+}
+
+// ---- request handlers -------------------------------------------------------
+// Each returns 0 or -1 with err filled; `reply`/`reply_len` point at the body
+// for requests that have one.
+
+struct reply { const void * data; size_t len; uint8_t small[sizeof(struct tb_hello)]; };
+
+static int expect_len(uint64_t got, size_t want, const char * what, char * err, size_t err_len) {
+    if (got == want) return 0;
+    snprintf(err, err_len, "%s: payload is %llu bytes, expected %zu", what, (unsigned long long) got, want);
+    return -1;
+}
+
+static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(n->dev);
+    size_t free_mem = 0, total_mem = 0;
+    ggml_backend_dev_memory(n->dev, &free_mem, &total_mem);
+    h->mem_free = free_mem;
+    h->mem_total = total_mem;
+    h->alignment = ggml_backend_buft_get_alignment(buft);
+    h->max_size = ggml_backend_buft_get_max_size(buft);
+    h->device_type = (uint32_t) ggml_backend_dev_type(n->dev);
+    snprintf(h->device_name, sizeof h->device_name, "%s", ggml_backend_dev_name(n->dev));
+    snprintf(h->device_description, sizeof h->device_description, "%s", ggml_backend_dev_description(n->dev));
+    snprintf(h->node_name, sizeof h->node_name, "%s", n->name);
+}
+
+static int handle_hello(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_hello), "HELLO", err, err_len) != 0) return -1;
+    const struct tb_hello * req = (const struct tb_hello *) c->payload;
+    struct tb_hello * rep = (struct tb_hello *) r->small;
+    memset(rep, 0, sizeof *rep);
+    tb_abi_fill(&rep->abi);
+    if (tb_abi_compare(&rep->abi, &req->abi, "client", err, err_len) != 0) return -1;
+    pthread_mutex_lock(&c->busy_lock);
+    c->keepalive_ms = req->keepalive_ms > TB_KEEPALIVE_MIN_MS ? req->keepalive_ms : TB_KEEPALIVE_MIN_MS;
+    pthread_mutex_unlock(&c->busy_lock);
+    fill_device_info(c->node, rep);
+    r->data = rep;
+    r->len = sizeof *rep;
+    return 0;
+}
+
+static int handle_alloc(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_alloc_req), "ALLOC_BUFFER", err, err_len) != 0) return -1;
+    const struct tb_alloc_req * req = (const struct tb_alloc_req *) c->payload;
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(c->node->dev);
+    if (req->size > ggml_backend_buft_get_max_size(buft)) {
+        snprintf(err, err_len, "ALLOC_BUFFER of %llu bytes exceeds the device's maximum buffer size", (unsigned long long) req->size);
+        return -1;
+    }
+    if (c->n_buffers == c->cap_buffers) {
+        size_t cap = c->cap_buffers ? 2 * c->cap_buffers : 16;
+        struct node_buffer * nb = realloc(c->buffers, cap * sizeof *nb);
+        if (!nb) { snprintf(err, err_len, "out of memory"); return -1; }
+        c->buffers = nb;
+        c->cap_buffers = cap;
+    }
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, (size_t) req->size);
+    if (!buf) {
+        snprintf(err, err_len, "device %s could not allocate %llu bytes", ggml_backend_dev_name(c->node->dev),
+                 (unsigned long long) req->size);
+        return -1;
+    }
+    struct node_buffer * b = &c->buffers[c->n_buffers++];
+    b->handle = c->next_handle++;
+    b->buf = buf;
+    b->base = ggml_backend_buffer_get_base(buf);
+    b->size = ggml_backend_buffer_get_size(buf);
+    count(&c->slot->buffers, 1);
+    count(&c->slot->bytes_allocated, (int64_t) b->size);
+    struct tb_alloc_reply * rep = (struct tb_alloc_reply *) r->small;
+    rep->handle = b->handle;
+    rep->base = (uint64_t) (uintptr_t) b->base;
+    rep->size = b->size;
+    r->data = rep;
+    r->len = sizeof *rep;
+    return 0;
+}
+
+static int handle_free(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_buffer_req), "FREE_BUFFER", err, err_len) != 0) return -1;
+    const struct tb_buffer_req * req = (const struct tb_buffer_req *) c->payload;
+    for (size_t i = 0; i < c->n_buffers; i++) {
+        if (c->buffers[i].handle == req->handle) {
+            // the kept graph may point into this buffer: forget it
+            if (c->graph_ctx) { ggml_free(c->graph_ctx); c->graph_ctx = NULL; c->graph = NULL; }
+            release_buffer(c, i);
+            return 0;
+        }
+    }
+    snprintf(err, err_len, "FREE_BUFFER: unknown buffer handle %llu", (unsigned long long) req->handle);
+    return -1;
+}
+
+static int handle_memset(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_memset_req), tb_cmd_name(h->cmd), err, err_len) != 0) return -1;
+    const struct tb_memset_req * req = (const struct tb_memset_req *) c->payload;
+    struct node_buffer * b = checked_range(c, req->handle, req->offset, req->size, err, err_len);
+    if (!b) return -1;
+    if (h->cmd == TB_CMD_BUFFER_CLEAR) {
+        ggml_backend_buffer_clear(b->buf, req->value);
+    } else if (req->size > 0) {
+        struct ggml_tensor t = byte_view(b, req->offset, req->size);
+        ggml_backend_tensor_memset(&t, req->value, 0, (size_t) req->size);
+    }
+    return 0;
+}
+
+static int handle_get(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_range), "GET_TENSOR", err, err_len) != 0) return -1;
+    const struct tb_range req = *(const struct tb_range *) c->payload;
+    if (req.size > TB_MAX_PAYLOAD) {
+        snprintf(err, err_len, "GET_TENSOR of %llu bytes exceeds the message limit", (unsigned long long) req.size);
+        return -1;
+    }
+    struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
+    if (!b) return -1;
+    if (ggml_backend_buffer_is_host(b->buf)) {
+        r->data = b->base + req.offset;    // reply straight from the buffer, no copy
+    } else {
+        if (req.size > c->payload_cap) {
+            uint8_t * p = realloc(c->payload, (size_t) req.size);
+            if (!p) { snprintf(err, err_len, "out of memory"); return -1; }
+            c->payload = p;
+            c->payload_cap = (size_t) req.size;
+        }
+        struct ggml_tensor t = byte_view(b, req.offset, req.size);
+        ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
+        r->data = c->payload;
+    }
+    r->len = (size_t) req.size;
+    return 0;
+}
+
+static int handle_copy(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_copy_req), "COPY_TENSOR", err, err_len) != 0) return -1;
+    const struct tb_copy_req * req = (const struct tb_copy_req *) c->payload;
+    struct node_buffer * src = checked_range(c, req->src_handle, req->src_offset, req->size, err, err_len);
+    struct node_buffer * dst = src ? checked_range(c, req->dst_handle, req->dst_offset, req->size, err, err_len) : NULL;
+    if (!dst) return -1;
+    if (req->size == 0) return 0;
+    struct ggml_tensor s = byte_view(src, req->src_offset, req->size);
+    struct ggml_tensor d = byte_view(dst, req->dst_offset, req->size);
+    ggml_backend_tensor_copy(&s, &d);
+    return 0;
+}
+
+// Decode a tensor table (+ node list for graphs) into a fresh context.
+static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_header * h, bool with_nodes,
+                                          struct ggml_tensor *** tensors_out, struct ggml_cgraph ** graph_out,
+                                          uint32_t * n_tensors_out, char * err, size_t err_len) {
+    if (h->len < sizeof(struct tb_graph_header)) {
+        snprintf(err, err_len, "%s: payload too short", tb_cmd_name(h->cmd));
+        return NULL;
+    }
+    const struct tb_graph_header * gh = (const struct tb_graph_header *) c->payload;
+    const uint32_t nt = gh->n_tensors, nn = with_nodes ? gh->n_nodes : 0;
+    if (nt == 0 || nt > TB_MAX_GRAPH_TENSORS || nn > TB_MAX_GRAPH_NODES || (with_nodes && nn == 0)) {
+        snprintf(err, err_len, "%s: %u tensors / %u nodes out of range", tb_cmd_name(h->cmd), nt, nn);
+        return NULL;
+    }
+    const uint64_t want = sizeof *gh + (uint64_t) nt * sizeof(struct tb_wire_tensor) + (uint64_t) nn * sizeof(uint32_t);
+    if (h->len != want) {
+        snprintf(err, err_len, "%s: payload is %llu bytes, %u tensors and %u nodes need %llu", tb_cmd_name(h->cmd),
+                 (unsigned long long) h->len, nt, nn, (unsigned long long) want);
+        return NULL;
+    }
+    const struct tb_wire_tensor * wire = (const struct tb_wire_tensor *) (gh + 1);
+    const uint32_t * node_idx = (const uint32_t *) (wire + nt);
+    struct ggml_init_params ip = {
+        .mem_size = ggml_tensor_overhead() * nt + (with_nodes ? ggml_graph_overhead_custom(nn, false) : 0) + nt * sizeof(void *) + 1024,
+        .mem_buffer = NULL,
+        .no_alloc = true,
+    };
+    struct ggml_context * ctx = ggml_init(ip);
+    struct ggml_tensor ** tensors = calloc(nt, sizeof *tensors);
+    if (!ctx || !tensors) {
+        snprintf(err, err_len, "out of memory decoding %u tensors", nt);
+        goto fail;
+    }
+    if (tb_decode_tensors(ctx, wire, nt, lookup_buffer, c, with_nodes, tensors, err, err_len) != 0) goto fail;
+    if (with_nodes) {
+        struct ggml_cgraph * g = ggml_new_graph_custom(ctx, nn, false);
+        for (uint32_t i = 0; i < nn; i++) {
+            if (node_idx[i] >= nt) {
+                snprintf(err, err_len, "GRAPH_COMPUTE: node %u refers to tensor %u of %u", i, node_idx[i], nt);
+                goto fail;
+            }
+            ggml_graph_add_node(g, tensors[node_idx[i]]);
+        }
+        *graph_out = g;
+    }
+    *tensors_out = tensors;
+    *n_tensors_out = nt;
+    return ctx;
+fail:
+    free(tensors);
+    if (ctx) ggml_free(ctx);
+    return NULL;
+}
+
+static void set_computing(struct node_conn * c, bool on) {
+    pthread_mutex_lock(&c->busy_lock);
+    c->computing = on;
+    pthread_cond_signal(&c->busy_changed);
+    pthread_mutex_unlock(&c->busy_lock);
+}
+
+static void * watchdog_thread(void * arg) {
+    struct node_conn * c = arg;
+    pthread_mutex_lock(&c->busy_lock);
+    while (!c->closing) {
+        if (!c->computing) { pthread_cond_wait(&c->busy_changed, &c->busy_lock); continue; }
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        const uint64_t ns = (uint64_t) until.tv_nsec + (uint64_t) c->keepalive_ms * 1000000u;
+        until.tv_sec += (time_t) (ns / 1000000000u);
+        until.tv_nsec = (long) (ns % 1000000000u);
+        if (pthread_cond_timedwait(&c->busy_changed, &c->busy_lock, &until) == 0 || !c->computing || c->closing) continue;
+        pthread_mutex_lock(&c->send_lock);
+        if (tb_msg_send(c->tp, TB_CMD_KEEPALIVE, TB_FLAG_REPLY, 0, NULL, 0, NULL, 0) == 0) tb_flush(c->tp);
+        pthread_mutex_unlock(&c->send_lock);
+    }
+    pthread_mutex_unlock(&c->busy_lock);
+    return NULL;
+}
+
+static int run_graph(struct node_conn * c, char * err, size_t err_len) {
+    set_computing(c, true);
+    enum ggml_status st = ggml_backend_graph_compute(c->backend, c->graph);
+    set_computing(c, false);
+    count(&c->slot->graphs_computed, 1);
+    if (st != GGML_STATUS_SUCCESS) {
+        snprintf(err, err_len, "graph compute on %s failed with status %d", ggml_backend_dev_name(c->node->dev), (int) st);
+        return -1;
+    }
+    return 0;
+}
+
+static int handle_graph_compute(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    struct ggml_tensor ** tensors = NULL;
+    struct ggml_cgraph * g = NULL;
+    uint32_t nt = 0;
+    struct ggml_context * ctx = decode_graph(c, h, true, &tensors, &g, &nt, err, err_len);
+    if (!ctx) return -1;
+    free(tensors);
+    if (c->graph_ctx) ggml_free(c->graph_ctx);
+    c->graph_ctx = ctx;
+    c->graph = g;
+    return run_graph(c, err, err_len);
+}
+
+static int handle_graph_recompute(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, 0, "GRAPH_RECOMPUTE", err, err_len) != 0) return -1;
+    if (!c->graph) {
+        snprintf(err, err_len, "GRAPH_RECOMPUTE without a previous graph");
+        return -1;
+    }
+    return run_graph(c, err, err_len);
+}
+
+static int handle_supports_op(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    struct ggml_tensor ** tensors = NULL;
+    uint32_t nt = 0;
+    struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, &nt, err, err_len);
+    if (!ctx) return -1;
+    r->small[0] = ggml_backend_dev_supports_op(c->node->dev, tensors[nt - 1]) ? 1 : 0;
+    free(tensors);
+    ggml_free(ctx);
+    r->data = r->small;
+    r->len = 1;
+    return 0;
+}
+
+static int handle_alloc_size(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    struct ggml_tensor ** tensors = NULL;
+    uint32_t nt = 0;
+    struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, &nt, err, err_len);
+    if (!ctx) return -1;
+    uint64_t size = ggml_backend_buft_get_alloc_size(ggml_backend_dev_buffer_type(c->node->dev), tensors[nt - 1]);
+    memcpy(r->small, &size, sizeof size);
+    free(tensors);
+    ggml_free(ctx);
+    r->data = r->small;
+    r->len = sizeof size;
+    return 0;
+}
+
+// A plain "*.gguf" file name: no directories, nothing hidden.
+static bool is_model_file_name(const char * name) {
+    size_t len = strlen(name);
+    return len > 5 && name[0] != '.' && strchr(name, '/') == NULL && strcmp(name + len - 5, ".gguf") == 0;
+}
+
+// Look for the client's file in our model directories; return its id or 0.
+static uint64_t open_model_file(struct node_conn * c, const struct tb_open_file * req) {
+    for (size_t i = 0; i < c->n_files; i++) {
+        if (strcmp(c->files[i].name, req->name) == 0) return i + 1;
+    }
+    if (c->n_files == MAX_FILES) return 0;
+    char dirs[sizeof c->node->model_dirs];
+    snprintf(dirs, sizeof dirs, "%s", c->node->model_dirs);
+    char * save = NULL;
+    for (char * dir = strtok_r(dirs, ":", &save); dir; dir = strtok_r(NULL, ":", &save)) {
+        char path[4096 + TB_FILE_NAME_LEN];
+        snprintf(path, sizeof path, "%s/%s", dir, req->name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        struct tb_file_identity mine;
+        char why[128];
+        if (tb_file_identity_fd(fd, &mine, why, sizeof why) == 0 && mine.size == req->size &&
+            memcmp(mine.fingerprint, req->fingerprint, TB_FINGERPRINT_LEN) == 0) {
+            size_t i = c->n_files++;
+            c->files[i].fd = fd;
+            c->files[i].size = mine.size;
+            snprintf(c->files[i].name, sizeof c->files[i].name, "%s", req->name);
+            node_log(c->node, "client %s: weights of %s come from this node's %s", c->tp->peer, req->name, path);
+            return i + 1;
+        }
+        node_log(c->node, "client %s: %s differs from the head's copy (size or fingerprint); its weights will stream",
+                 c->tp->peer, path);
+        close(fd);
+    }
+    return 0;
+}
+
+static int handle_open_file(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_open_file), "OPEN_FILE", err, err_len) != 0) return -1;
+    struct tb_open_file * req = (struct tb_open_file *) c->payload;
+    req->name[TB_FILE_NAME_LEN - 1] = '\0';
+    uint64_t id = 0;
+    if (!is_model_file_name(req->name)) {
+        node_log(c->node, "client %s: refused to open '%s': not a plain *.gguf name", c->tp->peer, req->name);
+    } else if (c->node->model_dirs[0]) {
+        id = open_model_file(c, req);
+    }
+    memcpy(r->small, &id, sizeof id);
+    r->data = r->small;
+    r->len = sizeof id;
+    return 0;
+}
+
+// Fill [offset, offset+size) of a buffer from an open model file.
+static int handle_load_from_file(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_file_range), "LOAD_FROM_FILE", err, err_len) != 0) return -1;
+    const struct tb_file_range req = *(const struct tb_file_range *) c->payload;
+    if (req.file_id == 0 || req.file_id > c->n_files) {
+        snprintf(err, err_len, "LOAD_FROM_FILE: unknown file id %llu", (unsigned long long) req.file_id);
+        return -1;
+    }
+    const int fd = c->files[req.file_id - 1].fd;
+    const uint64_t file_size = c->files[req.file_id - 1].size;
+    if (req.file_offset > file_size || req.size > file_size - req.file_offset) {
+        snprintf(err, err_len, "LOAD_FROM_FILE: [%llu, +%llu) lies outside %s (%llu bytes)", (unsigned long long) req.file_offset,
+                 (unsigned long long) req.size, c->files[req.file_id - 1].name, (unsigned long long) file_size);
+        return -1;
+    }
+    struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
+    if (!b) return -1;
+    const bool host = ggml_backend_buffer_is_host(b->buf);
+    if (!host && c->payload_cap < FILE_CHUNK) {   // device memory: read through the scratch buffer
+        uint8_t * p = realloc(c->payload, FILE_CHUNK);
+        if (!p) { snprintf(err, err_len, "out of memory"); return -1; }
+        c->payload = p;
+        c->payload_cap = FILE_CHUNK;
+    }
+    for (uint64_t done = 0; done < req.size;) {
+        size_t want = req.size - done < FILE_CHUNK ? (size_t) (req.size - done) : FILE_CHUNK;
+        uint8_t * dst = host ? b->base + req.offset + done : c->payload;
+        ssize_t got = pread(fd, dst, want, (off_t) (req.file_offset + done));
+        if (got <= 0) {
+            snprintf(err, err_len, "LOAD_FROM_FILE: reading %s failed: %s", c->files[req.file_id - 1].name,
+                     got == 0 ? "file is shorter than it was" : strerror(errno));
+            return -1;
+        }
+        if (!host) {
+            struct ggml_tensor t = byte_view(b, req.offset + done, (uint64_t) got);
+            ggml_backend_tensor_set(&t, c->payload, 0, (size_t) got);
+        }
+        done += (uint64_t) got;
+    }
+    count(&c->slot->bytes_from_files, (int64_t) req.size);
+    return 0;
+}
+
+static int handle_status(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, 0, "STATUS", err, err_len) != 0) return -1;
+    struct tb_status * s = (struct tb_status *) r->small;
+    tb_node_get_status(c->node, s);
+    r->data = s;
+    r->len = sizeof *s;
+    return 0;
+}
+
+static int handle_memory(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, 0, "GET_MEMORY", err, err_len) != 0) return -1;
+    struct tb_memory * m = (struct tb_memory *) r->small;
+    size_t free_mem = 0, total_mem = 0;
+    ggml_backend_dev_memory(c->node->dev, &free_mem, &total_mem);
+    m->free = free_mem;
+    m->total = total_mem;
+    r->data = m;
+    r->len = sizeof *m;
+    return 0;
+}
+
+// ---- the connection loop ----------------------------------------------------
+
+static bool is_posted(uint16_t cmd) {
+    switch (cmd) {
+        case TB_CMD_FREE_BUFFER: case TB_CMD_BUFFER_CLEAR: case TB_CMD_SET_TENSOR: case TB_CMD_MEMSET_TENSOR:
+        case TB_CMD_COPY_TENSOR: case TB_CMD_GRAPH_COMPUTE: case TB_CMD_GRAPH_RECOMPUTE: case TB_CMD_LOAD_FROM_FILE:
+            return true;
+        default:
+            return false;
+    }
+}
+
+static int read_payload(struct node_conn * c, size_t len) {
+    if (len > c->payload_cap) {
+        uint8_t * p = realloc(c->payload, len);
+        if (!p) return -1;
+        c->payload = p;
+        c->payload_cap = len;
+    }
+    return len ? tb_recv(c->tp, c->payload, len) : 0;
+}
+
+// SET_TENSOR streams weights: read the range first, then receive the bytes
+// straight into host buffers instead of through the scratch payload.
+static int handle_set(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len, bool * io_failed) {
+    struct tb_range req;
+    if (h->len < sizeof req) { snprintf(err, err_len, "SET_TENSOR: payload too short"); *io_failed = true; return -1; }
+    if (tb_recv(c->tp, &req, sizeof req) != 0) { *io_failed = true; return -1; }
+    const uint64_t data_len = h->len - sizeof req;
+    struct node_buffer * b = NULL;
+    if (data_len != req.size) {
+        snprintf(err, err_len, "SET_TENSOR: header says %llu bytes, message carries %llu",
+                 (unsigned long long) req.size, (unsigned long long) data_len);
+    } else {
+        b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
+    }
+    if (b && ggml_backend_buffer_is_host(b->buf)) {
+        if (tb_recv(c->tp, b->base + req.offset, (size_t) req.size) != 0) { *io_failed = true; return -1; }
+        return 0;
+    }
+    // Either invalid (still consume the bytes to stay in sync) or a device buffer.
+    if (read_payload(c, (size_t) data_len) != 0) { *io_failed = true; return -1; }
+    if (!b) return -1;
+    struct ggml_tensor t = byte_view(b, req.offset, req.size);
+    if (req.size) ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
+    return 0;
+}
+
+static int dispatch(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    switch (h->cmd) {
+        case TB_CMD_HELLO:           return handle_hello(c, h, r, err, err_len);
+        case TB_CMD_GET_MEMORY:      return handle_memory(c, h, r, err, err_len);
+        case TB_CMD_ALLOC_BUFFER:    return handle_alloc(c, h, r, err, err_len);
+        case TB_CMD_FREE_BUFFER:     return handle_free(c, h, err, err_len);
+        case TB_CMD_BUFFER_CLEAR:
+        case TB_CMD_MEMSET_TENSOR:   return handle_memset(c, h, err, err_len);
+        case TB_CMD_GET_TENSOR:      return handle_get(c, h, r, err, err_len);
+        case TB_CMD_COPY_TENSOR:     return handle_copy(c, h, err, err_len);
+        case TB_CMD_GRAPH_COMPUTE:   return handle_graph_compute(c, h, err, err_len);
+        case TB_CMD_GRAPH_RECOMPUTE: return handle_graph_recompute(c, h, err, err_len);
+        case TB_CMD_SUPPORTS_OP:     return handle_supports_op(c, h, r, err, err_len);
+        case TB_CMD_GET_ALLOC_SIZE:  return handle_alloc_size(c, h, r, err, err_len);
+        case TB_CMD_OPEN_FILE:       return handle_open_file(c, h, r, err, err_len);
+        case TB_CMD_LOAD_FROM_FILE:  return handle_load_from_file(c, h, err, err_len);
+        case TB_CMD_SYNC:            return expect_len(h->len, 0, "SYNC", err, err_len);
+        case TB_CMD_STATUS:          return handle_status(c, h, r, err, err_len);
+        default:
+            snprintf(err, err_len, "unknown command %u", h->cmd);
+            return -1;
+    }
+}
+
+static int send_reply(struct node_conn * c, const struct tb_header * h, int rc, const struct reply * r, const char * err) {
+    struct tb_reply_status st = { .status = rc == 0 ? 0 : 1 };
+    const void * body = r->data;
+    size_t body_len = r->len;
+    if (rc == 0 && c->sticky[0]) {       // an earlier posted request failed: report that instead
+        st.status = 1;
+        err = c->sticky;
+    }
+    if (st.status != 0) { body = err; body_len = strlen(err); }
+    pthread_mutex_lock(&c->send_lock);
+    int io = tb_msg_send(c->tp, h->cmd, TB_FLAG_REPLY, h->id, &st, sizeof st, body, body_len);
+    if (io == 0) io = tb_flush(c->tp);
+    pthread_mutex_unlock(&c->send_lock);
+    c->sticky[0] = '\0';
+    return io;
+}
+
+// Serve one request. Returns -1 when the connection must be dropped.
+static int serve_one(struct node_conn * c, bool * said_hello) {
+    struct tb_header h;
+    char err[512] = "";
+    if (tb_msg_recv_header(c->tp, &h, err, sizeof err) != 0) {
+        if (strstr(err, "closed by peer") == NULL) node_log(c->node, "client %s: %s; dropping it", c->tp->peer, err);
+        return -1;
+    }
+    if (!*said_hello && h.cmd != TB_CMD_HELLO) {
+        node_log(c->node, "client %s: sent %s before HELLO; dropping it", c->tp->peer, tb_cmd_name(h.cmd));
+        return -1;
+    }
+    count(&c->slot->bytes_received, (int64_t) h.len);
+
+    struct reply r = { 0 };
+    bool io_failed = false;
+    int rc;
+    if (h.cmd == TB_CMD_SET_TENSOR) {
+        rc = handle_set(c, &h, err, sizeof err, &io_failed);
+    } else if (read_payload(c, (size_t) h.len) != 0) {
+        io_failed = true;
+        rc = -1;
+    } else {
+        rc = dispatch(c, &h, &r, err, sizeof err);
+    }
+    if (io_failed) {
+        node_log(c->node, "client %s: %s: %s; dropping it", c->tp->peer, tb_cmd_name(h.cmd), err[0] ? err : c->tp->error);
+        return -1;
+    }
+    if (rc != 0) node_log(c->node, "client %s: request %llu %s rejected: %s", c->tp->peer, (unsigned long long) h.id, tb_cmd_name(h.cmd), err);
+    if (h.cmd == TB_CMD_HELLO) {
+        if (rc != 0) { send_reply(c, &h, rc, &r, err); return -1; }
+        *said_hello = true;
+    }
+    if (is_posted(h.cmd)) {
+        if (rc != 0 && !c->sticky[0]) snprintf(c->sticky, sizeof c->sticky, "earlier %s (request %llu) failed: %s",
+                                               tb_cmd_name(h.cmd), (unsigned long long) h.id, err);
+        return 0;
+    }
+    return send_reply(c, &h, rc, &r, err) == 0 ? 0 : -1;
+}
+
+static void conn_free(struct node_conn * c) {
+    if (c->has_watchdog) {
+        pthread_mutex_lock(&c->busy_lock);
+        c->closing = true;
+        pthread_cond_signal(&c->busy_changed);
+        pthread_mutex_unlock(&c->busy_lock);
+        pthread_join(c->watchdog, NULL);
+    }
+    pthread_mutex_destroy(&c->send_lock);
+    pthread_mutex_destroy(&c->busy_lock);
+    pthread_cond_destroy(&c->busy_changed);
+    while (c->n_buffers > 0) release_buffer(c, c->n_buffers - 1);
+    for (size_t i = 0; i < c->n_files; i++) close(c->files[i].fd);
+    if (c->graph_ctx) ggml_free(c->graph_ctx);
+    if (c->backend) ggml_backend_free(c->backend);
+    free(c->buffers);
+    free(c->payload);
+    tb_close(c->tp);
+    free(c);
+}
+
+// Serve one client until it leaves (or the node stops), then free all it had.
+static void serve_connection(struct node_conn * c) {
+    struct tb_node * n = c->node;
+    char peer[sizeof c->tp->peer];
+    snprintf(peer, sizeof peer, "%s", c->tp->peer);
+    node_log(n, "client %s connected%s", peer, c->slot->pid ? " (own worker process)" : "");
+    bool said_hello = false;
+    // A peer that never says HELLO (a port scanner, a stuck client) must not
+    // hold one of the MAX_CLIENTS slots forever.
+    int hello_wait_ms = n->cfg.timeout_ms > 0 ? n->cfg.timeout_ms : 10000;
+    while (!n->stopping) {
+        int ready = tb_poll(c->tp, IDLE_POLL_MS);
+        if (ready == 0 && !said_hello && (hello_wait_ms -= IDLE_POLL_MS) <= 0) {
+            node_log(n, "client %s: no HELLO within %d ms; dropping it", peer, n->cfg.timeout_ms);
+            break;
+        }
+        if (ready == 0) continue;
+        if (ready < 0 || serve_one(c, &said_hello) != 0) break;
+    }
+    conn_free(c);
+    node_log(n, "client %s disconnected; its buffers are freed", peer);
+}
+
+static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slot * slot) {
+    struct node_conn * c = calloc(1, sizeof *c);
+    if (c) c->tp = tb_tcp_from_fd(fd, n->cfg.timeout_ms);
+    if (c && c->tp) c->backend = ggml_backend_dev_init(n->dev, NULL);
+    if (!c || !c->tp || !c->backend) {
+        node_log(n, "cannot serve a new client: out of memory or device init failed");
+        if (c && c->tp) tb_close(c->tp); else close(fd);
+        free(c);
+        return NULL;
+    }
+    c->node = n;
+    c->slot = slot;
+    snprintf(slot->peer, sizeof slot->peer, "%s", c->tp->peer);
+    c->next_handle = 1;
+    c->keepalive_ms = 1000;
+    pthread_mutex_init(&c->send_lock, NULL);
+    pthread_mutex_init(&c->busy_lock, NULL);
+    pthread_cond_init(&c->busy_changed, NULL);
+    c->has_watchdog = pthread_create(&c->watchdog, NULL, watchdog_thread, c) == 0;
+    if (n->cfg.threads > 0) {
+        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
+        ggml_backend_set_n_threads_t set_threads =
+            (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
+        if (set_threads) set_threads(c->backend, n->cfg.threads);
+    }
+    return c;
+}
+
+void node_serve_client(struct tb_node * n, int fd, struct client_slot * slot) {
+    struct node_conn * c = conn_new(n, fd, slot);
+    if (c) serve_connection(c);
+}
