@@ -209,25 +209,27 @@ def test_unreachable_manual_node_names_node_and_step(tmp_path: Path) -> None:
 # --- failures during load and generation -----------------------------------------------
 
 
-def _pause_a_node_at_plan(launch: Launch) -> int:
-    """Once the nodes are connected, SIGSTOP node 1 so the load cannot finish."""
+def _pause_node_1(launch: Launch) -> list[int]:
+    """Once the nodes are connected, SIGSTOP node 1 (and its per-client workers) so the load cannot finish."""
     launch.wait_for(r"tbrpc: connected: .*; loading")
-    victim = launch.node_pids()[1]
-    os.kill(victim, signal.SIGSTOP)
+    tree = with_descendants([launch.node_pids()[1]])
+    for pid in tree:
+        os.kill(pid, signal.SIGSTOP)
     time.sleep(0.5)
     assert "model loaded" not in launch.stderr, "the load finished before the node was paused"
-    return victim
+    return tree
 
 
 def test_ctrl_c_during_load(tmp_path: Path) -> None:
     launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256", "--port", "0")
     pids_before = None
     try:
-        victim = _pause_a_node_at_plan(launch)
+        paused = _pause_node_1(launch)
         pids_before = with_descendants(launch.node_pids())
         launch.proc.send_signal(signal.SIGINT)
         time.sleep(0.3)
-        os.kill(victim, signal.SIGCONT)    # the load goes on, and stops at its next progress report
+        for pid in paused:    # the load goes on, and stops at its next progress report
+            os.kill(pid, signal.SIGCONT)
         assert launch.finish() == 130, launch.stderr
         assert "interrupted (SIGINT) during step load" in launch.stderr
         assert "serving" not in launch.stderr
@@ -239,9 +241,9 @@ def test_ctrl_c_during_load(tmp_path: Path) -> None:
 
 def test_node_killed_during_load(tmp_path: Path) -> None:
     launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256", "--port", "0")
-    victim = _pause_a_node_at_plan(launch)
+    paused = _pause_node_1(launch)
     pids = with_descendants(launch.node_pids())
-    os.kill(victim, signal.SIGKILL)
+    os.kill(paused[0], signal.SIGKILL)    # the node process; its workers go with it
     assert launch.finish() == 1, launch.stderr
     assert "step load" in launch.stderr and "local1" in launch.stderr, launch.stderr
     assert_gone(pids)
