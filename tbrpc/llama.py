@@ -29,6 +29,7 @@ import llama_cpp.llama_cpp as llama_lib
 
 from tbrpc.client import connect
 from tbrpc.cluster import make_node
+from tbrpc.gguf_model import GGUFError
 from tbrpc.launch import LaunchError, Nodes, start_nodes
 from tbrpc.native import TbrpcError
 from tbrpc.plan import Plan, PlanError, format_table, plan
@@ -83,8 +84,9 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
     try:
         # every node is a TBRPC device; the head keeps only embeddings, inputs and logits (result.head)
         result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="none", **plan_kwargs)
-    except PlanError as exc:
-        raise TbrpcError(f"step plan: {exc}\n  try: check the model file and the --ctx value") from exc
+    except (PlanError, GGUFError) as exc:
+        raise TbrpcError(f"step plan: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
+                         "and the context size") from exc
     if not result.fits:
         why = result.shortfall.message if result.shortfall else "does not fit"
         raise DoesNotFitError(

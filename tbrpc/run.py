@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from tbrpc.client import cluster as client_cluster
+from tbrpc.gguf_model import GGUFError, load_gguf
 from tbrpc.launch import LaunchError, Nodes, start_nodes
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster
 from tbrpc.native import TbrpcError
@@ -100,6 +101,13 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     with _Signals() as signals, ExitStack() as records:
         try:
             specs = resolve_cluster(opts.cluster)
+            step = "plan"
+            try:   # a header read: refuse a file that is not a model before starting anything
+                load_gguf(opts.gguf)
+            except GGUFError as exc:
+                raise TbrpcError(f"step plan: {exc}\n  try: --gguf must be a GGUF model "
+                                 "(for a split set, its first shard)") from exc
+            step = "start"
             say(f"{len(specs)} node(s); node logs in {log_dir}")
             nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say, head_model=opts.gguf)
             records.enter_context(launch_record(opts.gguf, [s.name for s in nodes.specs], nodes.endpoints))

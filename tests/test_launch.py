@@ -196,6 +196,15 @@ def test_does_not_fit_refuses_and_stops_nodes(tmp_path: Path) -> None:
     assert_gone(launch.node_pids())
 
 
+def test_not_a_model_starts_nothing(tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a gguf" * 100)
+    launch = start_launch(tmp_path, "--gguf", str(bogus), "--local", "2", "--prompt", "x")
+    assert launch.finish() == 1
+    assert "step plan" in launch.stderr and "not a GGUF" in launch.stderr
+    assert "starting" not in launch.stderr and not launch.node_pids()
+
+
 def test_unreachable_manual_node_names_node_and_step(tmp_path: Path) -> None:
     cluster = tmp_path / "c.toml"
     cluster.write_text('[[node]]\nname = "far"\nhost = "127.0.0.1"\nport = 1\nmemory = "8GiB"\nstart = "manual"\n')
