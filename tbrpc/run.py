@@ -16,7 +16,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from tbrpc.client import cluster as client_cluster
 from tbrpc.gguf_model import GGUFError, load_gguf
@@ -87,6 +87,50 @@ def _cluster_failure(nodes: Nodes) -> str | None:
     return None
 
 
+def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[str], None]) -> Llama:
+    """Plan, connect and load; a signal during the load aborts it at the next progress report."""
+    bar = ProgressBar("tbrpc: loading")
+
+    def progress(fraction: float) -> bool:
+        bar(fraction)
+        return signals.received is None
+
+    kwargs = dict(opts.llama_kwargs)
+    kwargs.setdefault("verbose", opts.verbose)
+    kwargs["n_ctx"] = opts.ctx if opts.ctx is not None else kwargs.get("n_ctx", 0)   # 0: the plan's context
+    signals.loading = True
+    started = time.monotonic()
+    try:
+        llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, **kwargs)
+    except (ValueError, TbrpcError):
+        if signals.received is not None:
+            raise _Interrupted(signal.Signals(signals.received).name) from None
+        raise
+    finally:
+        signals.loading = False
+    if signals.received is not None:
+        llm.close()
+        raise _Interrupted(signal.Signals(signals.received).name)
+    cluster = client_cluster()
+    from_files = sum(cluster.info(i).bytes_from_files for i, e in enumerate(cluster.endpoints) if e in nodes.endpoints)
+    say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"
+        + (f"; the nodes read {format_size(from_files)} of weights from their own model files" if from_files else ""))
+    return llm
+
+
+def _serve(opts: LaunchOptions, llm: Llama, nodes: Nodes, say: Callable[[str], None]) -> int:
+    sock = listen(opts.host, opts.port)
+    host, port = sock.getsockname()[:2]
+    alias = opts.alias or Path(opts.gguf).name.removesuffix(".gguf")
+    say(f"serving OpenAI-compatible API on http://{host}:{port}/v1 (model {alias!r}); Ctrl-C stops it")
+    failure = serve_http(llm, sock, alias, lambda: _cluster_failure(nodes), opts.api_key)
+    if failure:
+        say("stopped: " + nodes.explain("generate", failure))
+        return EXIT_FAILED
+    say("stopped")
+    return EXIT_OK
+
+
 def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Run `tbrpc launch`; returns the process exit code."""
 
@@ -112,34 +156,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say, head_model=opts.gguf)
             records.enter_context(launch_record(opts.gguf, [s.name for s in nodes.specs], nodes.endpoints))
             step = "load"
-            bar = ProgressBar("tbrpc: loading")
-
-            def progress(fraction: float) -> bool:
-                bar(fraction)
-                return signals.received is None
-
-            kwargs = dict(opts.llama_kwargs)
-            kwargs.setdefault("verbose", opts.verbose)
-            if opts.ctx is not None:
-                kwargs["n_ctx"] = opts.ctx
-            else:
-                kwargs.setdefault("n_ctx", 0)
-            signals.loading = True
-            started = time.monotonic()
-            try:
-                llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, **kwargs)
-            except (ValueError, TbrpcError):
-                if signals.received is not None:
-                    raise _Interrupted(signal.Signals(signals.received).name) from None
-                raise
-            finally:
-                signals.loading = False
-            if signals.received is not None:
-                raise _Interrupted(signal.Signals(signals.received).name)
-            from_files = sum(client_cluster().info(i).bytes_from_files for i, e in enumerate(client_cluster().endpoints)
-                             if e in nodes.endpoints)
-            say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"
-                + (f"; the nodes read {format_size(from_files)} of weights from their own model files" if from_files else ""))
+            llm = _load(opts, nodes, signals, say)
             step = "generate"
             if opts.prompt is not None:
                 complete_once(llm, opts.prompt, out, opts.max_tokens, opts.temperature, opts.seed)
@@ -148,16 +165,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 chat(llm, opts.max_tokens, opts.temperature, out=out)
                 return EXIT_OK
             step = "serve"
-            sock = listen(opts.host, opts.port)
-            host, port = sock.getsockname()[:2]
-            alias = opts.alias or Path(opts.gguf).name.removesuffix(".gguf")
-            say(f"serving OpenAI-compatible API on http://{host}:{port}/v1 (model {alias!r}); Ctrl-C stops it")
-            failure = serve_http(llm, sock, alias, lambda: _cluster_failure(nodes), opts.api_key)
-            if failure:
-                say("stopped: " + nodes.explain("generate", failure))
-                return EXIT_FAILED
-            say("stopped")
-            return EXIT_OK
+            return _serve(opts, llm, nodes, say)
         except (_Interrupted, KeyboardInterrupt) as exc:
             if step == "serve":   # the normal way to stop a server
                 say(f"stopping ({exc or 'SIGINT'}): the model, then the nodes started here")
