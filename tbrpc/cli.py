@@ -52,7 +52,8 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--swa-full/--no-swa-full", default=True, show_default=True, help="Full-size cache for sliding-window layers (llama.cpp's default).")
 @click.option("--margin", default="2GiB", show_default=True, help="Memory kept free on every node.")
 @click.option("--metal-fraction", type=float, default=0.75, show_default=True, help="Share of RAM Metal may wire when a node gives no limit.")
-@click.option("--head-device", type=click.Choice(["gpu", "cpu"]), default="gpu", show_default=True, help="Backend the head runs its own layers on.")
+@click.option("--head-device", type=click.Choice(["gpu", "cpu", "none"]), default="gpu", show_default=True,
+              help="Backend the head runs its own layers on; none: every layer on a node (as `tbrpc launch` does).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sizes in bytes).")
 def plan(gguf_path: str, cluster_file: str | None, node_flags: tuple[str, ...], nodes_flag: str | None, ctx: int | None,
          cache_type_k: str, cache_type_v: str, ubatch: int, batch: int | None, flash_attn: bool | None, swa_full: bool,

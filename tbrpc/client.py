@@ -129,6 +129,10 @@ class Cluster:
     def reset_stats(self) -> None:
         self._lib.tbrpc_client_reset_stats(self._client)
 
+    def failures(self) -> dict[str, str]:
+        """endpoint -> error of every node that has failed."""
+        return {n.endpoint: n.error for n in self.nodes() if n.failed}
+
     def raise_if_failed(self) -> None:
         err = error_buffer()
         if self._lib.tbrpc_client_failed(self._client, err, len(err)):
@@ -192,8 +196,15 @@ def _install_error_hooks(c: Cluster) -> None:
             return
 
         def checked(*args: Any) -> Any:
+            # Only failures of this call count: a node that failed under an
+            # earlier model must not fail a later one that does not use it.
+            before = c.failures()
             result = original(*args)
-            c.raise_if_failed()
+            new = {e: m for e, m in c.failures().items() if e not in before}
+            if new:
+                raise NodeError(next(iter(new.values())))
+            if before and _call_failed(name, result):   # it may have run on a node that failed earlier
+                raise NodeError("; ".join(before.values()))
             return result
 
         checked._tbrpc_wrapped = True  # type: ignore[attr-defined]
@@ -201,6 +212,12 @@ def _install_error_hooks(c: Cluster) -> None:
 
     for entry_point in ("llama_decode", "llama_model_load_from_file", "llama_init_from_model"):
         wrap(entry_point)
+
+
+def _call_failed(name: str, result: Any) -> bool:
+    """llama_decode: a negative code is an error (positive ones are "no KV slot" and the like);
+    loading and context creation: a NULL pointer."""
+    return result < 0 if name == "llama_decode" else not result
 
 
 def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[NodeInfo, NodeStatus]:

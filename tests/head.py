@@ -37,6 +37,9 @@ def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None)
     tokens = llm.tokenize(prompt.encode(), add_bos=True)
     out: list[int] = []
     rows: list[np.ndarray] = []
+    if kill and kill["after_tokens"] < 0:
+        os.killpg(kill["pid"], kill.get("signal", 9))
+        time.sleep(0.5)
     llm.eval(tokens)
     n_vocab = llm.n_vocab()
     for step in range(n_predict):

@@ -60,6 +60,33 @@ def test_node_killed_mid_generation(model_name: str, nodes: Any, tmp_path: Path)
     assert result["survivor_status"][a.endpoint]["clients"] >= 1
 
 
+def test_node_dead_before_the_first_decode(nodes: Any, tmp_path: Path) -> None:
+    """The first question after the death is SUPPORTS_OP; it must fail softly,
+    not make ggml's scheduler abort the head."""
+    a, b = nodes(2)
+    result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt=PROMPT, n_predict=4,
+                         nodes=[a.endpoint, b.endpoint], kill={"pid": b.proc.pid, "after_tokens": -1})
+    assert result["error"]["type"] == "NodeError" and b.endpoint in result["error"]["message"]
+
+
+def test_an_old_failure_does_not_fail_a_new_model(tmp_path: Path) -> None:
+    script = (
+        "import os, signal, time\n"
+        "import models\n"
+        "from tbrpc import Llama, NodeError\n"
+        "m = str(models.ensure('llama'))\n"
+        "a = Llama(m, cluster=1, n_ctx=256, verbose=False)\n"
+        "os.kill(a.tbrpc_node_pids[0], signal.SIGKILL); time.sleep(0.5)\n"
+        "try:\n    a('hi', max_tokens=2)\nexcept NodeError as e:\n    print('FIRST', e)\n"
+        "a.close()\n"
+        "b = Llama(m, cluster=1, n_ctx=256, verbose=False)\n"
+        "print('SECOND', len(b('hi', max_tokens=4, temperature=0)['choices'][0]['text']))\n"
+        "b.close()\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FIRST tbrpc node" in proc.stdout and "SECOND" in proc.stdout, proc.stdout
+
+
 def test_stalled_node_times_out(nodes: Any, tmp_path: Path) -> None:
     a, b = nodes(2)
     try:
