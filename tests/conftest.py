@@ -62,6 +62,11 @@ def nodes(tmp_path: Path) -> Iterator[Any]:
         return new
 
     yield factory
+    stop_nodes(started)
+
+
+def stop_nodes(started: list[NodeProcess]) -> None:
+    """SIGTERM every node; fail the test if one ignores it (it is killed then)."""
     for node in started:
         if node.proc.poll() is None:
             node.proc.terminate()

@@ -22,7 +22,6 @@ Figures and the machine they were measured on: docs/planner.md.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +36,7 @@ from tbrpc.units import MiB
 probe_mod = pytest.importorskip("tests.llama_alloc_probe")
 pytest.importorskip("llama_cpp")
 
-from conftest import NodeProcess, start_node
+from conftest import NodeProcess, start_node, stop_nodes
 
 import tbrpc  # after the llama_cpp check: it loads llama.cpp's ggml
 from tests.fixtures_shapes import DEEPSEEK_V3, KIMI_K2, deepseek2_spec, write_shape_only
@@ -86,15 +85,7 @@ def node_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodePro
             started.append(start_node(logs))
         yield started
     finally:
-        for node in started:
-            if node.proc.poll() is None:
-                node.proc.terminate()
-        for node in started:
-            try:
-                node.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                node.proc.kill()
-                node.proc.wait()
+        stop_nodes(started)
 
 
 def _idle(nodes: list[NodeProcess], timeout: float = 10.0) -> None:
