@@ -50,7 +50,11 @@ struct client_node {
     struct node_file { char path[4096]; uint64_t id; } * files;  // head file -> node's file id (0: the node lacks it)
     size_t n_files;
 
-    uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files;
+    // Links from this node to others (activations go node to node); set up once per pair.
+    struct peer_link { struct client_node * to; uint64_t out_id, in_id; bool usable; } links[16];
+    size_t n_links;
+
+    uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files, peer_copies;
 };
 
 struct tbrpc_client {
@@ -525,6 +529,64 @@ static enum ggml_status backend_graph_compute(ggml_backend_t backend, struct ggm
     return st;
 }
 
+// The host part of an endpoint, as the other nodes should dial it.
+static void endpoint_host(const struct client_node * n, char * host, size_t len) {
+    int port = 0;
+    char err[64];
+    if (tb_parse_endpoint(n->endpoint, host, len, &port, err, sizeof err) != 0) host[0] = '\0';
+}
+
+// A link a -> b: b listens, a connects, b accepts. Three round trips, once
+// per pair. Returns the link, or NULL when the pair cannot talk directly
+// (the head then relays, as before). Takes each node's lock in turn, never both.
+static struct peer_link * peer_link(struct client_node * a, struct client_node * b) {
+    for (size_t i = 0; i < a->n_links; i++) {
+        if (a->links[i].to == b) return a->links[i].usable ? &a->links[i] : NULL;
+    }
+    if (a->n_links == sizeof a->links / sizeof a->links[0] || getenv("TBRPC_NO_PEER_LINKS")) return NULL;
+    struct peer_link * link = &a->links[a->n_links++];
+    *link = (struct peer_link) { .to = b };
+    struct tb_peer_listen_reply listen = { 0, 0 };
+    struct tb_peer_connect conn;
+    memset(&conn, 0, sizeof conn);
+    if (node_call(b, TB_CMD_PEER_LISTEN, NULL, 0, &listen, sizeof listen) != 0 || listen.port == 0) return NULL;
+    endpoint_host(b, conn.host, sizeof conn.host);
+    conn.port = listen.port;
+    conn.token = listen.token;
+    if (node_call(a, TB_CMD_PEER_CONNECT, &conn, sizeof conn, &link->out_id, sizeof link->out_id) != 0 || !link->out_id) return NULL;
+    if (node_call(b, TB_CMD_PEER_ACCEPT, &listen.token, sizeof listen.token, &link->in_id, sizeof link->in_id) != 0 || !link->in_id)
+        return NULL;
+    link->usable = true;
+    return link;
+}
+
+// The scheduler's copy of a split's input from the node that computed it to
+// the node that needs it: the first sends, the second receives, both posted.
+// The head waits for neither; node order keeps it correct (the send runs
+// after the producer's graph, the receive before the consumer's).
+static bool backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t backend_dst,
+                                     const struct ggml_tensor * src, struct ggml_tensor * dst) {
+    if (backend_src->iface.get_name != backend_get_name || !is_our_buffer(src->buffer) || !is_our_buffer(dst->buffer))
+        return false;
+    struct client_node * a = backend_node(backend_src), * b = backend_node(backend_dst);
+    struct client_buffer * scb = src->buffer->context, * dcb = dst->buffer->context;
+    if (a == b || scb->node != a || dcb->node != b || a->failed || b->failed) return false;
+    struct peer_link * link = peer_link(a, b);
+    if (!link) return false;
+    const uint64_t size = ggml_nbytes(src);
+    struct tb_peer_range send = { .peer_id = link->out_id, .handle = scb->handle, .offset = tensor_offset(scb, src), .size = size };
+    struct tb_peer_range recv = { .peer_id = link->in_id, .handle = dcb->handle, .offset = tensor_offset(dcb, dst), .size = size };
+    pthread_mutex_lock(&a->lock);
+    node_post_locked(a, TB_CMD_PEER_SEND, &send, sizeof send, NULL, 0);
+    if (!a->failed && tb_flush(a->tp) != 0) node_fail(a, "PEER_SEND", a->tp->error);
+    a->peer_copies++;
+    pthread_mutex_unlock(&a->lock);
+    pthread_mutex_lock(&b->lock);
+    node_post_locked(b, TB_CMD_PEER_RECV, &recv, sizeof recv, NULL, 0);
+    pthread_mutex_unlock(&b->lock);
+    return true;
+}
+
 static const struct ggml_backend_i backend_iface = {
     .get_name            = backend_get_name,
     .free                = backend_free,
@@ -532,7 +594,7 @@ static const struct ggml_backend_i backend_iface = {
     .get_tensor_async    = backend_get_tensor_async,
     .set_tensor_2d_async = NULL,
     .get_tensor_2d_async = NULL,
-    .cpy_tensor_async    = NULL,
+    .cpy_tensor_async    = backend_cpy_tensor_async,
     .synchronize         = backend_synchronize,
     .graph_plan_create   = NULL,
     .graph_plan_free     = NULL,
@@ -887,6 +949,7 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
     out->graphs_sent = n->graphs_sent;
     out->graphs_reused = n->graphs_reused;
     out->bytes_from_files = n->bytes_from_files;
+    out->peer_copies = n->peer_copies;
     pthread_mutex_unlock(&n->lock);
     return 0;
 }
@@ -917,7 +980,7 @@ void tbrpc_client_reset_stats(struct tbrpc_client * c) {
     for (size_t i = 0; i < tbrpc_client_node_count(c); i++) {
         struct client_node * n = node_at(c, i);
         pthread_mutex_lock(&n->lock);
-        n->round_trips = n->messages = n->graphs_sent = n->graphs_reused = n->bytes_from_files = 0;
+        n->round_trips = n->messages = n->graphs_sent = n->graphs_reused = n->bytes_from_files = n->peer_copies = 0;
         n->tp->bytes_sent = n->tp->bytes_received = 0;
         pthread_mutex_unlock(&n->lock);
     }

@@ -155,6 +155,28 @@ static void reap_workers(struct tb_node * n, bool wait) {
     }
 }
 
+static bool has_workers(struct tb_node * n) {
+    for (int i = 0; i < MAX_CLIENTS; i++) {
+        if (n->slots[i].in_use && n->slots[i].pid > 0) return true;
+    }
+    return false;
+}
+
+// SIGTERM every worker; one still there after two seconds (stopped, or
+// stuck in a device call) gets SIGKILL: stopping the node must not hang.
+static void end_workers(struct tb_node * n) {
+    for (int sig = SIGTERM, round = 0; has_workers(n); round++) {
+        if (round == 0 || round == 40) {
+            for (int i = 0; i < MAX_CLIENTS; i++) {
+                if (n->slots[i].in_use && n->slots[i].pid > 0) { kill(n->slots[i].pid, sig); kill(n->slots[i].pid, SIGCONT); }
+            }
+            sig = SIGKILL;
+        }
+        reap_workers(n, round > 40);
+        if (has_workers(n)) usleep(50 * 1000);
+    }
+}
+
 // ---- node lifecycle ---------------------------------------------------------
 
 static ggml_backend_dev_t pick_device(const char * wanted, char * err, size_t err_len) {
@@ -204,6 +226,7 @@ struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, s
     if (pipe(n->stop_pipe) != 0) { snprintf(err, err_len, "pipe: %s", strerror(errno)); goto fail; }
     fcntl(n->stop_pipe[1], F_SETFL, O_NONBLOCK);
     snprintf(n->model_dirs, sizeof n->model_dirs, "%s", cfg->model_dirs ? cfg->model_dirs : "");
+    snprintf(n->host, sizeof n->host, "%s", cfg->host ? cfg->host : "");
     n->cfg.host = n->cfg.device = n->cfg.name = n->cfg.log_path = n->cfg.model_dirs = NULL;   // not owned; do not keep
     return n;
 fail:
@@ -227,10 +250,7 @@ int tb_node_serve(struct tb_node * n) {
         }
     }
     n->stopping = 1;
-    for (int i = 0; i < MAX_CLIENTS; i++) {
-        if (n->slots[i].in_use && n->slots[i].pid > 0) kill(n->slots[i].pid, SIGTERM);
-    }
-    reap_workers(n, true);
+    end_workers(n);
     pthread_mutex_lock(&n->lock);
     while (n->n_threads > 0) pthread_cond_wait(&n->conn_done, &n->lock);
     pthread_mutex_unlock(&n->lock);

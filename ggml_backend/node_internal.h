@@ -26,6 +26,7 @@ struct client_slot {
 struct tb_node {
     struct tb_node_config cfg;
     char     name[TB_NAME_LEN];
+    char     host[256];           // listen address; peer links listen there too
     int      listen_fd;
     int      port;
     int      stop_pipe[2];        // written by tb_node_stop, watched by the accept loop

@@ -10,12 +10,15 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
 #define MAX_FILES    256       // model files one client may have open (shards of a 1T model: ~13-60)
+#define MAX_PEERS    16        // node-to-node links of one session (neighbours in the split)
 #define FILE_CHUNK   (64u << 20)
 
 struct node_buffer {
@@ -49,6 +52,12 @@ struct node_conn {
 
     struct { int fd; uint64_t size; char name[TB_FILE_NAME_LEN]; } files[MAX_FILES];  // id = index + 1
     size_t    n_files;
+
+    // Links to the same head's sessions on other nodes (id = index + 1).
+    int       peer_listen_fd;       // -1 until the head asks for one
+    uint64_t  peer_token;           // what a peer must present to connect
+    struct { struct tb_transport * tp; bool outgoing; char name[TB_NAME_LEN]; } peers[MAX_PEERS];
+    size_t    n_peers;
     pthread_t watchdog;
     bool      has_watchdog;
 };
@@ -336,6 +345,10 @@ static void * watchdog_thread(void * arg) {
         if (pthread_cond_timedwait(&c->busy_changed, &c->busy_lock, &until) == 0 || !c->computing || c->closing) continue;
         pthread_mutex_lock(&c->send_lock);
         if (tb_msg_send(c->tp, TB_CMD_KEEPALIVE, TB_FLAG_REPLY, 0, NULL, 0, NULL, 0) == 0) tb_flush(c->tp);
+        for (size_t i = 0; i < c->n_peers; i++) {   // a peer waiting for our output must not give up on us either
+            if (c->peers[i].outgoing && tb_msg_send(c->peers[i].tp, TB_CMD_KEEPALIVE, 0, 0, NULL, 0, NULL, 0) == 0)
+                tb_flush(c->peers[i].tp);
+        }
         pthread_mutex_unlock(&c->send_lock);
     }
     pthread_mutex_unlock(&c->busy_lock);
@@ -500,6 +513,185 @@ static int handle_load_from_file(struct node_conn * c, const struct tb_header * 
     return 0;
 }
 
+// ---- node-to-node links ------------------------------------------------------
+// The head links the session that computes layer k with the one that
+// computes layer k+1; activations then go straight from node to node and
+// the head waits only for the last node's logits. Setup (three called
+// requests) happens once per pair; a pair that cannot connect answers 0 and
+// the head keeps relaying.
+
+static int reply_u64(struct reply * r, uint64_t v) {
+    memcpy(r->small, &v, sizeof v);
+    r->data = r->small;
+    r->len = sizeof v;
+    return 0;
+}
+
+static uint64_t random_token(void) {
+    uint64_t t = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) { if (read(fd, &t, sizeof t) != (ssize_t) sizeof t) t = 0; close(fd); }
+    return t ? t : (uint64_t) time(NULL) * 0x9e3779b97f4a7c15ull;
+}
+
+static uint64_t add_peer(struct node_conn * c, struct tb_transport * tp, bool outgoing, const char * name) {
+    if (c->n_peers == MAX_PEERS) { tb_close(tp); return 0; }
+    // The head's own timeout (three keepalive periods) bounds a silent peer too.
+    tp->timeout_ms = (int) c->keepalive_ms * 3;
+    pthread_mutex_lock(&c->send_lock);     // the watchdog walks this list
+    c->peers[c->n_peers].tp = tp;
+    c->peers[c->n_peers].outgoing = outgoing;
+    snprintf(c->peers[c->n_peers].name, sizeof c->peers[c->n_peers].name, "%s", name);
+    uint64_t id = ++c->n_peers;
+    pthread_mutex_unlock(&c->send_lock);
+    return id;
+}
+
+static int handle_peer_listen(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, 0, "PEER_LISTEN", err, err_len) != 0) return -1;
+    struct tb_peer_listen_reply rep = { 0, 0 };
+    if (c->peer_listen_fd < 0) {
+        char why[256];
+        c->peer_listen_fd = tb_tcp_listen(c->node->host, 0, why, sizeof why);
+        if (c->peer_listen_fd < 0) node_log(c->node, "client %s: cannot listen for peers: %s", c->tp->peer, why);
+        c->peer_token = random_token();
+    }
+    if (c->peer_listen_fd >= 0) {
+        rep.token = c->peer_token;
+        rep.port = (uint64_t) tb_tcp_bound_port(c->peer_listen_fd);
+    }
+    memcpy(r->small, &rep, sizeof rep);
+    r->data = r->small;
+    r->len = sizeof rep;
+    return 0;
+}
+
+static int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_peer_connect), "PEER_CONNECT", err, err_len) != 0) return -1;
+    struct tb_peer_connect * req = (struct tb_peer_connect *) c->payload;
+    req->host[sizeof req->host - 1] = '\0';
+    char why[256];
+    struct tb_transport * tp = req->port > 0 && req->port < 65536
+        ? tb_tcp_connect(req->host, (int) req->port, c->node->cfg.timeout_ms, why, sizeof why) : NULL;
+    if (!tp) {
+        node_log(c->node, "client %s: cannot reach peer %s:%llu (%s); activations will go through the head",
+                 c->tp->peer, req->host, (unsigned long long) req->port, req->port ? why : "bad port");
+        return reply_u64(r, 0);
+    }
+    char me[TB_NAME_LEN] = { 0 };     // our name, so the peer can say who went silent
+    snprintf(me, sizeof me, "%s", c->node->name);
+    if (tb_send(tp, &req->token, sizeof req->token) != 0 || tb_send(tp, me, sizeof me) != 0 || tb_flush(tp) != 0) {
+        tb_close(tp);
+        return reply_u64(r, 0);
+    }
+    char them[TB_NAME_LEN + 32];
+    snprintf(them, sizeof them, "%s:%llu", req->host, (unsigned long long) req->port);
+    return reply_u64(r, add_peer(c, tp, true, them));
+}
+
+static int handle_peer_accept(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(uint64_t), "PEER_ACCEPT", err, err_len) != 0) return -1;
+    uint64_t token;
+    memcpy(&token, c->payload, sizeof token);
+    if (c->peer_listen_fd < 0 || token != c->peer_token) return reply_u64(r, 0);
+    struct pollfd p = { .fd = c->peer_listen_fd, .events = POLLIN };
+    while (poll(&p, 1, c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000) > 0) {
+        int fd = accept(c->peer_listen_fd, NULL, NULL);
+        if (fd < 0) continue;
+        struct tb_transport * tp = tb_tcp_from_fd(fd, c->node->cfg.timeout_ms);
+        uint64_t presented = 0;
+        char name[TB_NAME_LEN] = { 0 };
+        if (tp && tb_recv(tp, &presented, sizeof presented) == 0 && presented == c->peer_token &&
+            tb_recv(tp, name, sizeof name) == 0) {
+            name[sizeof name - 1] = '\0';
+            return reply_u64(r, add_peer(c, tp, false, name));
+        }
+        node_log(c->node, "client %s: a peer link attempt without the right token was refused", c->tp->peer);
+        tb_close(tp);
+    }
+    return reply_u64(r, 0);
+}
+
+// The peer and the buffer range a PEER_SEND/PEER_RECV names, validated.
+static struct node_buffer * peer_range(struct node_conn * c, const struct tb_peer_range * req, bool outgoing,
+                                       struct tb_transport ** tp, char * err, size_t err_len) {
+    if (req->peer_id == 0 || req->peer_id > c->n_peers || c->peers[req->peer_id - 1].outgoing != outgoing) {
+        snprintf(err, err_len, "unknown %s peer %llu", outgoing ? "outgoing" : "incoming", (unsigned long long) req->peer_id);
+        return NULL;
+    }
+    if (req->size > TB_MAX_PAYLOAD) {
+        snprintf(err, err_len, "a peer transfer of %llu bytes exceeds the message limit", (unsigned long long) req->size);
+        return NULL;
+    }
+    *tp = c->peers[req->peer_id - 1].tp;
+    return checked_range(c, req->handle, req->offset, req->size, err, err_len);
+}
+
+static int ensure_scratch(struct node_conn * c, size_t n) {
+    if (n <= c->payload_cap) return 0;
+    uint8_t * p = realloc(c->payload, n);
+    if (!p) return -1;
+    c->payload = p;
+    c->payload_cap = n;
+    return 0;
+}
+
+static int handle_peer_send(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_peer_range), "PEER_SEND", err, err_len) != 0) return -1;
+    const struct tb_peer_range req = *(const struct tb_peer_range *) c->payload;
+    struct tb_transport * tp = NULL;
+    struct node_buffer * b = peer_range(c, &req, true, &tp, err, err_len);
+    if (!b) return -1;
+    const uint8_t * data = b->base + req.offset;
+    if (!ggml_backend_buffer_is_host(b->buf)) {
+        if (ensure_scratch(c, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+        struct ggml_tensor t = byte_view(b, req.offset, req.size);
+        ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
+        data = c->payload;
+    }
+    pthread_mutex_lock(&c->send_lock);
+    int rc = tb_msg_send(tp, TB_CMD_PEER_SEND, 0, 0, data, (size_t) req.size, NULL, 0);
+    if (rc == 0) rc = tb_flush(tp);
+    pthread_mutex_unlock(&c->send_lock);
+    if (rc != 0) snprintf(err, err_len, "PEER_SEND: %s", tp->error);
+    return rc;
+}
+
+static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_peer_range), "PEER_RECV", err, err_len) != 0) return -1;
+    const struct tb_peer_range req = *(const struct tb_peer_range *) c->payload;
+    struct tb_transport * tp = NULL;
+    struct node_buffer * b = peer_range(c, &req, false, &tp, err, err_len);
+    if (!b) return -1;
+    set_computing(c, true);   // waiting for the peer's compute: keep the head informed
+    struct tb_header ph;
+    int rc;
+    do {   // the sending node's keepalives reset our timeout while it computes
+        rc = tb_msg_recv_header(tp, &ph, err, err_len);
+    } while (rc == 0 && ph.cmd == TB_CMD_KEEPALIVE && ph.len == 0);
+    if (rc == 0 && (ph.cmd != TB_CMD_PEER_SEND || ph.len != req.size)) {
+        snprintf(err, err_len, "PEER_RECV: the peer sent %s of %llu bytes, expected %llu", tb_cmd_name(ph.cmd),
+                 (unsigned long long) ph.len, (unsigned long long) req.size);
+        rc = -1;
+    }
+    if (rc == 0 && ggml_backend_buffer_is_host(b->buf)) {
+        rc = tb_recv(tp, b->base + req.offset, (size_t) req.size);
+    } else if (rc == 0) {
+        rc = ensure_scratch(c, (size_t) req.size) == 0 ? tb_recv(tp, c->payload, (size_t) req.size) : -1;
+        if (rc == 0) {
+            struct ggml_tensor t = byte_view(b, req.offset, req.size);
+            ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
+        }
+    }
+    set_computing(c, false);
+    if (rc != 0) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", err[0] ? err : tp->error);
+        snprintf(err, err_len, "waiting for activations from node %s: %s", c->peers[req.peer_id - 1].name, why);
+    }
+    return rc;
+}
+
 static int handle_status(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     if (expect_len(h->len, 0, "STATUS", err, err_len) != 0) return -1;
     struct tb_status * s = (struct tb_status *) r->small;
@@ -527,6 +719,7 @@ static bool is_posted(uint16_t cmd) {
     switch (cmd) {
         case TB_CMD_FREE_BUFFER: case TB_CMD_BUFFER_CLEAR: case TB_CMD_SET_TENSOR: case TB_CMD_MEMSET_TENSOR:
         case TB_CMD_COPY_TENSOR: case TB_CMD_GRAPH_COMPUTE: case TB_CMD_GRAPH_RECOMPUTE: case TB_CMD_LOAD_FROM_FILE:
+        case TB_CMD_PEER_SEND: case TB_CMD_PEER_RECV:
             return true;
         default:
             return false;
@@ -585,6 +778,11 @@ static int dispatch(struct node_conn * c, const struct tb_header * h, struct rep
         case TB_CMD_GET_ALLOC_SIZE:  return handle_alloc_size(c, h, r, err, err_len);
         case TB_CMD_OPEN_FILE:       return handle_open_file(c, h, r, err, err_len);
         case TB_CMD_LOAD_FROM_FILE:  return handle_load_from_file(c, h, err, err_len);
+        case TB_CMD_PEER_LISTEN:     return handle_peer_listen(c, h, r, err, err_len);
+        case TB_CMD_PEER_CONNECT:    return handle_peer_connect(c, h, r, err, err_len);
+        case TB_CMD_PEER_ACCEPT:     return handle_peer_accept(c, h, r, err, err_len);
+        case TB_CMD_PEER_SEND:       return handle_peer_send(c, h, err, err_len);
+        case TB_CMD_PEER_RECV:       return handle_peer_recv(c, h, err, err_len);
         case TB_CMD_SYNC:            return expect_len(h->len, 0, "SYNC", err, err_len);
         case TB_CMD_STATUS:          return handle_status(c, h, r, err, err_len);
         default:
@@ -665,6 +863,8 @@ static void conn_free(struct node_conn * c) {
     pthread_cond_destroy(&c->busy_changed);
     while (c->n_buffers > 0) release_buffer(c, c->n_buffers - 1);
     for (size_t i = 0; i < c->n_files; i++) close(c->files[i].fd);
+    for (size_t i = 0; i < c->n_peers; i++) tb_close(c->peers[i].tp);
+    if (c->peer_listen_fd >= 0) close(c->peer_listen_fd);
     if (c->graph_ctx) ggml_free(c->graph_ctx);
     if (c->backend) ggml_backend_free(c->backend);
     free(c->buffers);
@@ -711,6 +911,7 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     snprintf(slot->peer, sizeof slot->peer, "%s", c->tp->peer);
     c->next_handle = 1;
     c->keepalive_ms = 1000;
+    c->peer_listen_fd = -1;
     pthread_mutex_init(&c->send_lock, NULL);
     pthread_mutex_init(&c->busy_lock, NULL);
     pthread_cond_init(&c->busy_changed, NULL);

@@ -56,6 +56,11 @@ enum tb_cmd {
     TB_CMD_GET_ALLOC_SIZE,   // tb_graph_header + tensors (last one is the op)  reply: u64 bytes
     TB_CMD_OPEN_FILE,        // tb_open_file        reply: u64 file id, 0 when the node has no such file
     TB_CMD_LOAD_FROM_FILE,   // tb_file_range       posted: fill a buffer range from the node's own copy
+    TB_CMD_PEER_LISTEN,      // empty               reply: tb_peer_listen_reply (0 port: cannot)
+    TB_CMD_PEER_CONNECT,     // tb_peer_connect     reply: u64 peer id (0: could not reach the peer)
+    TB_CMD_PEER_ACCEPT,      // u64 token           reply: u64 peer id (0: nobody came in time)
+    TB_CMD_PEER_SEND,        // tb_peer_range       posted: send a buffer range to a peer (also the data frame on a peer link)
+    TB_CMD_PEER_RECV,        // tb_peer_range       posted: receive the peer's next range into a buffer range
     TB_CMD_COUNT_,
 };
 
@@ -113,6 +118,12 @@ struct tb_copy_req    { uint64_t src_handle, src_offset, dst_handle, dst_offset,
 // directories and accepts it only with the same size and fingerprint.
 struct tb_open_file   { uint64_t size; uint8_t fingerprint[TB_FINGERPRINT_LEN]; char name[TB_FILE_NAME_LEN]; };
 struct tb_file_range  { uint64_t handle, offset, size, file_id, file_offset; };
+
+// Node-to-node links: activations go from the node that computed them
+// straight to the next node, instead of through the head.
+struct tb_peer_listen_reply { uint64_t token, port; };
+struct tb_peer_connect      { char host[256]; uint64_t port, token; };
+struct tb_peer_range        { uint64_t peer_id, handle, offset, size; };
 
 struct tb_status {
     uint64_t buffers;            // live buffers, all clients

@@ -30,6 +30,7 @@ struct tbrpc_node_info {
     uint64_t graphs_sent;            // GRAPH_COMPUTE with a full graph
     uint64_t graphs_reused;          // GRAPH_RECOMPUTE (the node still had it)
     uint64_t bytes_from_files;       // weights the node read from its own copy of the model
+    uint64_t peer_copies;            // activations this node sent straight to another node
 };
 
 struct tbrpc_client * tbrpc_client_new(void);

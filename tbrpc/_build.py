@@ -61,7 +61,7 @@ void tb_node_free(struct tb_node * node);
 struct tbrpc_node_info { char endpoint[...]; char device_name[...]; struct tb_hello hello; int failed;
                          char error[...]; uint64_t bytes_sent; uint64_t bytes_received; uint64_t round_trips;
                          uint64_t messages; uint64_t graphs_sent; uint64_t graphs_reused;
-                         uint64_t bytes_from_files; ...; };
+                         uint64_t bytes_from_files; uint64_t peer_copies; ...; };
 struct tb_file_identity { uint64_t size; uint8_t fingerprint[16]; };
 int tbrpc_file_identity(const char * path, struct tb_file_identity * out, char * err, size_t err_len);
 struct tbrpc_client;

@@ -41,6 +41,7 @@ class NodeInfo:
     graphs_sent: int
     graphs_reused: int
     bytes_from_files: int     # weights the node read from its own copy of the model
+    peer_copies: int = 0      # activations it sent straight to the next node
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Cluster:
             mem_free=h.mem_free, mem_total=h.mem_total, failed=bool(out.failed), error=text(out.error),
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, round_trips=out.round_trips,
             messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
-            bytes_from_files=out.bytes_from_files,
+            bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies,
         )
 
     def nodes(self) -> list[NodeInfo]:

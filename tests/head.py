@@ -84,9 +84,14 @@ def main(spec_path: str, out_path: str) -> None:
     except Exception as e:  # the test asserts on type and message
         result["error"] = {"type": type(e).__name__, "message": str(e)}
         if nodes:  # are the nodes that did not fail still usable?
-            survivors = [i for i, n in enumerate(tbrpc.cluster().nodes()) if not n.failed]
-            result["survivor_status"] = {tbrpc.cluster().info(i).endpoint: vars(tbrpc.cluster().status(i))
-                                         for i in survivors}
+            result["survivor_status"] = {}
+            for i, node in enumerate(tbrpc.cluster().nodes()):
+                if node.failed:
+                    continue
+                try:
+                    result["survivor_status"][node.endpoint] = vars(tbrpc.cluster().status(i))
+                except tbrpc.NodeError as status_error:   # e.g. the stalled node, not yet known to be failed
+                    result.setdefault("status_errors", {})[node.endpoint] = str(status_error)
     Path(out_path).write_text(json.dumps(result))
 
 

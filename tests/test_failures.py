@@ -101,6 +101,21 @@ def test_stalled_node_times_out(nodes: Any, tmp_path: Path) -> None:
         os.killpg(b.proc.pid, signal.SIGCONT)
 
 
+def test_stalled_upstream_node_is_named(nodes: Any, tmp_path: Path) -> None:
+    """With node-to-node links the head waits on the last node only; when the
+    first node stalls, the last one says whose activations never came."""
+    a, b = nodes(2)
+    try:
+        result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt=PROMPT, n_predict=12,
+                             nodes=[a.endpoint, b.endpoint], timeout=2.0,
+                             kill={"pid": a.proc.pid, "after_tokens": 2, "signal": int(signal.SIGSTOP)})
+        assert result["error"]["type"] == "NodeError"
+        message = result["error"]["message"]
+        assert f"waiting for activations from node 127.0.0.1:{a.port}" in message, message
+    finally:
+        os.killpg(a.proc.pid, signal.SIGCONT)
+
+
 def fake_node(hello_changes: dict[str, int]) -> tuple[str, threading.Thread]:
     """A server that answers HELLO like a node of another version would."""
     ffi, lib = load()
