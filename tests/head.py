@@ -33,7 +33,8 @@ def single_process_params() -> None:
     lib.llama_model_default_params = params
 
 
-def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None) -> tuple[list[int], np.ndarray]:
+def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None,
+             reset_stats: Any = None) -> tuple[list[int], np.ndarray]:
     tokens = llm.tokenize(prompt.encode(), add_bos=True)
     out: list[int] = []
     rows: list[np.ndarray] = []
@@ -48,6 +49,8 @@ def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None)
         rows.append(logits)
         token = int(np.argmax(logits))
         out.append(token)
+        if step == 1 and reset_stats is not None:   # steady state: count only the later tokens
+            reset_stats()
         if kill and step == kill["after_tokens"]:
             os.killpg(kill["pid"], kill.get("signal", 9))  # the node and its worker processes
         llm.eval([token])
@@ -76,7 +79,8 @@ def main(spec_path: str, out_path: str) -> None:
         result["load_s"] = time.time() - t0
         if nodes:
             result["allocated_after_load"] = [tbrpc.cluster().status(i).bytes_allocated for i in range(len(nodes))]
-        tokens, logits = generate(llm, spec["prompt"], spec["n_predict"], spec.get("kill"))
+        tokens, logits = generate(llm, spec["prompt"], spec["n_predict"], spec.get("kill"),
+                                  tbrpc.cluster().reset_stats if nodes else None)
         result["tokens"] = tokens
         np.save(spec["logits_path"], logits)
         if nodes:
