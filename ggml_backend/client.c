@@ -45,6 +45,7 @@ struct client_node {
 
     uint8_t * encode;  size_t encode_cap;    // graph message being built
     uint8_t * last_graph; size_t last_graph_len, last_graph_cap; // what the node holds for RECOMPUTE
+    uint64_t last_graph_uid;                 // ggml's uid of that graph (0: unknown)
     struct op_cache_entry op_cache[OP_CACHE_SIZE];
 
     struct node_file { char path[4096]; uint64_t id; } * files;  // head file -> node's file id (0: the node lacks it)
@@ -172,6 +173,7 @@ static void buffer_free(ggml_backend_buffer_t buffer) {
     struct tb_buffer_req req = { .handle = cb->handle };
     pthread_mutex_lock(&n->lock);
     n->last_graph_len = 0;                  // the node drops its kept graph with the buffer
+    n->last_graph_uid = 0;
     node_post_locked(n, TB_CMD_FREE_BUFFER, &req, sizeof req, NULL, 0);
     if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "FREE_BUFFER", n->tp->error);
     pthread_mutex_unlock(&n->lock);
@@ -453,9 +455,12 @@ static size_t encode_graph(struct client_node * n, struct ggml_cgraph * g, char 
     uint32_t * node_idx = malloc((size_t) n_nodes * sizeof *node_idx);
     if (!node_idx) { snprintf(err, err_len, "out of memory"); goto done; }
     for (int i = 0; i < n_nodes; i++) {
-        int32_t at = encode_tensor(&e, ggml_graph_node(g, i));
+        const struct ggml_tensor * node = ggml_graph_node(g, i);
+        int32_t at = encode_tensor(&e, node);
         if (at < 0) { snprintf(err, err_len, "%s", e.err); free(node_idx); goto done; }
         node_idx[i] = (uint32_t) at;
+        const size_t slot = g->use_counts ? tbrpc_ggml_hash_slot(&g->visited_hash_set, node, false) : (size_t) -1;
+        e.tensors[at].use_count = slot != (size_t) -1 ? g->use_counts[slot] : 0;
     }
     struct tb_graph_header gh = { .n_tensors = e.n, .n_nodes = (uint32_t) n_nodes };
     memcpy(n->encode, &gh, sizeof gh);
@@ -505,6 +510,15 @@ static enum ggml_status backend_graph_compute(ggml_backend_t backend, struct ggm
     struct client_node * n = backend_node(backend);
     char err[256] = "";
     pthread_mutex_lock(&n->lock);
+    if (!n->failed && g->uid != 0 && g->uid == n->last_graph_uid && n->last_graph_len > 0) {
+        // the scheduler did not re-split: the node holds exactly this graph
+        n->graphs_reused++;
+        node_post_locked(n, TB_CMD_GRAPH_RECOMPUTE, NULL, 0, NULL, 0);
+        if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "GRAPH_RECOMPUTE", n->tp->error);
+        enum ggml_status st = n->failed ? GGML_STATUS_FAILED : GGML_STATUS_SUCCESS;
+        pthread_mutex_unlock(&n->lock);
+        return st;
+    }
     size_t len = n->failed ? 0 : encode_graph(n, g, err, sizeof err);
     if (len == 0 && !n->failed) node_fail(n, "GRAPH_COMPUTE", err);
     if (!n->failed) {
@@ -521,6 +535,7 @@ static enum ggml_status backend_graph_compute(ggml_backend_t backend, struct ggm
             n->last_graph_len = len <= n->last_graph_cap ? len : 0;
             if (n->last_graph_len) memcpy(n->last_graph, n->encode, len);
         }
+        n->last_graph_uid = g->uid;
         // start the node now: the head may have its own work before it reads results
         if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "GRAPH_COMPUTE", n->tp->error);
     }
@@ -721,7 +736,13 @@ static size_t encode_op_query(struct client_node * n, const struct ggml_tensor *
 static bool ask_node_about_op(struct client_node * n, uint16_t cmd, uint64_t key, const struct ggml_tensor * op,
                               uint64_t * answer, size_t answer_len) {
     pthread_mutex_lock(&n->lock);
-    struct op_cache_entry * slot = &n->op_cache[key & (OP_CACHE_SIZE - 1)];
+    // 4-way: two op classes that land on one slot must not keep evicting each other
+    struct op_cache_entry * slot = NULL;
+    for (size_t way = 0; way < 4 && !slot; way++) {
+        struct op_cache_entry * e = &n->op_cache[(key + way) & (OP_CACHE_SIZE - 1)];
+        if (!e->used || e->key == key) slot = e;
+    }
+    if (!slot) slot = &n->op_cache[key & (OP_CACHE_SIZE - 1)];
     bool ok = slot->used && slot->key == key;
     if (ok) {
         *answer = slot->value;

@@ -43,6 +43,46 @@ struct ggml_backend_buffer_type {
 // Exported by libggml-base: ops whose buffers may need more than ggml_nbytes.
 GGML_API bool ggml_op_alloc_size_may_expand(enum ggml_op op);
 
+// --- graph -------------------------------------------------------------------
+// ggml.h keeps struct ggml_cgraph opaque; we read one field of it, `uid`:
+// the scheduler gives each split graph a new uid whenever it re-splits, so
+// an unchanged uid means "the very same graph as last time" and the client
+// can skip encoding it (client.c, backend_graph_compute).
+struct tbrpc_ggml_hash_set { size_t size; uint32_t * used; struct ggml_tensor ** keys; };
+
+struct ggml_cgraph {
+    int size, n_nodes, n_leafs;
+    struct ggml_tensor ** nodes;
+    struct ggml_tensor ** grads;
+    struct ggml_tensor ** grad_accs;
+    struct ggml_tensor ** leafs;
+    int32_t * use_counts;
+    struct tbrpc_ggml_hash_set visited_hash_set;
+    int order;                      // enum ggml_cgraph_eval_order
+    uint64_t uid;                   // 0: not set
+};
+
+// ggml's own slot lookup in a graph's hash set (ggml-impl.h: ggml_hash_find):
+// hash = address >> 4, linear probing. Mirrored, not shared, because it is a
+// static function there; the use counts live at the same slots.
+static inline size_t tbrpc_ggml_hash_slot(const struct tbrpc_ggml_hash_set * set, const struct ggml_tensor * t, bool insert) {
+    if (set->size == 0) return (size_t) -1;
+    const size_t start = ((size_t) (uintptr_t) t >> 4) % set->size;
+    size_t i = start;
+    do {
+        const bool used = (set->used[i >> 5] >> (i & 31)) & 1u;
+        if (!used) {
+            if (!insert) return (size_t) -1;
+            set->used[i >> 5] |= 1u << (i & 31);
+            set->keys[i] = (struct ggml_tensor *) t;
+            return i;
+        }
+        if (set->keys[i] == t) return i;
+        i = (i + 1) % set->size;
+    } while (i != start);
+    return (size_t) -1;
+}
+
 // --- buffer ----------------------------------------------------------------
 struct ggml_backend_buffer_i {
     void             (*free_buffer)  (ggml_backend_buffer_t buffer);

@@ -313,6 +313,9 @@ static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_
                 goto fail;
             }
             ggml_graph_add_node(g, tensors[node_idx[i]]);
+            // the use counts let ggml fuse ops (rms_norm+mul, ...) as the head's own CPU would
+            const size_t slot = tbrpc_ggml_hash_slot(&g->visited_hash_set, tensors[node_idx[i]], true);
+            if (slot != (size_t) -1) g->use_counts[slot] = wire[node_idx[i]].use_count;
         }
         *graph_out = g;
     }

@@ -152,6 +152,8 @@ struct tb_wire_tensor {
     uint64_t view_offs;
     int32_t  src[GGML_MAX_SRC];
     char     name[GGML_MAX_NAME];
+    int32_t  use_count;       // graph nodes: how many nodes use it (ggml fuses ops only when it knows)
+    int32_t  reserved;
 };
 
 struct tb_graph_header {
