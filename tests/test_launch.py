@@ -258,14 +258,19 @@ def test_node_killed_during_load(tmp_path: Path) -> None:
     assert_gone(pids)
 
 
-def test_node_killed_during_generation(tmp_path: Path) -> None:
+def generating_launch(tmp_path: Path) -> tuple[Any, list[int]]:
+    """A Gemma launch over 2 nodes that has started printing its completion, and its node PIDs."""
     launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
                           "--prompt", "Once upon a time", "--max-tokens", "200")
     launch.wait_for(r"model loaded")
     deadline = time.monotonic() + 60
     while not launch.stdout.strip() and time.monotonic() < deadline:
         time.sleep(0.02)
-    pids = with_descendants(launch.node_pids())
+    return launch, with_descendants(launch.node_pids())
+
+
+def test_node_killed_during_generation(tmp_path: Path) -> None:
+    launch, pids = generating_launch(tmp_path)
     os.kill(launch.node_pids()[1], signal.SIGKILL)
     assert launch.finish() == 1, launch.stderr
     assert "step generate" in launch.stderr and "127.0.0.1:" in launch.stderr, launch.stderr
@@ -273,13 +278,7 @@ def test_node_killed_during_generation(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_during_generation(tmp_path: Path) -> None:
-    launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
-                          "--prompt", "Once upon a time", "--max-tokens", "200")
-    launch.wait_for(r"model loaded")
-    deadline = time.monotonic() + 60
-    while not launch.stdout.strip() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    pids = with_descendants(launch.node_pids())
+    launch, pids = generating_launch(tmp_path)
     launch.proc.send_signal(signal.SIGINT)
     assert launch.finish() == 130, launch.stderr
     assert "interrupted (SIGINT) during step generate" in launch.stderr
