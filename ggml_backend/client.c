@@ -761,9 +761,10 @@ static bool ask_node_about_op(struct client_node * n, uint16_t cmd, uint64_t key
 // ARGSORT, TOP_K, ...): ask the node for exactly those, once per shape.
 static size_t buft_get_alloc_size(ggml_backend_buffer_type_t buft, const struct ggml_tensor * tensor) {
     const size_t nbytes = ggml_nbytes(tensor);
-    if (tensor->view_src != NULL || !ggml_op_alloc_size_may_expand(tensor->op)) return nbytes;
-    uint64_t size = 0;
     struct client_node * n = buft->context;
+    if (tensor->view_src != NULL || !ggml_op_alloc_size_may_expand(tensor->op) || (n->info.caps & TB_CAP_ALLOC_SIZE_IS_NBYTES))
+        return nbytes;
+    uint64_t size = 0;
     if (!ask_node_about_op(n, TB_CMD_GET_ALLOC_SIZE, alloc_size_key(tensor), tensor, &size, sizeof size)) return nbytes;
     return size > nbytes ? (size_t) size : nbytes;
 }

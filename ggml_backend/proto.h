@@ -101,10 +101,15 @@ struct tb_hello {            // request and reply share it; the node fills the d
     uint64_t max_size;
     uint32_t device_type;      // enum ggml_backend_dev_type of the node's device
     uint32_t keepalive_ms;     // request: how often a computing node must say so (the client's timeout / 3)
+    uint64_t caps;             // reply: TB_CAP_* facts about the node's device
     char     device_name[TB_NAME_LEN];
     char     device_description[128];
     char     node_name[TB_NAME_LEN];
 };
+
+// The device sizes every tensor as ggml_nbytes (the CPU does; Metal does not):
+// the head need not ask GET_ALLOC_SIZE.
+#define TB_CAP_ALLOC_SIZE_IS_NBYTES 1u
 
 struct tb_memory      { uint64_t free, total; };
 struct tb_alloc_req   { uint64_t size; };

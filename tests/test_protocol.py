@@ -302,6 +302,16 @@ def test_graph_breaking_an_op_contract_ends_only_that_client(node: Any) -> None:
     assert bystander.reply()[0] == 0
 
 
+def test_alloc_size_is_the_devices_answer(node: Any) -> None:
+    w = ready(node)
+    x = tensor(ne=[64, 9, 1, 1], nb=[4, 256, 2304, 2304])
+    sorted_ = tensor(type=26, ne=[64, 9, 1, 1], nb=[4, 256, 2304, 2304], op=_ggml_op_index("ARGSORT"),
+                     src=[0] + [-1] * 9)   # type 26: I32
+    w.send(lib.TB_CMD_GET_ALLOC_SIZE, graph([x, sorted_], []))
+    status, body = w.reply()
+    assert status == 0 and struct.unpack("<Q", body)[0] == 64 * 9 * 4   # the CPU sizes it as ggml_nbytes
+
+
 def test_recompute_without_graph(node: Any) -> None:
     w = ready(node)
     w.send(lib.TB_CMD_GRAPH_RECOMPUTE)
