@@ -79,6 +79,7 @@ def main(spec_path: str, out_path: str) -> None:
         result["load_s"] = time.time() - t0
         if nodes:
             result["allocated_after_load"] = [tbrpc.cluster().status(i).bytes_allocated for i in range(len(nodes))]
+            result["nodes_after_load"] = [vars(n) for n in tbrpc.cluster().nodes()]   # counters before the reset
         tokens, logits = generate(llm, spec["prompt"], spec["n_predict"], spec.get("kill"),
                                   tbrpc.cluster().reset_stats if nodes else None)
         result["tokens"] = tokens

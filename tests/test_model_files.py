@@ -45,8 +45,8 @@ def test_weights_load_from_the_nodes_copy(model_name: str, nodes: Any, tmp_path:
                               nodes=[n.endpoint for n in started])
     assert result["error"] is None, result["error"]
     assert result["tokens"] == base["tokens"] and np.array_equal(logits, base_logits)
-    from_files = sum(n["bytes_from_files"] for n in result["nodes"])
-    sent = sum(n["bytes_sent"] for n in result["nodes"])
+    from_files = sum(n["bytes_from_files"] for n in result["nodes_after_load"])
+    sent = sum(n["bytes_sent"] for n in result["nodes_after_load"])
     large = large_layer_tensor_bytes(model)
     assert large > 0 and from_files >= large, (from_files, large)
     # what still crossed: the small tensors, inputs and graphs, not the large weights
@@ -69,7 +69,7 @@ def test_a_different_file_under_the_same_name_streams_instead(nodes: Any, tmp_pa
                               nodes=[n.endpoint for n in started])
     assert result["error"] is None, result["error"]
     assert result["tokens"] == base["tokens"] and np.array_equal(logits, base_logits)
-    assert all(n["bytes_from_files"] == 0 for n in result["nodes"])
+    assert all(n["bytes_from_files"] == 0 for n in result["nodes_after_load"])
     assert any("differs from the head's copy" in n.log_text() for n in started)
 
 
