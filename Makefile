@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml setup.py tbrpc/_build.py $(C_SRC)
 # Gemma 3 270M split across two local nodes, one prompt.
 demo: $(STAMP)
 	$(PY) -m models gemma >/dev/null
-	$(VENV)/bin/tbrpc launch --gguf $$($(PY) -m models gemma) --local 2 --prompt "The three largest cities of France are"
+	$(VENV)/bin/tbrpc launch --gguf $$($(PY) -m models gemma) --local 2 --max-tokens 48 --prompt "The three largest cities of France are"
 
 # The whole test suite.
 test: $(STAMP)
