@@ -35,6 +35,8 @@ struct client_node {
     char   description[256];
     int    timeout_ms;
     struct tb_hello info;
+    ggml_backend_dev_t cpu_twin;             // the head's CPU device, when it answers supports_op for this node
+    bool   ask_always;                       // ignore what HELLO let the head answer itself
 
     pthread_mutex_t lock;                    // one request at a time on the wire
     struct tb_transport * tp;
@@ -762,7 +764,8 @@ static bool ask_node_about_op(struct client_node * n, uint16_t cmd, uint64_t key
 static size_t buft_get_alloc_size(ggml_backend_buffer_type_t buft, const struct ggml_tensor * tensor) {
     const size_t nbytes = ggml_nbytes(tensor);
     struct client_node * n = buft->context;
-    if (tensor->view_src != NULL || !ggml_op_alloc_size_may_expand(tensor->op) || (n->info.caps & TB_CAP_ALLOC_SIZE_IS_NBYTES))
+    if (tensor->view_src != NULL || !ggml_op_alloc_size_may_expand(tensor->op) ||
+        ((n->info.caps & TB_CAP_ALLOC_SIZE_IS_NBYTES) && !n->ask_always))
         return nbytes;
     uint64_t size = 0;
     if (!ask_node_about_op(n, TB_CMD_GET_ALLOC_SIZE, alloc_size_key(tensor), tensor, &size, sizeof size)) return nbytes;
@@ -786,8 +789,10 @@ static bool dev_supports_op(ggml_backend_dev_t dev, const struct ggml_tensor * o
     // as before and the compute fails softly on that node, which Python
     // reports as NodeError. "No" would make ggml's scheduler abort the head
     // on weights that already live there.
+    struct client_node * n = dev_node(dev);
+    if (n->cpu_twin && !n->ask_always) return ggml_backend_dev_supports_op(n->cpu_twin, op);
     uint64_t supported = 0;
-    return !ask_node_about_op(dev_node(dev), TB_CMD_SUPPORTS_OP, supports_key(op), op, &supported, 1) || supported;
+    return !ask_node_about_op(n, TB_CMD_SUPPORTS_OP, supports_key(op), op, &supported, 1) || supported;
 }
 
 static bool dev_supports_buft(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft) {
@@ -849,12 +854,22 @@ struct tbrpc_client * tbrpc_client_new(void) {
     return c;
 }
 
+// A CPU node running the same ggml build as the head answers supports_op
+// exactly as the head's own CPU device would (ggml's CPU supports_op looks at
+// op, types and params only), so the head asks that device instead of the
+// network: no round trip for any new op shape.
+static ggml_backend_dev_t cpu_twin_of(const struct tb_hello * head, const struct tb_hello * node) {
+    if (!(node->caps & TB_CAP_SUPPORTS_OP_IS_CPU) || strcmp(head->ggml_build, node->ggml_build) != 0) return NULL;
+    return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+}
+
 // Connect + HELLO. Both sides compare ABI; the node's refusal arrives as an
 // error reply that names both versions.
 static int handshake(struct client_node * n, char * err, size_t err_len) {
     struct tb_hello req;
     memset(&req, 0, sizeof req);
     tb_abi_fill(&req.abi);
+    tb_ggml_build(req.ggml_build, sizeof req.ggml_build);
     req.keepalive_ms = n->timeout_ms > 0 ? (uint32_t) n->timeout_ms / 3 : 1000;
     if (node_call(n, TB_CMD_HELLO, &req, sizeof req, &n->info, sizeof n->info) != 0) {
         snprintf(err, err_len, "%s", n->error);
@@ -863,6 +878,7 @@ static int handshake(struct client_node * n, char * err, size_t err_len) {
     n->info.device_name[sizeof n->info.device_name - 1] = '\0';
     n->info.device_description[sizeof n->info.device_description - 1] = '\0';
     n->info.node_name[sizeof n->info.node_name - 1] = '\0';
+    n->info.ggml_build[sizeof n->info.ggml_build - 1] = '\0';
     char why[512];
     if (tb_abi_compare(&req.abi, &n->info.abi, "node", why, sizeof why) != 0) {
         snprintf(err, err_len, "tbrpc node %s: handshake refused: %s", n->endpoint, why);
@@ -872,6 +888,7 @@ static int handshake(struct client_node * n, char * err, size_t err_len) {
         snprintf(err, err_len, "tbrpc node %s: handshake: invalid alignment %llu", n->endpoint, (unsigned long long) n->info.alignment);
         return -1;
     }
+    n->cpu_twin = cpu_twin_of(&req, &n->info);
     return 0;
 }
 
@@ -1006,6 +1023,16 @@ void tbrpc_client_reset_stats(struct tbrpc_client * c) {
         n->tp->bytes_sent = n->tp->bytes_received = 0;
         pthread_mutex_unlock(&n->lock);
     }
+}
+
+void tbrpc_client_ask_node(struct tbrpc_client * c, size_t i, int always) {
+    pthread_mutex_lock(&c->lock);
+    struct client_node * n = i < c->n_nodes ? c->nodes[i] : NULL;
+    pthread_mutex_unlock(&c->lock);
+    if (!n) return;
+    pthread_mutex_lock(&n->lock);
+    n->ask_always = always != 0;
+    pthread_mutex_unlock(&n->lock);
 }
 
 int tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status, char * err, size_t err_len) {

@@ -146,6 +146,8 @@ static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
     h->max_size = ggml_backend_buft_get_max_size(buft);
     h->device_type = (uint32_t) ggml_backend_dev_type(n->dev);
     h->caps = buft->iface.get_alloc_size == NULL ? TB_CAP_ALLOC_SIZE_IS_NBYTES : 0;
+    if (strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(n->dev)), "CPU") == 0) h->caps |= TB_CAP_SUPPORTS_OP_IS_CPU;
+    tb_ggml_build(h->ggml_build, sizeof h->ggml_build);
     snprintf(h->device_name, sizeof h->device_name, "%s", ggml_backend_dev_name(n->dev));
     snprintf(h->device_description, sizeof h->device_description, "%s", ggml_backend_dev_description(n->dev));
     snprintf(h->node_name, sizeof h->node_name, "%s", n->name);

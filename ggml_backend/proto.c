@@ -50,6 +50,10 @@ void tb_abi_fill(struct tb_abi * abi) {
     abi->type_table_hash = h;
 }
 
+void tb_ggml_build(char * out, size_t len) {
+    snprintf(out, len, "%s %s", ggml_version(), ggml_commit());
+}
+
 int tb_abi_compare(const struct tb_abi * mine, const struct tb_abi * theirs, const char * their_role,
                    char * err, size_t err_len) {
     if (mine->proto_version != theirs->proto_version) {

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define TB_MAGIC            0x43504254u   // "TBPC" on the wire
-#define TB_PROTO_VERSION    1u
+#define TB_PROTO_VERSION    2u
 #define TB_MAX_PAYLOAD      (256ull << 20) // one message; larger tensor writes are split by the client
 #define TB_MAX_GRAPH_TENSORS (1u << 20)
 #define TB_MAX_GRAPH_NODES   (1u << 20)
@@ -105,11 +105,18 @@ struct tb_hello {            // request and reply share it; the node fills the d
     char     device_name[TB_NAME_LEN];
     char     device_description[128];
     char     node_name[TB_NAME_LEN];
+    char     ggml_build[TB_NAME_LEN];  // ggml_version() and ggml_commit() of the side that sent it
 };
 
 // The device sizes every tensor as ggml_nbytes (the CPU does; Metal does not):
 // the head need not ask GET_ALLOC_SIZE.
 #define TB_CAP_ALLOC_SIZE_IS_NBYTES 1u
+// The device is ggml's CPU backend: a head with the same ggml_build answers
+// supports_op with its own CPU device (the same code) instead of asking.
+#define TB_CAP_SUPPORTS_OP_IS_CPU   2u
+
+// "version commit" of the ggml this process runs, for tb_hello.ggml_build.
+void tb_ggml_build(char * out, size_t len);
 
 struct tb_memory      { uint64_t free, total; };
 struct tb_alloc_req   { uint64_t size; };

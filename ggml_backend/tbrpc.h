@@ -46,6 +46,10 @@ int    tbrpc_client_node_status(struct tbrpc_client * c, size_t i, struct tb_sta
 // Non-zero when any node failed; err receives the first failure.
 int    tbrpc_client_failed(struct tbrpc_client * c, char * err, size_t err_len);
 void   tbrpc_client_reset_stats(struct tbrpc_client * c);
+// Ask node i every supports_op and allocation-size question (once per op
+// class) even where its HELLO lets the head answer them itself: for a device
+// whose answers the head cannot know, and for tests of the asking path.
+void   tbrpc_client_ask_node(struct tbrpc_client * c, size_t i, int always);
 
 // One-shot: connect, handshake, read status, close (for doctor and launch).
 int tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status,

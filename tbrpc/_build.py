@@ -24,8 +24,8 @@ CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;
                 uint32_t ggml_type_count; uint64_t type_table_hash; ...; };
 struct tb_hello { struct tb_abi abi; uint64_t mem_free; uint64_t mem_total; uint64_t alignment;
-                  uint64_t max_size; uint32_t device_type; char device_name[...];
-                  char device_description[...]; char node_name[...]; ...; };
+                  uint64_t max_size; uint32_t device_type; uint64_t caps; char device_name[...];
+                  char device_description[...]; char node_name[...]; char ggml_build[...]; ...; };
 struct tb_status { uint64_t buffers; uint64_t bytes_allocated; uint64_t clients; uint64_t graphs_computed;
                    uint64_t bytes_received; uint64_t bytes_from_files; uint64_t mem_free; uint64_t mem_total; char device_name[...]; ...; };
 struct tb_header { uint32_t magic; uint16_t cmd; uint16_t flags; uint64_t id; uint64_t len; };
@@ -40,6 +40,7 @@ struct tb_wire_tensor { uint64_t buffer; uint64_t offset; int64_t ne[4]; uint64_
 #define TB_MAGIC ...
 #define TB_PROTO_VERSION ...
 #define TB_MAX_PAYLOAD ...
+#define TB_CAP_SUPPORTS_OP_IS_CPU ...
 enum tb_cmd { TB_CMD_HELLO, TB_CMD_GET_MEMORY, TB_CMD_ALLOC_BUFFER, TB_CMD_FREE_BUFFER, TB_CMD_BUFFER_CLEAR,
               TB_CMD_SET_TENSOR, TB_CMD_GET_TENSOR, TB_CMD_MEMSET_TENSOR, TB_CMD_COPY_TENSOR,
               TB_CMD_GRAPH_COMPUTE, TB_CMD_GRAPH_RECOMPUTE, TB_CMD_SUPPORTS_OP, TB_CMD_SYNC, TB_CMD_STATUS,
@@ -47,6 +48,7 @@ enum tb_cmd { TB_CMD_HELLO, TB_CMD_GET_MEMORY, TB_CMD_ALLOC_BUFFER, TB_CMD_FREE_
 struct tb_open_file { uint64_t size; uint8_t fingerprint[16]; char name[256]; };
 struct tb_file_range { uint64_t handle, offset, size, file_id, file_offset; };
 void tb_abi_fill(struct tb_abi * abi);
+void tb_ggml_build(char * out, size_t len);
 
 struct tb_node_config { const char * host; int port; const char * device; int threads; const char * name;
                         const char * log_path; int timeout_ms; const char * model_dirs; int isolation; };

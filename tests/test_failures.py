@@ -61,8 +61,10 @@ def test_node_killed_mid_generation(model_name: str, nodes: Any, tmp_path: Path)
 
 
 def test_node_dead_before_the_first_decode(nodes: Any, tmp_path: Path) -> None:
-    """The first question after the death is SUPPORTS_OP; it must fail softly,
-    not make ggml's scheduler abort the head."""
+    """The head learns of the death inside its first decode after it (a CPU
+    node's supports_op is answered on the head, so the first request is a
+    posted tensor write); the decode must fail softly, not make ggml's
+    scheduler abort the head."""
     a, b = nodes(2)
     result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt=PROMPT, n_predict=4,
                          nodes=[a.endpoint, b.endpoint], kill={"pid": b.proc.pid, "after_tokens": -1})

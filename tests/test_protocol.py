@@ -312,6 +312,31 @@ def test_alloc_size_is_the_devices_answer(node: Any) -> None:
     assert status == 0 and struct.unpack("<Q", body)[0] == 64 * 9 * 4   # the CPU sizes it as ggml_nbytes
 
 
+def test_supports_op_is_the_devices_answer(node: Any) -> None:
+    """The CPU multiplies Q4_K weights by F32 or Q8_K rows, not by Q4_0 ones."""
+    q4_k, q4_0, f32 = 12, 2, 0   # enum ggml_type
+    weights = tensor(type=q4_k, ne=[256, 4, 1, 1], nb=[144, 144, 576, 576])
+    mul_mat = _ggml_op_index("MUL_MAT")
+    answers = []
+    for rows_type, block_bytes, row_bytes in ((f32, 4, 1024), (q4_0, 18, 144)):
+        rows = tensor(type=rows_type, ne=[256, 3, 1, 1], nb=[block_bytes, row_bytes, 3 * row_bytes, 3 * row_bytes])
+        product = tensor(ne=[4, 3, 1, 1], nb=[4, 16, 48, 48], op=mul_mat, src=[0, 1] + [-1] * 8)
+        w = ready(node)
+        w.send(lib.TB_CMD_SUPPORTS_OP, graph([weights, rows, product], []))
+        answers.append(w.reply())
+    assert answers == [(0, b"\x01"), (0, b"\x00")]
+
+
+def test_a_cpu_node_says_so_at_hello(node: Any) -> None:
+    """So that a head of the same ggml build answers supports_op itself."""
+    status, body = Wire(node.endpoint).hello()
+    hello = ffi.from_buffer("struct tb_hello *", bytearray(body))
+    mine = ffi.new("char[64]")
+    lib.tb_ggml_build(mine, 64)
+    assert status == 0 and hello.caps & lib.TB_CAP_SUPPORTS_OP_IS_CPU
+    assert ffi.string(hello.ggml_build) == ffi.string(mine) and b" " in ffi.string(mine)
+
+
 def test_recompute_without_graph(node: Any) -> None:
     w = ready(node)
     w.send(lib.TB_CMD_GRAPH_RECOMPUTE)

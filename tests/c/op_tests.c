@@ -315,20 +315,54 @@ static void case_allocation_accounting(struct env * e) {
     CHECK(st.bytes_allocated == before, "free left %llu bytes", (unsigned long long) (st.bytes_allocated - before));
 }
 
-// supports_op is answered by the node's real device, once per op class.
+// supports_op is the node device's answer. A CPU node of the head's ggml
+// build says so at HELLO, and the head's own CPU device answers for it: not
+// even the first question of an op class crosses the network.
 static void case_supports_op(struct env * e) {
     struct ggml_context * ctx = no_alloc_ctx(8);
     struct ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_K, 256, 4);
     struct ggml_tensor * b = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 256, 3);
+    struct ggml_tensor * c = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, 256, 3);
     struct ggml_tensor * mm = ggml_mul_mat(ctx, a, b);
+    struct ggml_tensor * bad = ggml_mul_mat(ctx, a, c);   // Q4_K weights take F32 or Q8_K rows only
     ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    CHECK(ggml_backend_dev_supports_op(e->remote_dev, mm) == ggml_backend_dev_supports_op(cpu, mm), "mul_mat answer differs from CPU");
     struct tbrpc_node_info before, after;
     tbrpc_client_node_info(e->client, 0, &before);
-    for (int i = 0; i < 10; i++) ggml_backend_dev_supports_op(e->remote_dev, mm);
+    CHECK(before.hello.caps & TB_CAP_SUPPORTS_OP_IS_CPU, "a CPU node must say so at HELLO");
+    CHECK(ggml_backend_dev_supports_op(e->remote_dev, mm) && ggml_backend_dev_supports_op(cpu, mm), "q4_K x f32");
+    CHECK(!ggml_backend_dev_supports_op(e->remote_dev, bad) && !ggml_backend_dev_supports_op(cpu, bad), "q4_K x q4_0");
     tbrpc_client_node_info(e->client, 0, &after);
-    CHECK(after.round_trips == before.round_trips, "cached answers still cost %llu round trips",
+    CHECK(after.round_trips == before.round_trips, "supports_op cost %llu round trips",
           (unsigned long long) (after.round_trips - before.round_trips));
+    ggml_free(ctx);
+}
+
+// The asking path (what a Metal node gets): each op class costs one round
+// trip, then its answer is cached; the answers are the node device's.
+static void case_asked_answers(struct env * e) {
+    struct ggml_context * ctx = no_alloc_ctx(8);
+    struct ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_K, 256, 4);
+    struct ggml_tensor * mm = ggml_mul_mat(ctx, a, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 256, 3));
+    struct ggml_tensor * bad = ggml_mul_mat(ctx, a, ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, 256, 3));
+    struct ggml_tensor * sorted = ggml_argsort(ctx, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 9), GGML_SORT_ORDER_DESC);
+    ggml_backend_buffer_type_t remote = ggml_backend_dev_buffer_type(e->remote_dev);
+    tbrpc_client_ask_node(e->client, 0, 1);
+    struct tbrpc_node_info i0, i1, i2;
+    tbrpc_client_node_info(e->client, 0, &i0);
+    CHECK(ggml_backend_dev_supports_op(e->remote_dev, mm), "q4_K x f32");
+    CHECK(!ggml_backend_dev_supports_op(e->remote_dev, bad), "q4_K x q4_0");
+    CHECK(ggml_backend_buft_get_alloc_size(remote, sorted) == ggml_nbytes(sorted), "argsort size");
+    tbrpc_client_node_info(e->client, 0, &i1);
+    CHECK(i1.round_trips - i0.round_trips == 3, "%llu round trips for three questions",
+          (unsigned long long) (i1.round_trips - i0.round_trips));
+    for (int k = 0; k < 10; k++) {
+        ggml_backend_dev_supports_op(e->remote_dev, mm);
+        ggml_backend_dev_supports_op(e->remote_dev, bad);
+        ggml_backend_buft_get_alloc_size(remote, sorted);
+    }
+    tbrpc_client_node_info(e->client, 0, &i2);
+    CHECK(i2.round_trips == i1.round_trips, "cached answers cost %llu round trips",
+          (unsigned long long) (i2.round_trips - i1.round_trips));
     ggml_free(ctx);
 }
 
@@ -357,7 +391,7 @@ int main(int argc, char ** argv) {
         { "set_get_odd", case_set_get_odd }, { "memset_clear", case_memset_clear },
         { "copy_and_views", case_copy_and_views }, { "ops", case_ops }, { "many_nodes", case_many_nodes },
         { "graph_reuse", case_graph_reuse }, { "allocation_accounting", case_allocation_accounting },
-        { "supports_op", case_supports_op }, { "keepalive", case_keepalive, 300 },
+        { "supports_op", case_supports_op }, { "asked_answers", case_asked_answers }, { "keepalive", case_keepalive, 300 },
         { "alloc_size", case_alloc_size },
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
