@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <stdlib.h>
 #include <string.h>
@@ -169,6 +170,22 @@ static int handle_hello(struct node_conn * c, const struct tb_header * h, struct
     return 0;
 }
 
+// A decode step reads every weight once. In 4 KiB pages that walk misses
+// the TLB once per page; in transparent huge pages once per 2 MiB. Linux
+// gives them only where asked (THP "madvise", the common default), so ask
+// for every host buffer before its first byte is written. Elsewhere (Metal's
+// buffers, other kernels) this is a no-op, and a refusal costs nothing.
+static void prefer_huge_pages(ggml_backend_buffer_t buf, void * base, size_t size) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t start = ((uintptr_t) base + page - 1) & ~(page - 1);
+    const uintptr_t end = ((uintptr_t) base + size) & ~(page - 1);
+    if (ggml_backend_buffer_is_host(buf) && end > start) (void) madvise((void *) start, end - start, MADV_HUGEPAGE);
+#else
+    (void) buf; (void) base; (void) size;
+#endif
+}
+
 static int handle_alloc(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     if (expect_len(h->len, sizeof(struct tb_alloc_req), "ALLOC_BUFFER", err, err_len) != 0) return -1;
     const struct tb_alloc_req * req = (const struct tb_alloc_req *) c->payload;
@@ -195,6 +212,7 @@ static int handle_alloc(struct node_conn * c, const struct tb_header * h, struct
     b->buf = buf;
     b->base = ggml_backend_buffer_get_base(buf);
     b->size = ggml_backend_buffer_get_size(buf);
+    prefer_huge_pages(buf, b->base, b->size);
     count(&c->slot->buffers, 1);
     count(&c->slot->bytes_allocated, (int64_t) b->size);
     struct tb_alloc_reply * rep = (struct tb_alloc_reply *) r->small;

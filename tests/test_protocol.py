@@ -337,6 +337,28 @@ def test_a_cpu_node_says_so_at_hello(node: Any) -> None:
     assert ffi.string(hello.ggml_build) == ffi.string(mine) and b" " in ffi.string(mine)
 
 
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="madvise(MADV_HUGEPAGE) is Linux's")
+def test_host_buffers_ask_for_huge_pages(node: Any) -> None:
+    """Decode reads every weight once per token: the node asks for
+    transparent huge pages on its buffers (VmFlags "hg" in the worker's smaps)."""
+    w = ready(node)
+    w.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=64 << 20))
+    status, body = w.reply()
+    assert status == 0, body
+    _handle, base, size = struct.unpack("<QQQ", body[:24])
+    workers = [int(pid) for task in Path(f"/proc/{node.proc.pid}/task").iterdir()
+               for pid in (task / "children").read_text().split()]
+    assert len(workers) == 1, workers
+    flags = None
+    for line in Path(f"/proc/{workers[0]}/smaps").read_text().splitlines():
+        if "-" in line.split()[0] and ":" not in line.split()[0]:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            inside = start <= base + size // 2 < end
+        elif line.startswith("VmFlags:") and inside:
+            flags = line.split()[1:]
+    assert flags is not None and "hg" in flags, flags
+
+
 def test_recompute_without_graph(node: Any) -> None:
     w = ready(node)
     w.send(lib.TB_CMD_GRAPH_RECOMPUTE)
