@@ -23,9 +23,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-SAMPLE_BYTES = 1 << 20    # head and tail of each file
-MIDDLE_SAMPLES = 14       # evenly spaced 64 KiB samples in between
-MIDDLE_BYTES = 64 << 10
+# The byte ranges nodes hash for a model file (tb_file_identity_fd in
+# ggml_backend/model_file.c): the size, the first MiB, 14 samples of 64 KiB at
+# size/15*i, the last MiB. Hashing exactly these (with blake2b, which Python
+# has built in, instead of the C side's FNV) makes doctor's "same file" the
+# nodes' "same file" without loading the C library.
+EDGE_BYTES = 1 << 20
+N_SAMPLES = 14
+SAMPLE_BYTES = 64 << 10
 _SHARD_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -55,21 +60,21 @@ def model_files(path: str | Path) -> list[Path]:
     return [p.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
+def sampled_ranges(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of every range a node hashes, clipped to the file."""
+    wanted = [(0, EDGE_BYTES)] + [(size // (N_SAMPLES + 1) * i, SAMPLE_BYTES) for i in range(1, N_SAMPLES + 1)]
+    wanted.append((max(size - EDGE_BYTES, 0), EDGE_BYTES))
+    return [(offset, min(length, size - offset)) for offset, length in wanted if offset < size]
+
+
 def file_fingerprint(path: Path) -> str:
-    """blake2b of the size, the first and last MiB and 14 samples in between: fast on 50 GB shards."""
+    """blake2b of the size and the ranges nodes sample: fast on 50 GB shards."""
     size = path.stat().st_size
-    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    h = hashlib.blake2b(size.to_bytes(8, "little"), digest_size=16)
     with open(path, "rb") as f:
-        h.update(f.read(SAMPLE_BYTES))
-        if size > 2 * SAMPLE_BYTES:
-            span = size - 2 * SAMPLE_BYTES
-            for i in range(1, MIDDLE_SAMPLES + 1):
-                f.seek(SAMPLE_BYTES + span * i // (MIDDLE_SAMPLES + 1))
-                h.update(f.read(MIDDLE_BYTES))
-            f.seek(size - SAMPLE_BYTES)
-            h.update(f.read(SAMPLE_BYTES))
-        elif size > SAMPLE_BYTES:
-            h.update(f.read())
+        for offset, length in sampled_ranges(size):
+            f.seek(offset)
+            h.update(f.read(length))
     return h.hexdigest()
 
 

@@ -21,7 +21,7 @@ import models
 from launch_helpers import ENV, free_port
 
 from tbrpc.doctor import FAIL, OK, WARN, Check, _check_macos, _Node, diagnose, failed, format_checks
-from tbrpc.facts import file_fingerprint, model_identity
+from tbrpc.facts import file_fingerprint, model_identity, sampled_ranges
 from tbrpc.spec import NodeSpec, load_specs
 
 
@@ -124,6 +124,36 @@ def test_model_identity_covers_every_shard(tmp_path: Path) -> None:
     partial = model_identity(parts[0])
     assert partial["missing"] == [str(parts[1])] and partial["fingerprint"] is None
     assert partial["files"][0]["size"] == 3 << 20 and partial["files"][1] == {"name": parts[1].name, "missing": True}
+
+
+def test_doctor_and_nodes_agree_on_same_file(tmp_path: Path) -> None:
+    """Doctor's fingerprint (Python, blake2b) and a node's (C, FNV) sample the
+    same bytes: a change is seen by both or by neither."""
+    from tbrpc.native import load
+
+    ffi, lib = load()
+
+    def node_fingerprint(path: Path) -> bytes:
+        out, err = ffi.new("struct tb_file_identity *"), ffi.new("char[256]")
+        assert lib.tbrpc_file_identity(str(path).encode(), out, err, 256) == 0, ffi.string(err)
+        return bytes(out.fingerprint)
+
+    size = (5 << 20) + 12345
+    original = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    path = tmp_path / "m.gguf"
+    ranges = sampled_ranges(size)
+    assert len(ranges) == 16 and ranges[0] == (0, 1 << 20) and ranges[-1] == (size - (1 << 20), 1 << 20)
+    edges = {o for start, length in ranges for o in (start - 1, start, start + length - 1, start + length)}
+    seen = {o: any(start <= o < start + length for start, length in ranges) for o in edges if 0 <= o < size}
+    assert sum(seen.values()) >= 20 and sum(not v for v in seen.values()) >= 20   # both kinds are tried
+    path.write_bytes(original)
+    doctor_before, node_before = file_fingerprint(path), node_fingerprint(path)
+    for offset, expected in seen.items():
+        changed = bytearray(original)
+        changed[offset] ^= 0xFF
+        path.write_bytes(changed)
+        by_doctor, by_node = file_fingerprint(path) != doctor_before, node_fingerprint(path) != node_before
+        assert (by_doctor, by_node) == (expected, expected), offset
 
 
 def test_a_node_with_only_its_shards(nodes: Any, tmp_path: Path) -> None:
