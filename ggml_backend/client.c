@@ -1,172 +1,23 @@
 // client.c - the head side: a ggml backend whose devices are tbrpc nodes.
 //
-// Object model (all plain structs, owned top-down):
-//   tbrpc_client (the ggml registry "TBRPC")
-//     └─ client_node (one per remote node = one ggml device + its buffer type
-//                     + its connection)
-//          ├─ client_buffer (one per remote buffer: handle, base, size)
-//          └─ ggml_backend (streams created by ggml on that device)
-// Every call that talks to a node goes through node_call (waits for the
-// answer) or node_post (does not). A node that fails is marked failed; from
-// then on its operations are no-ops that report failure where ggml lets them
-// (graph_compute returns GGML_STATUS_FAILED, alloc returns NULL), and Python
-// turns that into an exception naming the node (tbrpc/_errors.py).
-#include "tbrpc.h"
-#include "ggml_abi.h"
+// The ggml objects (registry "TBRPC", one device and buffer type per node,
+// buffers, backends) and the C API for Python. What crosses the wire, and
+// how, is client_node.c; the object model is in client_internal.h.
+#include "client_internal.h"
 
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define SET_CHUNK (64ull << 20)        // weights cross in 64 MiB messages
-#define OP_CACHE_SIZE 4096             // node answers remembered per node (power of two)
 #define FILE_MIN (256u << 10)          // smaller writes cost less to send than to look up (a /proc/self/maps parse)
-
-// Answers the node gave about op classes (supports_op, alloc size), by key.
-struct op_cache_entry { uint64_t key; uint64_t value; bool used; };
-
-struct client_node {
-    struct ggml_backend_device      dev;    // dev.context == this
-    struct ggml_backend_buffer_type buft;   // buft.context == this
-    struct tbrpc_client * client;
-    char   endpoint[96];
-    char   name[32];
-    char   description[256];
-    int    timeout_ms;
-    struct tb_hello info;
-    ggml_backend_dev_t cpu_twin;             // the head's CPU device, when it answers supports_op for this node
-    bool   ask_always;                       // ignore what HELLO let the head answer itself
-
-    pthread_mutex_t lock;                    // one request at a time on the wire
-    struct tb_transport * tp;
-    uint64_t next_id;
-    bool   dirty;                            // posted requests not yet confirmed by a reply
-    bool   failed;
-    char   error[512];
-
-    uint8_t * encode;  size_t encode_cap;    // graph message being built
-    uint8_t * last_graph; size_t last_graph_len, last_graph_cap; // what the node holds for RECOMPUTE
-    uint64_t last_graph_uid;                 // ggml's uid of that graph (0: unknown)
-    struct op_cache_entry op_cache[OP_CACHE_SIZE];
-
-    struct node_file { char path[4096]; uint64_t id; } * files;  // head file -> node's file id (0: the node lacks it)
-    size_t n_files;
-
-    // Links from this node to others (activations go node to node); set up once per pair.
-    struct peer_link { struct client_node * to; uint64_t out_id, in_id; bool usable; } links[16];
-    size_t n_links;
-
-    uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files, peer_copies;
-};
-
-struct tbrpc_client {
-    struct ggml_backend_reg reg;             // reg.context == this
-    pthread_mutex_t lock;
-    struct client_node ** nodes;
-    size_t n_nodes, cap_nodes;
-    bool   registered;
-    struct head_file { char path[4096]; int ok; struct tb_file_identity identity; } * head_files;  // identities, computed once
-    size_t n_head_files;
-};
-
-struct client_buffer {
-    struct client_node * node;
-    uint64_t handle;
-    uint64_t base;                           // the node's address of the buffer; tensor->data lives in [base, base+size)
-    uint64_t size;
-};
-
-// ---- talking to a node -------------------------------------------------------
-
-static void node_fail(struct client_node * n, const char * step, const char * why) {
-    if (n->failed) return;
-    n->failed = true;
-    snprintf(n->error, sizeof n->error, "tbrpc node %s (%s) failed during %s: %s", n->endpoint, n->name, step, why);
-    fprintf(stderr, "%s\n", n->error);
-}
-
-// Send a request and wait for its reply; `out` receives exactly out_len bytes.
-// Caller holds n->lock.
-static int node_call_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len,
-                            void * out, size_t out_len) {
-    if (n->failed) return -1;
-    const char * step = tb_cmd_name(cmd);
-    const uint64_t id = ++n->next_id;
-    n->messages++;
-    n->round_trips++;
-    if (tb_msg_send(n->tp, cmd, 0, id, a, a_len, b, b_len) != 0 || tb_flush(n->tp) != 0) {
-        node_fail(n, step, n->tp->error);
-        return -1;
-    }
-    struct tb_header h;
-    char err[512];
-    do {   // a busy node sends keepalives; each one restarts the timeout
-        if (tb_msg_recv_header(n->tp, &h, err, sizeof err) != 0) { node_fail(n, step, err); return -1; }
-    } while (h.cmd == TB_CMD_KEEPALIVE && h.len == 0);
-    if (!(h.flags & TB_FLAG_REPLY) || h.id != id || h.cmd != cmd || h.len < sizeof(struct tb_reply_status)) {
-        snprintf(err, sizeof err, "out-of-order reply (%s #%llu to %s #%llu)", tb_cmd_name(h.cmd),
-                 (unsigned long long) h.id, step, (unsigned long long) id);
-        node_fail(n, step, err);
-        return -1;
-    }
-    struct tb_reply_status st;
-    if (tb_recv(n->tp, &st, sizeof st) != 0) { node_fail(n, step, n->tp->error); return -1; }
-    const uint64_t body = h.len - sizeof st;
-    if (st.status != 0) {
-        char msg[512];
-        size_t keep = body < sizeof msg - 1 ? (size_t) body : sizeof msg - 1;
-        if (tb_recv(n->tp, msg, keep) != 0) { node_fail(n, step, n->tp->error); return -1; }
-        msg[keep] = '\0';
-        node_fail(n, step, msg);   // the stream is not resynchronised past an error: stop using it
-        return -1;
-    }
-    if (body != out_len) {
-        snprintf(err, sizeof err, "reply of %llu bytes, expected %zu", (unsigned long long) body, out_len);
-        node_fail(n, step, err);
-        return -1;
-    }
-    if (out_len && tb_recv(n->tp, out, out_len) != 0) { node_fail(n, step, n->tp->error); return -1; }
-    n->dirty = false;
-    return 0;
-}
-
-static int node_call(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, void * out, size_t out_len) {
-    pthread_mutex_lock(&n->lock);
-    int rc = node_call_locked(n, cmd, a, a_len, NULL, 0, out, out_len);
-    pthread_mutex_unlock(&n->lock);
-    return rc;
-}
-
-// Queue a request that has no reply. Caller holds n->lock.
-static int node_post_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len) {
-    if (n->failed) return -1;
-    n->messages++;
-    if (tb_msg_send(n->tp, cmd, 0, ++n->next_id, a, a_len, b, b_len) != 0) {
-        node_fail(n, tb_cmd_name(cmd), n->tp->error);
-        return -1;
-    }
-    n->dirty = true;
-    return 0;
-}
-
-static int node_post(struct client_node * n, uint16_t cmd, const void * a, size_t a_len) {
-    pthread_mutex_lock(&n->lock);
-    int rc = node_post_locked(n, cmd, a, a_len, NULL, 0);
-    pthread_mutex_unlock(&n->lock);
-    return rc;
-}
 
 // ---- buffer -----------------------------------------------------------------
 
 static const char * buft_get_name(ggml_backend_buffer_type_t buft);
 
-static bool is_our_buffer(ggml_backend_buffer_t b) {
+bool is_our_buffer(ggml_backend_buffer_t b) {
     return b && b->buft && b->buft->iface.get_name == buft_get_name;
-}
-
-static uint64_t tensor_offset(const struct client_buffer * cb, const struct ggml_tensor * t) {
-    return (uint64_t) (uintptr_t) t->data - cb->base;
 }
 
 static void buffer_free(ggml_backend_buffer_t buffer) {
@@ -346,134 +197,6 @@ static size_t buft_get_alignment(ggml_backend_buffer_type_t buft) {
 
 static size_t buft_get_max_size(ggml_backend_buffer_type_t buft) {
     return (size_t) ((struct client_node *) buft->context)->info.max_size;
-}
-
-// ---- graph encoding -----------------------------------------------------------
-
-// Pointer -> position in the message, for linking src/view_src.
-struct tensor_index {
-    const struct ggml_tensor ** keys;
-    int32_t * vals;
-    size_t cap;
-};
-
-static size_t ptr_hash(const void * p, size_t cap) {
-    uint64_t x = (uint64_t) (uintptr_t) p;
-    x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33;
-    return (size_t) x & (cap - 1);
-}
-
-static int32_t index_get(const struct tensor_index * ix, const struct ggml_tensor * t) {
-    for (size_t i = ptr_hash(t, ix->cap);; i = (i + 1) & (ix->cap - 1)) {
-        if (ix->keys[i] == t) return ix->vals[i];
-        if (ix->keys[i] == NULL) return -1;
-    }
-}
-
-static void index_put(struct tensor_index * ix, const struct ggml_tensor * t, int32_t v) {
-    size_t i = ptr_hash(t, ix->cap);
-    while (ix->keys[i] != NULL) i = (i + 1) & (ix->cap - 1);
-    ix->keys[i] = t;
-    ix->vals[i] = v;
-}
-
-struct graph_encoder {
-    struct client_node * node;
-    struct tb_wire_tensor * tensors;
-    uint32_t n, cap;
-    struct tensor_index ix;
-    char err[256];
-};
-
-static int encode_tensor_fields(struct graph_encoder * e, const struct ggml_tensor * t, struct tb_wire_tensor * w) {
-    memset(w, 0, sizeof *w);
-    if (t->data != NULL) {
-        if (!is_our_buffer(t->buffer) || ((struct client_buffer *) t->buffer->context)->node != e->node) {
-            if (e->err[0] == '\0')
-                snprintf(e->err, sizeof e->err, "tensor '%s' is not in a buffer of this node", t->name);
-            return -1;
-        }
-        struct client_buffer * cb = t->buffer->context;
-        w->buffer = cb->handle;
-        w->offset = tensor_offset(cb, t);
-    }
-    for (int d = 0; d < GGML_MAX_DIMS; d++) { w->ne[d] = t->ne[d]; w->nb[d] = t->nb[d]; }
-    w->type = (uint32_t) t->type;
-    w->op = (uint32_t) t->op;
-    memcpy(w->op_params, t->op_params, sizeof w->op_params);
-    w->flags = t->flags;
-    w->view_offs = t->view_offs;
-    memcpy(w->name, t->name, GGML_MAX_NAME);
-    return 0;
-}
-
-// Append t after its sources (depth-first), once. Returns its position.
-static int32_t encode_tensor(struct graph_encoder * e, const struct ggml_tensor * t) {
-    if (t == NULL) return -1;
-    int32_t have = index_get(&e->ix, t);
-    if (have >= 0) return have;
-    int32_t src[GGML_MAX_SRC];
-    for (int s = 0; s < GGML_MAX_SRC; s++) src[s] = encode_tensor(e, t->src[s]);
-    int32_t view_src = encode_tensor(e, t->view_src);
-    if (e->n == e->cap) {
-        snprintf(e->err, sizeof e->err, "graph has more than %u tensors", e->cap);
-        return -1;
-    }
-    struct tb_wire_tensor * w = &e->tensors[e->n];
-    if (encode_tensor_fields(e, t, w) != 0) return -1;
-    memcpy(w->src, src, sizeof src);
-    w->view_src = view_src;
-    index_put(&e->ix, t, (int32_t) e->n);
-    return (int32_t) e->n++;
-}
-
-static int ensure_encode_cap(struct client_node * n, size_t need) {
-    if (need <= n->encode_cap) return 0;
-    uint8_t * p = realloc(n->encode, need);
-    if (!p) return -1;
-    n->encode = p;
-    n->encode_cap = need;
-    return 0;
-}
-
-// Build the GRAPH_COMPUTE payload in n->encode. Returns its length or 0.
-static size_t encode_graph(struct client_node * n, struct ggml_cgraph * g, char * err, size_t err_len) {
-    const int n_nodes = ggml_graph_n_nodes(g);
-    // every node has at most GGML_MAX_SRC + 1 distinct inputs: a safe bound
-    const size_t max_tensors = (size_t) n_nodes * (GGML_MAX_SRC + 2);
-    size_t cap = 16;
-    while (cap < 2 * max_tensors) cap <<= 1;
-    const size_t bytes = sizeof(struct tb_graph_header) + max_tensors * sizeof(struct tb_wire_tensor) + (size_t) n_nodes * sizeof(uint32_t);
-    struct graph_encoder e = { .node = n, .cap = (uint32_t) max_tensors };
-    e.ix.cap = cap;
-    e.ix.keys = calloc(cap, sizeof *e.ix.keys);
-    e.ix.vals = calloc(cap, sizeof *e.ix.vals);
-    size_t len = 0;
-    if (!e.ix.keys || !e.ix.vals || ensure_encode_cap(n, bytes) != 0) {
-        snprintf(err, err_len, "out of memory encoding a graph of %d nodes", n_nodes);
-        goto done;
-    }
-    e.tensors = (struct tb_wire_tensor *) (n->encode + sizeof(struct tb_graph_header));
-    uint32_t * node_idx = malloc((size_t) n_nodes * sizeof *node_idx);
-    if (!node_idx) { snprintf(err, err_len, "out of memory"); goto done; }
-    for (int i = 0; i < n_nodes; i++) {
-        const struct ggml_tensor * node = ggml_graph_node(g, i);
-        int32_t at = encode_tensor(&e, node);
-        if (at < 0) { snprintf(err, err_len, "%s", e.err); free(node_idx); goto done; }
-        node_idx[i] = (uint32_t) at;
-        const size_t slot = g->use_counts ? tbrpc_ggml_hash_slot(&g->visited_hash_set, node, false) : (size_t) -1;
-        e.tensors[at].use_count = slot != (size_t) -1 ? g->use_counts[slot] : 0;
-    }
-    struct tb_graph_header gh = { .n_tensors = e.n, .n_nodes = (uint32_t) n_nodes };
-    memcpy(n->encode, &gh, sizeof gh);
-    len = sizeof gh + (size_t) e.n * sizeof(struct tb_wire_tensor);
-    memcpy(n->encode + len, node_idx, (size_t) n_nodes * sizeof *node_idx);
-    len += (size_t) n_nodes * sizeof *node_idx;
-    free(node_idx);
-done:
-    free(e.ix.keys);
-    free(e.ix.vals);
-    return len;
 }
 
 // ---- backend (stream) ---------------------------------------------------------
@@ -673,92 +396,6 @@ static ggml_backend_t dev_init_backend(ggml_backend_dev_t dev, const char * para
 
 static ggml_backend_buffer_type_t dev_get_buffer_type(ggml_backend_dev_t dev) { return &dev_node(dev)->buft; }
 
-static uint64_t mix(uint64_t h, uint64_t v) {
-    for (int b = 0; b < 8; b++) { h ^= (v >> (8 * b)) & 0xff; h *= 0x100000001b3ull; }
-    return h;
-}
-
-// What a device's supports_op may depend on: op, types, op params, row
-// length, contiguity. Not the other dimensions, which change with every
-// batch size and would make every new prompt length cost round trips.
-static uint64_t supports_key(const struct ggml_tensor * op) {
-    uint64_t h = mix(0xcbf29ce484222325ull, 1);
-    h = mix(mix(mix(h, op->op), op->type), (uint64_t) op->ne[0]);
-    for (size_t i = 0; i < GGML_MAX_OP_PARAMS / sizeof(int32_t); i++) h = mix(h, (uint32_t) op->op_params[i]);
-    for (int s = 0; s < GGML_MAX_SRC; s++) {
-        const struct ggml_tensor * t = op->src[s];
-        h = t ? mix(mix(mix(h, t->type), (uint64_t) t->ne[0]), ggml_is_contiguous(t)) : mix(h, UINT64_MAX);
-    }
-    return h;
-}
-
-// An allocation size may depend on every dimension of the op and its sources.
-static uint64_t alloc_size_key(const struct ggml_tensor * op) {
-    uint64_t h = mix(0xcbf29ce484222325ull, 2);
-    h = mix(mix(h, op->op), op->type);
-    for (int d = 0; d < GGML_MAX_DIMS; d++) h = mix(h, (uint64_t) op->ne[d]);
-    for (size_t i = 0; i < GGML_MAX_OP_PARAMS / sizeof(int32_t); i++) h = mix(h, (uint32_t) op->op_params[i]);
-    for (int s = 0; s < GGML_MAX_SRC; s++) {
-        const struct ggml_tensor * t = op->src[s];
-        if (!t) { h = mix(h, UINT64_MAX); continue; }
-        h = mix(h, t->type);
-        for (int d = 0; d < GGML_MAX_DIMS; d++) h = mix(mix(h, (uint64_t) t->ne[d]), t->nb[d]);
-    }
-    return h;
-}
-
-struct op_query { struct tb_graph_header h; struct tb_wire_tensor t[GGML_MAX_SRC + 1]; };
-
-// The op and its direct sources as a tensor table (sources first, op last).
-// Buffers are left out: the node answers for its device, not for data.
-static size_t encode_op_query(struct client_node * n, const struct ggml_tensor * op, struct op_query * q) {
-    memset(q, 0, sizeof *q);
-    struct graph_encoder e = { .node = n };
-    int32_t src_at[GGML_MAX_SRC];
-    uint32_t count = 0;
-    for (int s = 0; s < GGML_MAX_SRC; s++) {
-        src_at[s] = -1;
-        if (!op->src[s]) continue;
-        encode_tensor_fields(&e, op->src[s], &q->t[count]);
-        q->t[count].buffer = q->t[count].offset = 0;
-        for (int k = 0; k < GGML_MAX_SRC; k++) q->t[count].src[k] = -1;
-        q->t[count].view_src = -1;
-        src_at[s] = (int32_t) count++;
-    }
-    encode_tensor_fields(&e, op, &q->t[count]);
-    q->t[count].buffer = q->t[count].offset = 0;
-    memcpy(q->t[count].src, src_at, sizeof src_at);
-    q->t[count].view_src = -1;
-    q->h.n_tensors = ++count;
-    return sizeof q->h + count * sizeof(struct tb_wire_tensor);
-}
-
-// Ask the node about `op` (cmd SUPPORTS_OP or GET_ALLOC_SIZE), once per key.
-// Returns false when the node could not answer.
-static bool ask_node_about_op(struct client_node * n, uint16_t cmd, uint64_t key, const struct ggml_tensor * op,
-                              uint64_t * answer, size_t answer_len) {
-    pthread_mutex_lock(&n->lock);
-    // 4-way: two op classes that land on one slot must not keep evicting each other
-    struct op_cache_entry * slot = NULL;
-    for (size_t way = 0; way < 4 && !slot; way++) {
-        struct op_cache_entry * e = &n->op_cache[(key + way) & (OP_CACHE_SIZE - 1)];
-        if (!e->used || e->key == key) slot = e;
-    }
-    if (!slot) slot = &n->op_cache[key & (OP_CACHE_SIZE - 1)];
-    bool ok = slot->used && slot->key == key;
-    if (ok) {
-        *answer = slot->value;
-    } else {
-        struct op_query q;
-        size_t len = encode_op_query(n, op, &q);
-        *answer = 0;
-        ok = node_call_locked(n, cmd, &q, len, NULL, 0, answer, answer_len) == 0;
-        if (ok) *slot = (struct op_cache_entry) { .key = key, .value = *answer, .used = true };
-    }
-    pthread_mutex_unlock(&n->lock);
-    return ok;
-}
-
 // Metal needs room beyond ggml_nbytes for some ops (MUL_MAT_ID, FLASH_ATTN_EXT,
 // ARGSORT, TOP_K, ...): ask the node for exactly those, once per shape.
 static size_t buft_get_alloc_size(ggml_backend_buffer_type_t buft, const struct ggml_tensor * tensor) {
@@ -852,77 +489,6 @@ struct tbrpc_client * tbrpc_client_new(void) {
     c->reg.context = c;
     pthread_mutex_init(&c->lock, NULL);
     return c;
-}
-
-// A CPU node running the same ggml build as the head answers supports_op
-// exactly as the head's own CPU device would (ggml's CPU supports_op looks at
-// op, types and params only), so the head asks that device instead of the
-// network: no round trip for any new op shape.
-static ggml_backend_dev_t cpu_twin_of(const struct tb_hello * head, const struct tb_hello * node) {
-    if (!(node->caps & TB_CAP_SUPPORTS_OP_IS_CPU) || strcmp(head->ggml_build, node->ggml_build) != 0) return NULL;
-    return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-}
-
-// Connect + HELLO. Both sides compare ABI; the node's refusal arrives as an
-// error reply that names both versions.
-static int handshake(struct client_node * n, char * err, size_t err_len) {
-    struct tb_hello req;
-    memset(&req, 0, sizeof req);
-    tb_abi_fill(&req.abi);
-    tb_ggml_build(req.ggml_build, sizeof req.ggml_build);
-    req.keepalive_ms = n->timeout_ms > 0 ? (uint32_t) n->timeout_ms / 3 : 1000;
-    if (node_call(n, TB_CMD_HELLO, &req, sizeof req, &n->info, sizeof n->info) != 0) {
-        snprintf(err, err_len, "%s", n->error);
-        return -1;
-    }
-    n->info.device_name[sizeof n->info.device_name - 1] = '\0';
-    n->info.device_description[sizeof n->info.device_description - 1] = '\0';
-    n->info.node_name[sizeof n->info.node_name - 1] = '\0';
-    n->info.ggml_build[sizeof n->info.ggml_build - 1] = '\0';
-    char why[512];
-    if (tb_abi_compare(&req.abi, &n->info.abi, "node", why, sizeof why) != 0) {
-        snprintf(err, err_len, "tbrpc node %s: handshake refused: %s", n->endpoint, why);
-        return -1;
-    }
-    if (n->info.alignment == 0 || (n->info.alignment & (n->info.alignment - 1)) != 0) {
-        snprintf(err, err_len, "tbrpc node %s: handshake: invalid alignment %llu", n->endpoint, (unsigned long long) n->info.alignment);
-        return -1;
-    }
-    n->cpu_twin = cpu_twin_of(&req, &n->info);
-    return 0;
-}
-
-static void node_destroy(struct client_node * n) {
-    if (!n) return;
-    tb_close(n->tp);
-    pthread_mutex_destroy(&n->lock);
-    free(n->encode);
-    free(n->last_graph);
-    free(n->files);
-    free(n);
-}
-
-// Connect to endpoint and handshake. Returns a node not yet in any
-// registry, or NULL with err.
-static struct client_node * node_open(const char * endpoint, const char * name, int timeout_ms, char * err, size_t err_len) {
-    char host[256];
-    int port = 0;
-    if (tb_parse_endpoint(endpoint, host, sizeof host, &port, err, err_len) != 0) return NULL;
-    struct client_node * n = calloc(1, sizeof *n);
-    if (!n) { snprintf(err, err_len, "out of memory"); return NULL; }
-    pthread_mutex_init(&n->lock, NULL);
-    n->timeout_ms = timeout_ms;
-    snprintf(n->endpoint, sizeof n->endpoint, "%s", endpoint);
-    snprintf(n->name, sizeof n->name, "%s", name);
-    char why[256];
-    n->tp = tb_tcp_connect(host, port, timeout_ms, why, sizeof why);
-    if (!n->tp) {
-        snprintf(err, err_len, "tbrpc node %s: unreachable: %s", endpoint, why);
-        node_destroy(n);
-        return NULL;
-    }
-    if (handshake(n, err, err_len) != 0) { node_destroy(n); return NULL; }
-    return n;
 }
 
 int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, char * err, size_t err_len) {
@@ -1026,9 +592,7 @@ void tbrpc_client_reset_stats(struct tbrpc_client * c) {
 }
 
 void tbrpc_client_ask_node(struct tbrpc_client * c, size_t i, int always) {
-    pthread_mutex_lock(&c->lock);
-    struct client_node * n = i < c->n_nodes ? c->nodes[i] : NULL;
-    pthread_mutex_unlock(&c->lock);
+    struct client_node * n = node_at(c, i);
     if (!n) return;
     pthread_mutex_lock(&n->lock);
     n->ask_always = always != 0;

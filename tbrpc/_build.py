@@ -18,7 +18,7 @@ from cffi import FFI
 
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "ggml_backend"
-C_SOURCES = ["proto.c", "client.c", "node.c", "node_session.c", "model_file.c", "transport/tcp.c"]
+C_SOURCES = ["proto.c", "client.c", "client_node.c", "node.c", "node_session.c", "model_file.c", "transport/tcp.c"]
 
 CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;

@@ -1,0 +1,115 @@
+// client_internal.h - what the head side's two files share.
+//
+// client.c is the ggml side (registry, devices, buffer types, buffers,
+// backends) and the C API; client_node.c is one node seen from the head (its
+// connection, requests and replies, the handshake, and the messages that
+// describe graphs and ops). Objects are owned top-down:
+//   tbrpc_client (the ggml registry "TBRPC")
+//     └─ client_node (one per remote node = one ggml device + its buffer type
+//                     + its connection)
+//          ├─ client_buffer (one per remote buffer: handle, base, size)
+//          └─ ggml_backend (streams created by ggml on that device)
+#pragma once
+
+#include "tbrpc.h"
+#include "ggml_abi.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#define OP_CACHE_SIZE 4096             // node answers remembered per node (power of two)
+
+// Answers the node gave about op classes (supports_op, alloc size), by key.
+struct op_cache_entry { uint64_t key; uint64_t value; bool used; };
+
+struct client_node {
+    struct ggml_backend_device      dev;    // dev.context == this
+    struct ggml_backend_buffer_type buft;   // buft.context == this
+    struct tbrpc_client * client;
+    char   endpoint[96];
+    char   name[32];
+    char   description[256];
+    int    timeout_ms;
+    struct tb_hello info;
+    ggml_backend_dev_t cpu_twin;             // the head's CPU device, when it answers supports_op for this node
+    bool   ask_always;                       // ignore what HELLO let the head answer itself
+
+    pthread_mutex_t lock;                    // one request at a time on the wire
+    struct tb_transport * tp;
+    uint64_t next_id;
+    bool   dirty;                            // posted requests not yet confirmed by a reply
+    bool   failed;
+    char   error[512];
+
+    uint8_t * encode;  size_t encode_cap;    // graph message being built
+    uint8_t * last_graph; size_t last_graph_len, last_graph_cap; // what the node holds for RECOMPUTE
+    uint64_t last_graph_uid;                 // ggml's uid of that graph (0: unknown)
+    struct op_cache_entry op_cache[OP_CACHE_SIZE];
+
+    struct node_file { char path[4096]; uint64_t id; } * files;  // head file -> node's file id (0: the node lacks it)
+    size_t n_files;
+
+    // Links from this node to others (activations go node to node); set up once per pair.
+    struct peer_link { struct client_node * to; uint64_t out_id, in_id; bool usable; } links[16];
+    size_t n_links;
+
+    uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files, peer_copies;
+};
+
+struct tbrpc_client {
+    struct ggml_backend_reg reg;             // reg.context == this
+    pthread_mutex_t lock;
+    struct client_node ** nodes;
+    size_t n_nodes, cap_nodes;
+    bool   registered;
+    struct head_file { char path[4096]; int ok; struct tb_file_identity identity; } * head_files;  // identities, computed once
+    size_t n_head_files;
+};
+
+struct client_buffer {
+    struct client_node * node;
+    uint64_t handle;
+    uint64_t base;                           // the node's address of the buffer; tensor->data lives in [base, base+size)
+    uint64_t size;
+};
+
+// ---- one node (client_node.c) ----------------------------------------------------
+
+// Connect to endpoint and handshake. Returns a node not yet in any
+// registry, or NULL with err.
+struct client_node * node_open(const char * endpoint, const char * name, int timeout_ms, char * err, size_t err_len);
+void node_destroy(struct client_node * n);
+
+// Mark the node failed (once) with a message naming it, the step and why.
+void node_fail(struct client_node * n, const char * step, const char * why);
+// Send a request and wait for its reply; `out` receives exactly out_len
+// bytes. The _locked forms expect the caller to hold n->lock.
+int  node_call(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, void * out, size_t out_len);
+int  node_call_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len,
+                      void * out, size_t out_len);
+// Queue a request that has no reply (a failure comes back with the next reply).
+int  node_post(struct client_node * n, uint16_t cmd, const void * a, size_t a_len);
+int  node_post_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len);
+
+// Build the GRAPH_COMPUTE payload for g in n->encode. Returns its length, or
+// 0 with err.
+size_t encode_graph(struct client_node * n, struct ggml_cgraph * g, char * err, size_t err_len);
+
+// Cache keys of op classes: what supports_op, and what an allocation size,
+// may depend on.
+uint64_t supports_key(const struct ggml_tensor * op);
+uint64_t alloc_size_key(const struct ggml_tensor * op);
+// Ask the node about op (SUPPORTS_OP or GET_ALLOC_SIZE), once per key.
+// Returns false when the node could not answer.
+bool ask_node_about_op(struct client_node * n, uint16_t cmd, uint64_t key, const struct ggml_tensor * op,
+                       uint64_t * answer, size_t answer_len);
+
+// ---- ggml side (client.c) ------------------------------------------------------
+
+// True for buffers of a TBRPC buffer type (of any node).
+bool is_our_buffer(ggml_backend_buffer_t b);
+
+static inline uint64_t tensor_offset(const struct client_buffer * cb, const struct ggml_tensor * t) {
+    return (uint64_t) (uintptr_t) t->data - cb->base;
+}
