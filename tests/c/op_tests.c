@@ -23,6 +23,7 @@ struct env {
     struct tbrpc_client * client;
     ggml_backend_dev_t remote_dev;
     ggml_backend_t remote, cpu;
+    bool node_stopped;           // a case stopped the node on purpose
 };
 
 static void * serve(void * arg) { tb_node_serve(arg); return NULL; }
@@ -45,13 +46,18 @@ static void env_open(struct env * e, int client_timeout_ms) {
     CHECK(e->remote && e->cpu, "backend init");
 }
 
-static void env_close(struct env * e) {
-    char err[512];
-    CHECK(!tbrpc_client_failed(e->client, err, sizeof err), "node failed: %s", err);
-    ggml_backend_free(e->remote);
-    ggml_backend_free(e->cpu);
+static void env_stop_node(struct env * e) {
     tb_node_stop(e->node);
     pthread_join(e->thread, NULL);
+    e->node_stopped = true;
+}
+
+static void env_close(struct env * e) {
+    char err[512];
+    CHECK(e->node_stopped || !tbrpc_client_failed(e->client, err, sizeof err), "node failed: %s", err);
+    ggml_backend_free(e->remote);
+    ggml_backend_free(e->cpu);
+    if (!e->node_stopped) env_stop_node(e);
     tb_node_free(e->node);
 }
 
@@ -366,6 +372,24 @@ static void case_asked_answers(struct env * e) {
     ggml_free(ctx);
 }
 
+// A node that died cannot answer; the head then says "supported" (ggml's
+// scheduler would abort on "no" for weights already there) and reports the
+// failure, naming the node, instead of hanging or aborting.
+static void case_dead_node_answers_yes(struct env * e) {
+    struct ggml_context * ctx = no_alloc_ctx(4);
+    struct ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_K, 256, 4);
+    struct ggml_tensor * bad = ggml_mul_mat(ctx, a, ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, 256, 3));
+    tbrpc_client_ask_node(e->client, 0, 1);
+    struct tbrpc_node_info info;
+    tbrpc_client_node_info(e->client, 0, &info);
+    env_stop_node(e);
+    CHECK(ggml_backend_dev_supports_op(e->remote_dev, bad), "a dead node's answer must be yes");
+    char err[512];
+    CHECK(tbrpc_client_failed(e->client, err, sizeof err), "the failure is not reported");
+    CHECK(strstr(err, info.endpoint) && strstr(err, "SUPPORTS_OP"), "error does not name the node and step: %s", err);
+    ggml_free(ctx);
+}
+
 // Allocation sizes are the node device's: a CPU node says at HELLO that it
 // sizes every tensor as ggml_nbytes, so even ops that may need more (ARGSORT)
 // cost no question. (Metal nodes are asked; tests/test_protocol.py checks the
@@ -391,7 +415,8 @@ int main(int argc, char ** argv) {
         { "set_get_odd", case_set_get_odd }, { "memset_clear", case_memset_clear },
         { "copy_and_views", case_copy_and_views }, { "ops", case_ops }, { "many_nodes", case_many_nodes },
         { "graph_reuse", case_graph_reuse }, { "allocation_accounting", case_allocation_accounting },
-        { "supports_op", case_supports_op }, { "asked_answers", case_asked_answers }, { "keepalive", case_keepalive, 300 },
+        { "supports_op", case_supports_op }, { "asked_answers", case_asked_answers },
+        { "dead_node_answers_yes", case_dead_node_answers_yes }, { "keepalive", case_keepalive, 300 },
         { "alloc_size", case_alloc_size },
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
