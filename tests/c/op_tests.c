@@ -321,92 +321,94 @@ static void case_allocation_accounting(struct env * e) {
     CHECK(st.bytes_allocated == before, "free left %llu bytes", (unsigned long long) (st.bytes_allocated - before));
 }
 
+// ---- questions about ops (supports_op, allocation sizes) ----------------------
+
+static uint64_t round_trips(struct env * e) {
+    struct tbrpc_node_info info;
+    tbrpc_client_node_info(e->client, 0, &info);
+    return info.round_trips;
+}
+
+// Three op classes: Q4_K weights times F32 rows (the CPU runs it), times Q4_0
+// rows (it does not), and an ARGSORT (an op whose size a device may enlarge).
+struct questions { struct ggml_context * ctx; struct ggml_tensor * mm, * bad_mm, * sorted; };
+
+static struct questions questions_new(void) {
+    struct questions q = { .ctx = no_alloc_ctx(8) };
+    struct ggml_tensor * weights = ggml_new_tensor_2d(q.ctx, GGML_TYPE_Q4_K, 256, 4);
+    q.mm = ggml_mul_mat(q.ctx, weights, ggml_new_tensor_2d(q.ctx, GGML_TYPE_F32, 256, 3));
+    q.bad_mm = ggml_mul_mat(q.ctx, weights, ggml_new_tensor_2d(q.ctx, GGML_TYPE_Q4_0, 256, 3));
+    q.sorted = ggml_argsort(q.ctx, ggml_new_tensor_2d(q.ctx, GGML_TYPE_F32, 64, 9), GGML_SORT_ORDER_DESC);
+    return q;
+}
+
 // supports_op is the node device's answer. A CPU node of the head's ggml
 // build says so at HELLO, and the head's own CPU device answers for it: not
 // even the first question of an op class crosses the network.
 static void case_supports_op(struct env * e) {
-    struct ggml_context * ctx = no_alloc_ctx(8);
-    struct ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_K, 256, 4);
-    struct ggml_tensor * b = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 256, 3);
-    struct ggml_tensor * c = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, 256, 3);
-    struct ggml_tensor * mm = ggml_mul_mat(ctx, a, b);
-    struct ggml_tensor * bad = ggml_mul_mat(ctx, a, c);   // Q4_K weights take F32 or Q8_K rows only
+    struct questions q = questions_new();
     ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    struct tbrpc_node_info before, after;
-    tbrpc_client_node_info(e->client, 0, &before);
-    CHECK(before.hello.caps & TB_CAP_SUPPORTS_OP_IS_CPU, "a CPU node must say so at HELLO");
-    CHECK(ggml_backend_dev_supports_op(e->remote_dev, mm) && ggml_backend_dev_supports_op(cpu, mm), "q4_K x f32");
-    CHECK(!ggml_backend_dev_supports_op(e->remote_dev, bad) && !ggml_backend_dev_supports_op(cpu, bad), "q4_K x q4_0");
-    tbrpc_client_node_info(e->client, 0, &after);
-    CHECK(after.round_trips == before.round_trips, "supports_op cost %llu round trips",
-          (unsigned long long) (after.round_trips - before.round_trips));
-    ggml_free(ctx);
+    struct tbrpc_node_info info;
+    tbrpc_client_node_info(e->client, 0, &info);
+    CHECK(info.hello.caps & TB_CAP_SUPPORTS_OP_IS_CPU, "a CPU node must say so at HELLO");
+    const uint64_t before = round_trips(e);
+    CHECK(ggml_backend_dev_supports_op(e->remote_dev, q.mm) && ggml_backend_dev_supports_op(cpu, q.mm), "q4_K x f32");
+    CHECK(!ggml_backend_dev_supports_op(e->remote_dev, q.bad_mm) && !ggml_backend_dev_supports_op(cpu, q.bad_mm), "q4_K x q4_0");
+    CHECK(round_trips(e) == before, "supports_op cost %llu round trips", (unsigned long long) (round_trips(e) - before));
+    ggml_free(q.ctx);
+}
+
+// Allocation sizes are the node device's: a CPU node says at HELLO that it
+// sizes every tensor as ggml_nbytes, so even ops that may need more (ARGSORT)
+// cost no question. (tests/test_protocol.py checks the GET_ALLOC_SIZE answer.)
+static void case_alloc_size(struct env * e) {
+    struct questions q = questions_new();
+    ggml_backend_buffer_type_t remote = ggml_backend_dev_buffer_type(e->remote_dev);
+    ggml_backend_buffer_type_t cpu = ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
+    struct tbrpc_node_info info;
+    tbrpc_client_node_info(e->client, 0, &info);
+    CHECK(info.hello.caps & TB_CAP_ALLOC_SIZE_IS_NBYTES, "a CPU node must announce nbytes sizing");
+    const uint64_t before = round_trips(e);
+    CHECK(ggml_backend_buft_get_alloc_size(remote, q.sorted) == ggml_backend_buft_get_alloc_size(cpu, q.sorted), "argsort size");
+    CHECK(round_trips(e) == before, "%llu round trips", (unsigned long long) (round_trips(e) - before));
+    ggml_free(q.ctx);
 }
 
 // The asking path (what a Metal node gets): each op class costs one round
 // trip, then its answer is cached; the answers are the node device's.
 static void case_asked_answers(struct env * e) {
-    struct ggml_context * ctx = no_alloc_ctx(8);
-    struct ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_K, 256, 4);
-    struct ggml_tensor * mm = ggml_mul_mat(ctx, a, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 256, 3));
-    struct ggml_tensor * bad = ggml_mul_mat(ctx, a, ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, 256, 3));
-    struct ggml_tensor * sorted = ggml_argsort(ctx, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 9), GGML_SORT_ORDER_DESC);
+    struct questions q = questions_new();
     ggml_backend_buffer_type_t remote = ggml_backend_dev_buffer_type(e->remote_dev);
     tbrpc_client_ask_node(e->client, 0, 1);
-    struct tbrpc_node_info i0, i1, i2;
-    tbrpc_client_node_info(e->client, 0, &i0);
-    CHECK(ggml_backend_dev_supports_op(e->remote_dev, mm), "q4_K x f32");
-    CHECK(!ggml_backend_dev_supports_op(e->remote_dev, bad), "q4_K x q4_0");
-    CHECK(ggml_backend_buft_get_alloc_size(remote, sorted) == ggml_nbytes(sorted), "argsort size");
-    tbrpc_client_node_info(e->client, 0, &i1);
-    CHECK(i1.round_trips - i0.round_trips == 3, "%llu round trips for three questions",
-          (unsigned long long) (i1.round_trips - i0.round_trips));
+    const uint64_t before = round_trips(e);
+    CHECK(ggml_backend_dev_supports_op(e->remote_dev, q.mm), "q4_K x f32");
+    CHECK(!ggml_backend_dev_supports_op(e->remote_dev, q.bad_mm), "q4_K x q4_0");
+    CHECK(ggml_backend_buft_get_alloc_size(remote, q.sorted) == ggml_nbytes(q.sorted), "argsort size");
+    const uint64_t asked = round_trips(e);
+    CHECK(asked - before == 3, "%llu round trips for three questions", (unsigned long long) (asked - before));
     for (int k = 0; k < 10; k++) {
-        ggml_backend_dev_supports_op(e->remote_dev, mm);
-        ggml_backend_dev_supports_op(e->remote_dev, bad);
-        ggml_backend_buft_get_alloc_size(remote, sorted);
+        ggml_backend_dev_supports_op(e->remote_dev, q.mm);
+        ggml_backend_dev_supports_op(e->remote_dev, q.bad_mm);
+        ggml_backend_buft_get_alloc_size(remote, q.sorted);
     }
-    tbrpc_client_node_info(e->client, 0, &i2);
-    CHECK(i2.round_trips == i1.round_trips, "cached answers cost %llu round trips",
-          (unsigned long long) (i2.round_trips - i1.round_trips));
-    ggml_free(ctx);
+    CHECK(round_trips(e) == asked, "cached answers cost %llu round trips", (unsigned long long) (round_trips(e) - asked));
+    ggml_free(q.ctx);
 }
 
 // A node that died cannot answer; the head then says "supported" (ggml's
 // scheduler would abort on "no" for weights already there) and reports the
 // failure, naming the node, instead of hanging or aborting.
 static void case_dead_node_answers_yes(struct env * e) {
-    struct ggml_context * ctx = no_alloc_ctx(4);
-    struct ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_K, 256, 4);
-    struct ggml_tensor * bad = ggml_mul_mat(ctx, a, ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, 256, 3));
+    struct questions q = questions_new();
     tbrpc_client_ask_node(e->client, 0, 1);
     struct tbrpc_node_info info;
     tbrpc_client_node_info(e->client, 0, &info);
     env_stop_node(e);
-    CHECK(ggml_backend_dev_supports_op(e->remote_dev, bad), "a dead node's answer must be yes");
+    CHECK(ggml_backend_dev_supports_op(e->remote_dev, q.bad_mm), "a dead node's answer must be yes");
     char err[512];
     CHECK(tbrpc_client_failed(e->client, err, sizeof err), "the failure is not reported");
     CHECK(strstr(err, info.endpoint) && strstr(err, "SUPPORTS_OP"), "error does not name the node and step: %s", err);
-    ggml_free(ctx);
-}
-
-// Allocation sizes are the node device's: a CPU node says at HELLO that it
-// sizes every tensor as ggml_nbytes, so even ops that may need more (ARGSORT)
-// cost no question. (Metal nodes are asked; tests/test_protocol.py checks the
-// GET_ALLOC_SIZE answer itself.)
-static void case_alloc_size(struct env * e) {
-    struct ggml_context * ctx = no_alloc_ctx(8);
-    struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 9);
-    struct ggml_tensor * sorted = ggml_argsort(ctx, x, GGML_SORT_ORDER_DESC);
-    ggml_backend_buffer_type_t remote = ggml_backend_dev_buffer_type(e->remote_dev);
-    ggml_backend_buffer_type_t cpu = ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
-    struct tbrpc_node_info before, after;
-    tbrpc_client_node_info(e->client, 0, &before);
-    CHECK(before.hello.caps & TB_CAP_ALLOC_SIZE_IS_NBYTES, "a CPU node must announce nbytes sizing");
-    CHECK(ggml_backend_buft_get_alloc_size(remote, sorted) == ggml_backend_buft_get_alloc_size(cpu, sorted), "argsort size");
-    tbrpc_client_node_info(e->client, 0, &after);
-    CHECK(after.round_trips == before.round_trips, "%llu round trips", (unsigned long long) (after.round_trips - before.round_trips));
-    ggml_free(ctx);
+    ggml_free(q.ctx);
 }
 
 int main(int argc, char ** argv) {
