@@ -242,6 +242,20 @@ def _check_macos(n: _Node, mac: dict[str, Any]) -> None:
             n.add("wired memory", OK, detail)
 
 
+def _check_linux(n: _Node, linux: dict[str, Any]) -> None:
+    """Nodes madvise their buffers for transparent huge pages: decode streams every weight per token."""
+    mode = linux.get("transparent_hugepage")
+    enable = "echo madvise | sudo tee /sys/kernel/mm/transparent_hugepage/enabled"
+    if mode in ("always", "madvise"):
+        n.add("huge pages", OK, f"transparent huge pages: {mode} (node buffers get 2 MiB pages)")
+    elif mode is None:
+        n.add("huge pages", WARN, "this kernel has no transparent huge pages: decode runs on 4 KiB pages, "
+              "about 8% slower here (docs/benchmarks.md)", "use a kernel built with CONFIG_TRANSPARENT_HUGEPAGE")
+    else:
+        n.add("huge pages", WARN, f"transparent huge pages: {mode}: decode runs on 4 KiB pages, about 8% slower "
+              "here (docs/benchmarks.md)", f"on {n.spec.name}: {enable}")
+
+
 def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float = 5.0) -> list[Check]:
     """Every check of every node, in order."""
     reference = model_identity(gguf) if gguf else None
@@ -269,6 +283,8 @@ def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float 
             _check_model(n, facts, reference)
             if "macos" in facts:
                 _check_macos(n, facts["macos"])
+            if "linux" in facts:
+                _check_linux(n, facts["linux"])
         checks.extend(n.checks)
     return checks
 

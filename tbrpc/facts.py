@@ -3,8 +3,9 @@
 Run on each node (over ssh, or in-process for nodes on this machine) as
 ``python -m tbrpc.facts [--model PATH] [--host ADDR]``; prints one JSON
 object: OS, tbrpc and llama-cpp-python versions, the model file's identity
-(size and a fast fingerprint) and, on macOS, RDMA, the Thunderbolt link of
-the node's address and the GPU wired-memory limit. It imports neither
+(size and a fast fingerprint), on Linux the transparent-huge-page mode, and
+on macOS RDMA, the Thunderbolt link of the node's address and the GPU
+wired-memory limit. It imports neither
 llama_cpp nor tbrpc's C library, so it answers even where those are broken.
 """
 
@@ -172,6 +173,18 @@ def macos_facts(host: str | None) -> dict[str, Any]:
     return facts
 
 
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def linux_facts() -> dict[str, Any]:
+    """Transparent huge pages: the bracketed mode of THP_ENABLED ("always [madvise] never"), None without THP."""
+    try:
+        m = re.search(r"\[(\w+)\]", THP_ENABLED.read_text())
+    except OSError:
+        m = None
+    return {"transparent_hugepage": m.group(1) if m else None}
+
+
 def collect(model: str | None = None, host: str | None = None) -> dict[str, Any]:
     facts: dict[str, Any] = {
         "os": platform.system(), "release": platform.release(), "machine": platform.machine(),
@@ -182,6 +195,8 @@ def collect(model: str | None = None, host: str | None = None) -> dict[str, Any]
         facts["model"] = model_identity(model)
     if platform.system() == "Darwin":
         facts["macos"] = macos_facts(host)
+    elif platform.system() == "Linux":
+        facts["linux"] = linux_facts()
     return facts
 
 

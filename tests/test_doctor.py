@@ -20,8 +20,8 @@ import pytest
 import models
 from launch_helpers import ENV, free_port
 
-from tbrpc.doctor import FAIL, OK, WARN, Check, _check_macos, _Node, diagnose, failed, format_checks
-from tbrpc.facts import file_fingerprint, model_identity, sampled_ranges
+from tbrpc.doctor import FAIL, OK, WARN, Check, _check_linux, _check_macos, _Node, diagnose, failed, format_checks
+from tbrpc.facts import file_fingerprint, linux_facts, model_identity, sampled_ranges
 from tbrpc.spec import NodeSpec, load_specs
 
 
@@ -56,12 +56,14 @@ def test_healthy_cluster(nodes: Any, tmp_path: Path) -> None:
         for name in ("reachable", "handshake", "device", "versions", "model"):
             assert by(checks, node, name).status == OK, table
     assert "same as the head's" in by(checks, "a", "model").detail
-    assert "all checks passed" in table
+    thp_on = linux_facts()["transparent_hugepage"] in ("always", "madvise")
+    assert by(checks, "a", "huge pages").status == (OK if thp_on else WARN), table
+    assert ("all checks passed" in table) == thp_on, table
 
     proc = subprocess.run([sys.executable, "-m", "tbrpc.cli", "doctor", "--cluster", str(cluster), "--gguf", str(model)],
                           env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "all checks passed" in proc.stdout
+    assert ("all checks passed" in proc.stdout) == thp_on, proc.stdout
 
 
 def test_node_down_fails_with_a_fix(nodes: Any, tmp_path: Path) -> None:
@@ -271,6 +273,19 @@ def test_macos_rows_from_recorded_facts(tmp_path: Path) -> None:
     rows = {c.name: c for c in n.checks}
     assert rows["rdma"].status == OK and rows["wired memory"].status == OK
     assert rows["thunderbolt"].status == WARN and "Thunderbolt Bridge" in rows["thunderbolt"].fix
+
+
+def test_huge_pages_row(tmp_path: Path) -> None:
+    """Nodes ask for transparent huge pages; a Linux node where THP is off decodes slower, and doctor says how to fix it."""
+    (spec,) = load_specs(write_cluster(tmp_path / "c.toml", [node_table("l", 50052)]))
+    rows = {}
+    for mode in ("always", "madvise", "never", None):
+        n = _Node(spec)
+        _check_linux(n, {"transparent_hugepage": mode})
+        rows[mode] = n.checks[0]
+    assert rows["always"].status == OK and rows["madvise"].status == OK and "madvise" in rows["madvise"].detail
+    assert rows["never"].status == WARN and "echo madvise | sudo tee /sys/kernel/mm/transparent_hugepage/enabled" in rows["never"].fix
+    assert rows[None].status == WARN and "CONFIG_TRANSPARENT_HUGEPAGE" in rows[None].fix
 
 
 def test_table_format() -> None:
