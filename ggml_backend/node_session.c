@@ -155,12 +155,16 @@ static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
 }
 
 static int handle_hello(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
-    if (expect_len(h->len, sizeof(struct tb_hello), "HELLO", err, err_len) != 0) return -1;
-    const struct tb_hello * req = (const struct tb_hello *) c->payload;
+    // The ABI leads every version's HELLO: compare it before the length, so a
+    // client of another protocol version (whose HELLO may differ in size)
+    // hears which versions differ, not just that the size does.
+    if (h->len < sizeof(struct tb_abi)) return expect_len(h->len, sizeof(struct tb_hello), "HELLO", err, err_len);
     struct tb_hello * rep = (struct tb_hello *) r->small;
     memset(rep, 0, sizeof *rep);
     tb_abi_fill(&rep->abi);
-    if (tb_abi_compare(&rep->abi, &req->abi, "client", err, err_len) != 0) return -1;
+    if (tb_abi_compare(&rep->abi, (const struct tb_abi *) c->payload, "client", err, err_len) != 0) return -1;
+    if (expect_len(h->len, sizeof(struct tb_hello), "HELLO", err, err_len) != 0) return -1;
+    const struct tb_hello * req = (const struct tb_hello *) c->payload;
     pthread_mutex_lock(&c->busy_lock);
     c->keepalive_ms = req->keepalive_ms > TB_KEEPALIVE_MIN_MS ? req->keepalive_ms : TB_KEEPALIVE_MIN_MS;
     pthread_mutex_unlock(&c->busy_lock);

@@ -143,6 +143,19 @@ def test_protocol_version_mismatch_names_both_versions(node: Any) -> None:
     assert f"speaks tbrpc protocol {lib.TB_PROTO_VERSION}" in body.decode() and "99" in body.decode()
 
 
+def test_an_older_hello_of_another_size_still_names_both_versions(node: Any) -> None:
+    """Protocol 1's HELLO had no ggml_build: 64 bytes shorter. The node compares
+    the leading ABI before the size, so the answer is about versions."""
+    hello = ffi.new("struct tb_hello *")
+    lib.tb_abi_fill(ffi.addressof(hello.abi))
+    hello.abi.proto_version = 1
+    w = Wire(node.endpoint)
+    w.send(lib.TB_CMD_HELLO, bytes(ffi.buffer(hello))[:-64])
+    status, body = w.reply()
+    assert status != 0 and f"speaks tbrpc protocol {lib.TB_PROTO_VERSION}" in body.decode(), body
+    assert "1" in body.decode().split(f"protocol {lib.TB_PROTO_VERSION}", 1)[1]
+
+
 def test_ggml_abi_mismatch_is_refused(node: Any) -> None:
     status, body = Wire(node.endpoint).hello(ggml_op_count=7)
     assert status != 0 and "ggml ABI mismatch" in body.decode() and "7 ops" in body.decode()
