@@ -1,12 +1,14 @@
 // node.c - the node server: listens, gives each client a worker (a forked
-// process, or a thread), keeps per-client counters in shared memory for
-// STATUS, and stops cleanly. One client's session is node_session.c.
+// or a freshly spawned process, or a thread), keeps per-client counters in
+// shared memory for STATUS, and stops cleanly. One client's session is node_session.c.
 #include "node_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,9 +123,44 @@ static void start_worker(struct tb_node * n, int fd, struct client_slot * slot) 
     close(n->listen_fd);
     close(n->stop_pipe[0]);
     close(n->stop_pipe[1]);
+    close(n->parent_pipe[0]);
+    close(n->parent_pipe[1]);
     slot->pid = getpid();
     node_serve_client(n, fd, slot);
     _exit(0);
+}
+
+// A fresh process started from worker_argv: what macOS needs, where Metal does
+// not survive fork(). It inherits only the client's socket, the status
+// mapping and the read end of parent_pipe (everything else is close-on-exec)
+// and learns their numbers from its command line.
+static void start_spawned_worker(struct tb_node * n, int fd, struct client_slot * slot) {
+    char fds[4][16], slot_no[16];
+    snprintf(fds[0], sizeof fds[0], "%d", fd);
+    snprintf(fds[1], sizeof fds[1], "%d", n->status_fd);
+    snprintf(fds[2], sizeof fds[2], "%d", n->parent_pipe[0]);
+    snprintf(slot_no, sizeof slot_no, "%d", (int) (slot - n->slots));
+    char * tail[] = { "--client-fd", fds[0], "--status-fd", fds[1], "--parent-fd", fds[2], "--slot", slot_no,
+                      "--name", n->name, NULL };
+    size_t head = 0, n_tail = sizeof tail / sizeof *tail;
+    while (n->worker_argv[head]) head++;
+    char ** argv = calloc(head + n_tail, sizeof *argv);
+    pid_t pid = -1;
+    int rc = ENOMEM;
+    if (argv) {
+        memcpy(argv, n->worker_argv, head * sizeof *argv);
+        memcpy(argv + head, tail, n_tail * sizeof *argv);
+        extern char ** environ;
+        rc = posix_spawn(&pid, argv[0], NULL, NULL, argv, environ);
+        free(argv);
+    }
+    close(fd);
+    if (rc != 0) {
+        node_log(n, "cannot start a worker (%s) for a new client: %s", n->worker_argv[0], strerror(rc));
+        slot_release(n, slot);
+        return;
+    }
+    slot->pid = pid;
 }
 
 static void start_connection(struct tb_node * n, int fd) {
@@ -133,8 +170,11 @@ static void start_connection(struct tb_node * n, int fd) {
         close(fd);
         return;
     }
-    if (n->isolate) start_worker(n, fd, slot);
-    else start_thread(n, fd, slot);
+    switch (n->serve_mode) {
+        case SERVE_FORK:   start_worker(n, fd, slot); break;
+        case SERVE_SPAWN:  start_spawned_worker(n, fd, slot); break;
+        case SERVE_THREAD: start_thread(n, fd, slot); break;
+    }
 }
 
 // Collect finished workers; say loudly when one did not end by itself.
@@ -196,42 +236,140 @@ static ggml_backend_dev_t pick_device(const char * wanted, char * err, size_t er
     return d;
 }
 
-struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, size_t err_len) {
-    struct tb_node * n = calloc(1, sizeof *n);
-    if (!n) { snprintf(err, err_len, "out of memory"); return NULL; }
+// What a node and a spawned worker both need: log, device, names, model
+// directories. The caller owns n (zeroed) and frees it with tb_node_free.
+static int node_init(struct tb_node * n, const struct tb_node_config * cfg, char * err, size_t err_len) {
     n->cfg = *cfg;
-    n->listen_fd = -1;
-    n->stop_pipe[0] = n->stop_pipe[1] = -1;
+    n->listen_fd = n->status_fd = -1;
+    n->stop_pipe[0] = n->stop_pipe[1] = n->parent_pipe[0] = n->parent_pipe[1] = -1;
     pthread_mutex_init(&n->lock, NULL);
     pthread_cond_init(&n->conn_done, NULL);
     n->log = stderr;
-#ifdef __APPLE__
-    n->isolate = cfg->isolation == 1;   // Metal does not survive fork(): threads unless asked
-#else
-    n->isolate = cfg->isolation != 0;
-#endif
-    n->slots = mmap(NULL, MAX_CLIENTS * sizeof *n->slots, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (n->slots == MAP_FAILED) { n->slots = NULL; snprintf(err, err_len, "mmap: %s", strerror(errno)); goto fail; }
     if (cfg->log_path && *cfg->log_path) {
         n->log = fopen(cfg->log_path, "a");
-        if (!n->log) { snprintf(err, err_len, "cannot open log file %s: %s", cfg->log_path, strerror(errno)); n->log = stderr; goto fail; }
+        if (!n->log) { snprintf(err, err_len, "cannot open log file %s: %s", cfg->log_path, strerror(errno)); n->log = stderr; return -1; }
     }
     n->dev = pick_device(cfg->device, err, err_len);
-    if (!n->dev) goto fail;
-    n->listen_fd = tb_tcp_listen(cfg->host, cfg->port, err, err_len);
-    if (n->listen_fd < 0) goto fail;
-    n->port = tb_tcp_bound_port(n->listen_fd);
+    if (!n->dev) return -1;
     if (cfg->name && *cfg->name) snprintf(n->name, sizeof n->name, "%s", cfg->name);
-    else snprintf(n->name, sizeof n->name, "%s:%d", cfg->host && *cfg->host ? cfg->host : "*", n->port);
-    if (pipe(n->stop_pipe) != 0) { snprintf(err, err_len, "pipe: %s", strerror(errno)); goto fail; }
-    fcntl(n->stop_pipe[1], F_SETFL, O_NONBLOCK);
     snprintf(n->model_dirs, sizeof n->model_dirs, "%s", cfg->model_dirs ? cfg->model_dirs : "");
     snprintf(n->host, sizeof n->host, "%s", cfg->host ? cfg->host : "");
     n->cfg.host = n->cfg.device = n->cfg.name = n->cfg.log_path = n->cfg.model_dirs = NULL;   // not owned; do not keep
+    n->cfg.worker_argv = NULL;
+    return 0;
+}
+
+// The per-client counters, in shared memory behind a file descriptor that
+// workers inherit (forked ones through the mapping, spawned ones by number).
+static int map_slots(struct tb_node * n, int fd, char * err, size_t err_len) {
+    n->slots = mmap(NULL, MAX_CLIENTS * sizeof *n->slots, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (n->slots == MAP_FAILED) { n->slots = NULL; snprintf(err, err_len, "mmap of the status memory: %s", strerror(errno)); return -1; }
+    return 0;
+}
+
+static int create_slots(struct tb_node * n, char * err, size_t err_len) {
+    char name[32];
+    snprintf(name, sizeof name, "/tbrpc-%d-%lx", (int) getpid(), (unsigned long) ((uintptr_t) n >> 4) & 0xfffffful);
+    n->status_fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (n->status_fd < 0) { snprintf(err, err_len, "shm_open: %s", strerror(errno)); return -1; }
+    shm_unlink(name);   // only the descriptor keeps it: nothing to clean up after a crash
+    fcntl(n->status_fd, F_SETFD, 0);   // shm_open sets close-on-exec; spawned workers need it
+    if (ftruncate(n->status_fd, (off_t) (MAX_CLIENTS * sizeof *n->slots)) != 0) {
+        snprintf(err, err_len, "ftruncate of the status memory: %s", strerror(errno));
+        return -1;
+    }
+    return map_slots(n, n->status_fd, err, err_len);
+}
+
+static int copy_worker_argv(struct tb_node * n, const char * const * argv, char * err, size_t err_len) {
+    size_t count = 0;
+    while (argv[count]) count++;
+    n->worker_argv = calloc(count + 1, sizeof *n->worker_argv);
+    for (size_t i = 0; n->worker_argv && i < count; i++) {
+        n->worker_argv[i] = strdup(argv[i]);
+        if (!n->worker_argv[i]) break;
+    }
+    if (!n->worker_argv || (count && !n->worker_argv[count - 1])) { snprintf(err, err_len, "out of memory"); return -1; }
+    return 0;
+}
+
+static int serve_mode(const struct tb_node_config * cfg) {
+    switch (cfg->isolation) {
+        case 0:  return SERVE_THREAD;
+        case 1:  return SERVE_FORK;
+        case 2:  return SERVE_SPAWN;
+        default:
+#ifdef __APPLE__
+            return cfg->worker_argv && cfg->worker_argv[0] ? SERVE_SPAWN : SERVE_THREAD;
+#else
+            return SERVE_FORK;
+#endif
+    }
+}
+
+struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, size_t err_len) {
+    struct tb_node * n = calloc(1, sizeof *n);
+    if (!n) { snprintf(err, err_len, "out of memory"); return NULL; }
+    n->serve_mode = serve_mode(cfg);
+    if (n->serve_mode == SERVE_SPAWN && !(cfg->worker_argv && cfg->worker_argv[0])) {
+        snprintf(err, err_len, "spawned workers need a worker command (worker_argv)");
+        free(n);
+        return NULL;
+    }
+    if (node_init(n, cfg, err, err_len) != 0 || create_slots(n, err, err_len) != 0) goto fail;
+    if (n->serve_mode == SERVE_SPAWN && copy_worker_argv(n, cfg->worker_argv, err, err_len) != 0) goto fail;
+    n->listen_fd = tb_tcp_listen(cfg->host, cfg->port, err, err_len);
+    if (n->listen_fd < 0) goto fail;
+    n->port = tb_tcp_bound_port(n->listen_fd);
+    if (!n->name[0]) snprintf(n->name, sizeof n->name, "%s:%d", n->host[0] ? n->host : "*", n->port);
+    if (pipe(n->stop_pipe) != 0 || pipe(n->parent_pipe) != 0) { snprintf(err, err_len, "pipe: %s", strerror(errno)); goto fail; }
+    fcntl(n->stop_pipe[1], F_SETFL, O_NONBLOCK);
+    // Workers inherit only parent_pipe's read end (and the status memory).
+    fcntl(n->stop_pipe[0], F_SETFD, FD_CLOEXEC);
+    fcntl(n->stop_pipe[1], F_SETFD, FD_CLOEXEC);
+    fcntl(n->parent_pipe[1], F_SETFD, FD_CLOEXEC);
     return n;
 fail:
     tb_node_free(n);
     return NULL;
+}
+
+// A spawned worker's watch on its node: the node holds parent_pipe's write
+// end, so end of file here means the node is gone, and so must we be.
+static void * watch_parent(void * arg) {
+    const int fd = (int) (intptr_t) arg;
+    char c;
+    for (;;) {
+        ssize_t got = read(fd, &c, 1);
+        if (got == 0 || (got < 0 && errno != EINTR)) break;
+    }
+    _exit(0);
+    return NULL;
+}
+
+int tb_node_worker_serve(const struct tb_node_config * cfg, int client_fd, int status_fd, int slot, int parent_fd,
+                         char * err, size_t err_len) {
+    struct tb_node * n = calloc(1, sizeof *n);
+    pthread_t watcher;
+    if (!n) { snprintf(err, err_len, "out of memory"); close(client_fd); return -1; }
+    int rc = -1;
+    if (slot < 0 || slot >= MAX_CLIENTS) { snprintf(err, err_len, "slot %d out of range", slot); goto done; }
+    if (node_init(n, cfg, err, err_len) != 0 || map_slots(n, status_fd, err, err_len) != 0) goto done;
+    if (pthread_create(&watcher, NULL, watch_parent, (void *) (intptr_t) parent_fd) != 0) {
+        snprintf(err, err_len, "cannot watch the node process");
+        goto done;
+    }
+    pthread_detach(watcher);
+    signal(SIGINT, SIG_IGN);   // Ctrl-C reaches the whole group; the node ends its workers
+    node_serve_client(n, client_fd, &n->slots[slot]);
+    client_fd = -1;
+    rc = 0;
+done:
+    if (client_fd >= 0) close(client_fd);
+    if (n->slots) munmap(n->slots, MAX_CLIENTS * sizeof *n->slots);
+    n->slots = NULL;
+    tb_node_free(n);
+    return rc;
 }
 
 int tb_node_port(const struct tb_node * n) { return n->port; }
@@ -290,6 +428,11 @@ void tb_node_free(struct tb_node * n) {
     if (n->listen_fd >= 0) close(n->listen_fd);
     if (n->stop_pipe[0] >= 0) close(n->stop_pipe[0]);
     if (n->stop_pipe[1] >= 0) close(n->stop_pipe[1]);
+    if (n->parent_pipe[0] >= 0) close(n->parent_pipe[0]);
+    if (n->parent_pipe[1] >= 0) close(n->parent_pipe[1]);
+    if (n->status_fd >= 0) close(n->status_fd);
+    for (size_t i = 0; n->worker_argv && n->worker_argv[i]; i++) free(n->worker_argv[i]);
+    free(n->worker_argv);
     if (n->log && n->log != stderr) fclose(n->log);
     if (n->slots) munmap(n->slots, MAX_CLIENTS * sizeof *n->slots);
     pthread_cond_destroy(&n->conn_done);

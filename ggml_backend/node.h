@@ -27,10 +27,15 @@ struct tb_node_config {
     int          timeout_ms;  // a client silent mid-message for this long is dropped
     const char * model_dirs;  // ':'-separated directories whose *.gguf files clients may
                               // ask the node to load weights from (NULL/"": none)
-    int          isolation;   // 1: one worker process per client (a request that crashes
-                              // ggml ends only that client); 0: one thread per client;
-                              // -1: the platform default (processes, threads on macOS
-                              // because Metal does not survive fork)
+    int          isolation;   // how each client is served: 1: a forked worker process (a
+                              // request that crashes ggml ends only that client); 2: a
+                              // freshly started worker process (worker_argv; for macOS,
+                              // where Metal does not survive fork); 0: a thread; -1: the
+                              // platform default (fork; on macOS spawn with worker_argv,
+                              // else threads)
+    const char * const * worker_argv;  // NULL-terminated command that runs tb_node_worker_serve
+                              // (isolation 2); the node appends --client-fd N --status-fd N
+                              // --parent-fd N --slot N --name NAME
 };
 
 struct tb_node;
@@ -43,6 +48,13 @@ int  tb_node_serve(struct tb_node * node);
 void tb_node_stop(struct tb_node * node);
 void tb_node_get_status(struct tb_node * node, struct tb_status * out);
 void tb_node_free(struct tb_node * node);
+
+// The body of a spawned worker (isolation 2): serve the client on client_fd
+// with the device cfg names, count into slot `slot` of the node's status
+// mapping (status_fd), and exit when the node dies (end of file on
+// parent_fd). Returns when the client leaves; -1 with err if it cannot start.
+int tb_node_worker_serve(const struct tb_node_config * cfg, int client_fd, int status_fd, int slot, int parent_fd,
+                         char * err, size_t err_len);
 
 #ifdef __cplusplus
 }

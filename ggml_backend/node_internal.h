@@ -31,9 +31,12 @@ struct tb_node {
     int      port;
     int      stop_pipe[2];        // written by tb_node_stop, watched by the accept loop
     volatile int stopping;
-    bool     isolate;             // one worker process per client (see tb_node_config.isolation)
+    enum { SERVE_THREAD, SERVE_FORK, SERVE_SPAWN } serve_mode;   // see tb_node_config.isolation
+    char **  worker_argv;         // SERVE_SPAWN: owned copy of tb_node_config.worker_argv
+    int      status_fd;           // the shared memory behind `slots`, inherited by spawned workers
+    int      parent_pipe[2];      // spawned workers hold the read end: end of file = the node is gone
     char     model_dirs[4096];    // ':'-separated; empty: clients cannot ask for files
-    struct client_slot * slots;   // MAX_CLIENTS, MAP_SHARED
+    struct client_slot * slots;   // MAX_CLIENTS, MAP_SHARED over status_fd
     ggml_backend_dev_t dev;
     FILE *   log;                 // owned when it is not stderr
 

@@ -51,7 +51,8 @@ void tb_abi_fill(struct tb_abi * abi);
 void tb_ggml_build(char * out, size_t len);
 
 struct tb_node_config { const char * host; int port; const char * device; int threads; const char * name;
-                        const char * log_path; int timeout_ms; const char * model_dirs; int isolation; };
+                        const char * log_path; int timeout_ms; const char * model_dirs; int isolation;
+                        const char * const * worker_argv; };
 struct tb_node;
 struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, size_t err_len);
 int  tb_node_port(const struct tb_node * node);
@@ -59,6 +60,8 @@ int  tb_node_serve(struct tb_node * node);
 void tb_node_stop(struct tb_node * node);
 void tb_node_get_status(struct tb_node * node, struct tb_status * out);
 void tb_node_free(struct tb_node * node);
+int  tb_node_worker_serve(const struct tb_node_config * cfg, int client_fd, int status_fd, int slot, int parent_fd,
+                          char * err, size_t err_len);
 
 struct tbrpc_node_info { char endpoint[...]; char device_name[...]; struct tb_hello hello; int failed;
                          char error[...]; uint64_t bytes_sent; uint64_t bytes_received; uint64_t round_trips;

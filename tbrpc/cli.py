@@ -18,8 +18,9 @@ def main() -> None:
 @click.option("--name", default=None, help="Node name shown to clients and in logs.")
 @click.option("--log-file", default=None, type=click.Path(dir_okay=False), help="Append log lines here instead of stderr.")
 @click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds a client may stall mid-message.")
-@click.option("--isolation", type=click.Choice(["auto", "process", "thread"]), default="auto", show_default=True,
-              help="Serve each client in its own worker process (a crash ends only that client) or thread.")
+@click.option("--isolation", type=click.Choice(["auto", "process", "spawn", "thread"]), default="auto", show_default=True,
+              help="Serve each client in its own worker process, forked or freshly spawned (a crash ends only that "
+                   "client), or in a thread. auto: forked; spawned on macOS, where Metal does not survive fork().")
 @click.option("--model-dir", "model_dirs", multiple=True, type=click.Path(file_okay=False, exists=True),
               help="Directory of *.gguf files this node holds: heads load weights from them instead of sending them.")
 def node(host: str, port: int, device: str | None, threads: int, name: str | None, log_file: str | None,

@@ -6,9 +6,10 @@ in Python so SIGINT/SIGTERM handlers can run and stop the server cleanly.
 
 from __future__ import annotations
 
-import signal
-import threading
 import os
+import signal
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ from tbrpc.client import NodeStatus, _status_from_c
 from tbrpc.native import TbrpcError, error_buffer, load, text
 
 DEFAULT_PORT = 50052
-ISOLATION = {"auto": -1, "thread": 0, "process": 1}
+ISOLATION = {"auto": -1, "thread": 0, "process": 1, "spawn": 2}
 
 
 @dataclass
@@ -28,8 +29,16 @@ class NodeConfig:
     name: str | None = None
     log_path: str | None = None
     timeout: float = 10.0         # a client silent mid-message for this long is dropped
-    isolation: str = "auto"       # "process": a worker per client; "thread"; "auto": process except on macOS
+    isolation: str = "auto"       # a worker per client: "process" (forked), "spawn" (a fresh process), "thread";
+                                  # "auto": process, spawn on macOS (Metal does not survive fork)
     model_dirs: list[str] = field(default_factory=list)  # clients may load weights from *.gguf files here
+
+
+def worker_command(config: NodeConfig, model_dirs: str) -> list[str]:
+    """How the node starts a spawned worker (tbrpc/_worker.py); the C side appends the descriptors."""
+    return [sys.executable, "-m", "tbrpc._worker", "--host", config.host, "--device", config.device or "",
+            "--threads", str(config.threads), "--log-file", os.path.abspath(config.log_path) if config.log_path else "",
+            "--timeout-ms", str(int(config.timeout * 1000)), "--model-dirs", model_dirs]
 
 
 class NodeServer:
@@ -42,11 +51,14 @@ class NodeServer:
         dirs = os.pathsep.join(os.path.abspath(d) for d in config.model_dirs)
         keep = [ffi.new("char[]", (s or "").encode())
                 for s in (config.host, config.device, config.name, config.log_path, dirs)]
+        worker = [ffi.new("char[]", arg.encode()) for arg in worker_command(config, dirs)]
+        self._keep = keep + worker   # the C side copies what it keeps, but only when tb_node_create runs
+        worker_argv = ffi.new("const char *[]", worker + [ffi.NULL])
         c_cfg = ffi.new("struct tb_node_config *", {
             "host": keep[0], "port": config.port, "device": keep[1], "threads": config.threads,
             "name": keep[2],
             "log_path": keep[3], "timeout_ms": int(config.timeout * 1000),
-            "model_dirs": keep[4], "isolation": ISOLATION[config.isolation],
+            "model_dirs": keep[4], "isolation": ISOLATION[config.isolation], "worker_argv": worker_argv,
         })
         err = error_buffer()
         self._node = lib.tb_node_create(c_cfg, err, len(err))

@@ -292,10 +292,19 @@ def test_malformed_graph_is_rejected(node: Any, case: str) -> None:
     assert "rejected" in node.log_text()
 
 
-def test_graph_breaking_an_op_contract_ends_only_that_client(node: Any) -> None:
+@pytest.fixture(params=["process", "spawn"])
+def isolated_node(request: pytest.FixtureRequest, nodes: Any) -> Any:
+    """A node whose workers are forked (Linux's default) or freshly spawned (macOS's)."""
+    started = nodes(1, "--isolation", request.param)[0]
+    yield started
+    assert started.proc.poll() is None, "node process died"
+
+
+def test_graph_breaking_an_op_contract_ends_only_that_client(isolated_node: Any) -> None:
     """A CPY into a tensor with another element count makes ggml abort.
     The node serves each client in its own worker process, so only that
     client's worker ends; the node logs it and keeps serving."""
+    node = isolated_node
     bystander = ready(node)
     kept = bystander.alloc(64)
     w = ready(node)
@@ -351,6 +360,33 @@ def test_a_cpu_node_says_so_at_hello(node: Any) -> None:
 
 
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="madvise(MADV_HUGEPAGE) is Linux's")
+def _workers(node: Any) -> list[int]:
+    return [int(pid) for task in Path(f"/proc/{node.proc.pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds workers through /proc")
+def test_a_spawned_worker_does_not_outlive_its_node(nodes: Any) -> None:
+    """Spawned workers have no PR_SET_PDEATHSIG (macOS has none): they watch a
+    pipe from the node and leave when it closes, even after SIGKILL."""
+    node = nodes(1, "--isolation", "spawn")[0]
+    w = ready(node)
+    w.alloc(1 << 20)
+    (worker,) = _workers(node)
+    cmdline = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
+    assert b"tbrpc._worker" in cmdline
+    inherited = sorted(int(fd.name) for fd in Path(f"/proc/{worker}/fd").iterdir())
+    named = {int(cmdline[cmdline.index(flag) + 1]) for flag in (b"--client-fd", b"--status-fd", b"--parent-fd")}
+    assert named <= set(inherited)
+    node.proc.kill()
+    node.proc.wait(timeout=10)
+    deadline = time.time() + 10
+    while Path(f"/proc/{worker}").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
+    assert w.closed(timeout=10)
+
+
 def test_host_buffers_ask_for_huge_pages(node: Any) -> None:
     """Decode reads every weight once per token: the node asks for
     transparent huge pages on its buffers (VmFlags "hg" in the worker's smaps)."""
@@ -359,8 +395,7 @@ def test_host_buffers_ask_for_huge_pages(node: Any) -> None:
     status, body = w.reply()
     assert status == 0, body
     _handle, base, size = struct.unpack("<QQQ", body[:24])
-    workers = [int(pid) for task in Path(f"/proc/{node.proc.pid}/task").iterdir()
-               for pid in (task / "children").read_text().split()]
+    workers = _workers(node)
     assert len(workers) == 1, workers
     flags = None
     for line in Path(f"/proc/{workers[0]}/smaps").read_text().splitlines():

@@ -75,3 +75,16 @@ def test_split_matches_single_process(model_name: str, n_nodes: int, nodes: Any,
         assert not node["failed"], node["error"]
     assert sum(node["round_trips"] for node in result["nodes"]) == steady_tokens
     assert sum(node["peer_copies"] for node in result["nodes"]) >= (n_nodes - 1) * steady_tokens
+
+
+def test_split_over_spawned_workers(nodes: Any, baselines: Any, tmp_path: Path) -> None:
+    """macOS's way of serving clients (a fresh worker process each), run here:
+    the same tokens and logits, activations still going node to node."""
+    base, base_logits = baselines("deepseek2")
+    started = nodes(2, "--isolation", "spawn")
+    result, logits = run_head(tmp_path, model=str(models.ensure("deepseek2")), prompt=PROMPT, n_predict=N_PREDICT,
+                              nodes=[n.endpoint for n in started])
+    assert result["error"] is None, result["error"]
+    assert result["tokens"] == base["tokens"] and np.array_equal(logits, base_logits)
+    assert all(a > 0 for a in result["allocated_after_load"])
+    assert sum(node["peer_copies"] for node in result["nodes"]) >= N_PREDICT - 1

@@ -18,6 +18,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#ifndef MSG_NOSIGNAL
+#define MSG_NOSIGNAL 0   // macOS: SO_NOSIGPIPE on the socket does the same (tb_tcp_from_fd)
+#endif
+
 #define TCP_WBUF_SIZE (256 * 1024)
 
 struct tcp_transport {
@@ -176,6 +180,13 @@ static int connect_with_timeout(int fd, const struct sockaddr * sa, socklen_t sl
     return 0;
 }
 
+// A socket that no worker process inherits (macOS has no SOCK_CLOEXEC).
+static int cloexec_socket(const struct addrinfo * ai) {
+    int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+    if (fd >= 0 && fcntl(fd, F_SETFD, FD_CLOEXEC) != 0) { close(fd); return -1; }
+    return fd;
+}
+
 struct tb_transport * tb_tcp_connect(const char * host, int port, int timeout_ms, char * err, size_t err_len) {
     char port_str[16];
     snprintf(port_str, sizeof port_str, "%d", port);
@@ -188,7 +199,7 @@ struct tb_transport * tb_tcp_connect(const char * host, int port, int timeout_ms
     int64_t deadline = now_ms() + timeout_ms;
     int last_errno = 0;
     for (struct addrinfo * ai = res; ai; ai = ai->ai_next) {
-        int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        int fd = cloexec_socket(ai);
         if (fd < 0) { last_errno = errno; continue; }
         int left = (int) (deadline - now_ms());
         if (connect_with_timeout(fd, ai->ai_addr, ai->ai_addrlen, left > 0 ? left : 1) == 0) {
@@ -218,7 +229,7 @@ int tb_tcp_listen(const char * host, int port, char * err, size_t err_len) {
     }
     int fd = -1, last_errno = 0;
     for (struct addrinfo * ai = res; ai && fd < 0; ai = ai->ai_next) {
-        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        fd = cloexec_socket(ai);
         if (fd < 0) { last_errno = errno; continue; }
         int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
