@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_split as split  # noqa: E402  (the servers, the RPC venv and the prompt are shared)
+import bench_split as split  # (after the path: the servers, the RPC venv and the prompt are shared)
 
 MODES = ("tbrpc", "rpc")
 READY = "READY"

@@ -21,6 +21,8 @@
 #include <time.h>
 #include <unistd.h>
 
+extern char ** environ;   // what spawned workers inherit (posix_spawn needs it spelled out)
+
 // ---- logging ----------------------------------------------------------------
 
 void node_log(struct tb_node * node, const char * fmt, ...) {
@@ -150,7 +152,6 @@ static void start_spawned_worker(struct tb_node * n, int fd, struct client_slot 
     if (argv) {
         memcpy(argv, n->worker_argv, head * sizeof *argv);
         memcpy(argv + head, tail, n_tail * sizeof *argv);
-        extern char ** environ;
         rc = posix_spawn(&pid, argv[0], NULL, NULL, argv, environ);
         free(argv);
     }

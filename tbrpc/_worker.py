@@ -10,6 +10,7 @@ then ends this process only. Not meant to be run by hand.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -38,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     })
     err = error_buffer()
     rc = lib.tb_node_worker_serve(cfg, args.client_fd, args.status_fd, args.slot, args.parent_fd, err, len(err))
-    if rc != 0:
-        print(f"tbrpc node worker: {text(err)}", file=sys.stderr, flush=True)
+    if rc != 0:   # where the node logs, so the reason sits next to "worker N exited with status 1"
+        line = f"tbrpc node worker for {args.name}: {text(err)}\n"
+        with open(args.log_file, "a") if args.log_file else contextlib.nullcontext(sys.stderr) as out:
+            out.write(line)
     sys.stdout.flush()
     os._exit(0 if rc == 0 else 1)   # no interpreter teardown: ggml's and the device's state go with the process
 
