@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.log_file, "a") if args.log_file else contextlib.nullcontext(sys.stderr) as out:
             out.write(line)
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0 if rc == 0 else 1)   # no interpreter teardown: ggml's and the device's state go with the process
 
 
