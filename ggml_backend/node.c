@@ -179,12 +179,17 @@ static void start_connection(struct tb_node * n, int fd) {
 }
 
 // Collect finished workers; say loudly when one did not end by itself.
-static void reap_workers(struct tb_node * n, bool wait) {
+static void reap_workers(struct tb_node * n) {
     for (int i = 0; i < MAX_CLIENTS; i++) {
         struct client_slot * slot = &n->slots[i];
         if (!slot->in_use || slot->pid <= 0) continue;
         int status = 0;
-        pid_t pid = waitpid(slot->pid, &status, wait ? 0 : WNOHANG);
+        pid_t pid = waitpid(slot->pid, &status, WNOHANG);
+        if (pid < 0 && errno == ECHILD) {   // not ours to wait for any more: nothing left to end
+            node_log(n, "worker %d for client %s is gone (already reaped)", (int) slot->pid, slot->peer);
+            slot_release(n, slot);
+            continue;
+        }
         if (pid != slot->pid) continue;
         if (WIFSIGNALED(status) && WTERMSIG(status) != SIGTERM) {
             node_log(n, "worker %d for client %s died with signal %d (%s); the node keeps serving other clients",
@@ -204,17 +209,22 @@ static bool has_workers(struct tb_node * n) {
 }
 
 // SIGTERM every worker; one still there after two seconds (stopped, or
-// stuck in a device call) gets SIGKILL: stopping the node must not hang.
+// stuck in a device call) gets SIGKILL. Stopping the node must not hang:
+// a worker that outlasts even that (stuck in the kernel) is logged and left.
 static void end_workers(struct tb_node * n) {
-    for (int sig = SIGTERM, round = 0; has_workers(n); round++) {
+    for (int sig = SIGTERM, round = 0; has_workers(n) && round < 200; round++) {
         if (round == 0 || round == 40) {
             for (int i = 0; i < MAX_CLIENTS; i++) {
                 if (n->slots[i].in_use && n->slots[i].pid > 0) { kill(n->slots[i].pid, sig); kill(n->slots[i].pid, SIGCONT); }
             }
             sig = SIGKILL;
         }
-        reap_workers(n, round > 40);
+        reap_workers(n);
         if (has_workers(n)) usleep(50 * 1000);
+    }
+    for (int i = 0; i < MAX_CLIENTS; i++) {
+        if (n->slots[i].in_use && n->slots[i].pid > 0)
+            node_log(n, "worker %d for client %s did not end after SIGKILL; leaving it", (int) n->slots[i].pid, n->slots[i].peer);
     }
 }
 
@@ -380,7 +390,7 @@ int tb_node_serve(struct tb_node * n) {
     struct pollfd p[2] = { { .fd = n->listen_fd, .events = POLLIN }, { .fd = n->stop_pipe[0], .events = POLLIN } };
     while (!n->stopping) {
         int rc = poll(p, 2, IDLE_POLL_MS);
-        reap_workers(n, false);
+        reap_workers(n);
         if (rc < 0 && errno == EINTR) continue;
         if (rc < 0 || (p[1].revents & POLLIN)) break;
         if (p[0].revents & POLLIN) {

@@ -74,9 +74,28 @@ def stop_nodes(started: list[NodeProcess]) -> None:
         try:
             node.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
+            where = _threads_of(node.proc.pid)
             node.proc.kill()
             node.proc.wait()
-            pytest.fail(f"node {node.endpoint} ignored SIGTERM")
+            pytest.fail(f"node {node.endpoint} ignored SIGTERM; its threads were:\n{where}\n"
+                        f"log:\n{node.log_text()[-2000:]}")
+
+
+def _threads_of(pid: int) -> str:
+    """State and kernel wait channel of every thread of pid and its children (Linux), to see where it hangs."""
+    lines = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in sorted(Path(f"/proc/{p}/task").iterdir()):
+                stat = (task / "stat").read_text()
+                name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+                lines.append(f"  pid {p} tid {task.name} {name!r} state {rest[0]} wchan {(task / 'wchan').read_text()}")
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError as e:
+            lines.append(f"  pid {p}: {e}")
+    return "\n".join(lines)
 
 
 def run_head(tmp_path: Path, **spec: Any) -> tuple[dict[str, Any], np.ndarray | None]:
