@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,17 +97,21 @@ class NodeServer:
 
     def serve_forever(self) -> None:
         """Serve until SIGINT or SIGTERM, then stop cleanly (buffers freed, clients closed)."""
-        stop = threading.Event()
+        # A plain flag, not threading.Event: the handler runs in the main thread
+        # between bytecodes, possibly inside Event.wait() while it holds the
+        # Event's (non-reentrant) lock, and Event.set() there would deadlock.
+        stop_signal: list[int] = []
 
         def on_signal(signum: int, frame: Any) -> None:
-            stop.set()
+            stop_signal.append(signum)
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.start()
-            while not stop.wait(0.2):
+            while not stop_signal:
                 if self._thread is not None and not self._thread.is_alive():
                     break
+                time.sleep(0.2)
         finally:
             self.stop()
             for s, handler in previous.items():
