@@ -253,11 +253,7 @@ static enum ggml_status backend_graph_compute(ggml_backend_t backend, struct ggm
         } else {
             n->graphs_sent++;
             node_post_locked(n, TB_CMD_GRAPH_COMPUTE, n->encode, len, NULL, 0);
-            if (len > n->last_graph_cap) {
-                uint8_t * p = realloc(n->last_graph, len);
-                if (p) { n->last_graph = p; n->last_graph_cap = len; }
-            }
-            n->last_graph_len = len <= n->last_graph_cap ? len : 0;
+            n->last_graph_len = tb_reserve(&n->last_graph, &n->last_graph_cap, len) == 0 ? len : 0;
             if (n->last_graph_len) memcpy(n->last_graph, n->encode, len);
         }
         n->last_graph_uid = g->uid;

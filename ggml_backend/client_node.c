@@ -172,15 +172,6 @@ static int32_t encode_tensor(struct graph_encoder * e, const struct ggml_tensor 
     return (int32_t) e->n++;
 }
 
-static int ensure_encode_cap(struct client_node * n, size_t need) {
-    if (need <= n->encode_cap) return 0;
-    uint8_t * p = realloc(n->encode, need);
-    if (!p) return -1;
-    n->encode = p;
-    n->encode_cap = need;
-    return 0;
-}
-
 // Build the GRAPH_COMPUTE payload in n->encode. Returns its length or 0.
 size_t encode_graph(struct client_node * n, struct ggml_cgraph * g, char * err, size_t err_len) {
     const int n_nodes = ggml_graph_n_nodes(g);
@@ -194,7 +185,7 @@ size_t encode_graph(struct client_node * n, struct ggml_cgraph * g, char * err, 
     e.ix.keys = calloc(cap, sizeof *e.ix.keys);
     e.ix.vals = calloc(cap, sizeof *e.ix.vals);
     size_t len = 0;
-    if (!e.ix.keys || !e.ix.vals || ensure_encode_cap(n, bytes) != 0) {
+    if (!e.ix.keys || !e.ix.vals || tb_reserve(&n->encode, &n->encode_cap, bytes) != 0) {
         snprintf(err, err_len, "out of memory encoding a graph of %d nodes", n_nodes);
         goto done;
     }

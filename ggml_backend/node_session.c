@@ -269,12 +269,7 @@ static int handle_get(struct node_conn * c, const struct tb_header * h, struct r
     if (ggml_backend_buffer_is_host(b->buf)) {
         r->data = b->base + req.offset;    // reply straight from the buffer, no copy
     } else {
-        if (req.size > c->payload_cap) {
-            uint8_t * p = realloc(c->payload, (size_t) req.size);
-            if (!p) { snprintf(err, err_len, "out of memory"); return -1; }
-            c->payload = p;
-            c->payload_cap = (size_t) req.size;
-        }
+        if (tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
         struct ggml_tensor t = byte_view(b, req.offset, req.size);
         ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
         r->data = c->payload;
@@ -516,11 +511,9 @@ static int handle_load_from_file(struct node_conn * c, const struct tb_header * 
     struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
     if (!b) return -1;
     const bool host = ggml_backend_buffer_is_host(b->buf);
-    if (!host && c->payload_cap < FILE_CHUNK) {   // device memory: read through the scratch buffer
-        uint8_t * p = realloc(c->payload, FILE_CHUNK);
-        if (!p) { snprintf(err, err_len, "out of memory"); return -1; }
-        c->payload = p;
-        c->payload_cap = FILE_CHUNK;
+    if (!host && tb_reserve(&c->payload, &c->payload_cap, FILE_CHUNK) != 0) {   // device memory: read through the scratch buffer
+        snprintf(err, err_len, "out of memory");
+        return -1;
     }
     for (uint64_t done = 0; done < req.size;) {
         size_t want = req.size - done < FILE_CHUNK ? (size_t) (req.size - done) : FILE_CHUNK;
@@ -655,15 +648,6 @@ static struct node_buffer * peer_range(struct node_conn * c, const struct tb_pee
     return checked_range(c, req->handle, req->offset, req->size, err, err_len);
 }
 
-static int ensure_scratch(struct node_conn * c, size_t n) {
-    if (n <= c->payload_cap) return 0;
-    uint8_t * p = realloc(c->payload, n);
-    if (!p) return -1;
-    c->payload = p;
-    c->payload_cap = n;
-    return 0;
-}
-
 static int handle_peer_send(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
     if (expect_len(h->len, sizeof(struct tb_peer_range), "PEER_SEND", err, err_len) != 0) return -1;
     const struct tb_peer_range req = *(const struct tb_peer_range *) c->payload;
@@ -672,7 +656,7 @@ static int handle_peer_send(struct node_conn * c, const struct tb_header * h, ch
     if (!b) return -1;
     const uint8_t * data = b->base + req.offset;
     if (!ggml_backend_buffer_is_host(b->buf)) {
-        if (ensure_scratch(c, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+        if (tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
         struct ggml_tensor t = byte_view(b, req.offset, req.size);
         ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
         data = c->payload;
@@ -705,7 +689,7 @@ static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, ch
     if (rc == 0 && ggml_backend_buffer_is_host(b->buf)) {
         rc = tb_recv(tp, b->base + req.offset, (size_t) req.size);
     } else if (rc == 0) {
-        rc = ensure_scratch(c, (size_t) req.size) == 0 ? tb_recv(tp, c->payload, (size_t) req.size) : -1;
+        rc = tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size) == 0 ? tb_recv(tp, c->payload, (size_t) req.size) : -1;
         if (rc == 0) {
             struct ggml_tensor t = byte_view(b, req.offset, req.size);
             ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
@@ -755,12 +739,7 @@ static bool is_posted(uint16_t cmd) {
 }
 
 static int read_payload(struct node_conn * c, size_t len) {
-    if (len > c->payload_cap) {
-        uint8_t * p = realloc(c->payload, len);
-        if (!p) return -1;
-        c->payload = p;
-        c->payload_cap = len;
-    }
+    if (tb_reserve(&c->payload, &c->payload_cap, len) != 0) return -1;
     return len ? tb_recv(c->tp, c->payload, len) : 0;
 }
 

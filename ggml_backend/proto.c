@@ -4,6 +4,7 @@
 #include "ggml_abi.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 _Static_assert(sizeof(struct tb_header) == 24, "header is 24 bytes on the wire");
@@ -48,6 +49,15 @@ void tb_abi_fill(struct tb_abi * abi) {
         h = fnv1a(h, sizes, sizeof sizes);
     }
     abi->type_table_hash = h;
+}
+
+int tb_reserve(uint8_t ** buf, size_t * cap, size_t need) {
+    if (need <= *cap) return 0;
+    uint8_t * p = realloc(*buf, need);
+    if (!p) return -1;
+    *buf = p;
+    *cap = need;
+    return 0;
 }
 
 void tb_ggml_build(char * out, size_t len) {

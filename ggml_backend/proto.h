@@ -115,6 +115,10 @@ struct tb_hello {            // request and reply share it; the node fills the d
 // supports_op with its own CPU device (the same code) instead of asking.
 #define TB_CAP_SUPPORTS_OP_IS_CPU   2u
 
+// Grow *buf (capacity *cap) to hold at least `need` bytes; contents are kept.
+// 0, or -1 (out of memory) with *buf and *cap unchanged.
+int  tb_reserve(uint8_t ** buf, size_t * cap, size_t need);
+
 // "version commit" of the ggml this process runs, for tb_hello.ggml_build.
 void tb_ggml_build(char * out, size_t len);
 
