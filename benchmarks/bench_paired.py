@@ -101,7 +101,7 @@ class Round:
 class Head:
     def __init__(self, runner: split.Runner, mode: str, endpoints: list[str], gguf: str, n_ctx: int,
                  log: Path) -> None:
-        cmd = [runner._python_for(mode), __file__, "head", "--mode", mode, "--endpoints", ",".join(endpoints),
+        cmd = [runner.python_for(mode), __file__, "head", "--mode", mode, "--endpoints", ",".join(endpoints),
                "--gguf", gguf, "--n-ctx", str(n_ctx)]
         self.log = log
         with log.open("wb") as err:
@@ -144,7 +144,7 @@ def run_round(runner: split.Runner, model: str, gguf: str, n_nodes: int, first: 
         for mode in order:
             config = split.Config(model, gguf, mode, n_nodes)
             endpoints = stack.enter_context(runner.servers(config))
-            heads[mode] = Head(runner, mode, endpoints, gguf, n_ctx, runner._log(f"{model}-{mode}{n_nodes}-head"))
+            heads[mode] = Head(runner, mode, endpoints, gguf, n_ctx, runner.new_log(f"{model}-{mode}{n_nodes}-head"))
             stack.callback(heads[mode].close)
         ms: dict[str, list[float]] = {m: [] for m in MODES}
         tokens: dict[str, list[int]] = {m: [] for m in MODES}

@@ -582,11 +582,11 @@ class Runner:
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self._log_seq = 0
 
-    def _log(self, name: str) -> Path:
+    def new_log(self, name: str) -> Path:
         self._log_seq += 1
         return self.log_dir / f"{self._log_seq:03d}-{name}.log"
 
-    def _python_for(self, mode: str) -> str:
+    def python_for(self, mode: str) -> str:
         if mode != "rpc":
             return self.python
         assert self.rpc_python is not None
@@ -603,8 +603,8 @@ class Runner:
                     cmd = [self.python, "-m", "tbrpc.cli", "node", "--port", endpoint.rsplit(":", 1)[1],
                            "--threads", "1", "--name", f"bench{i}"]
                 else:
-                    cmd = [self._python_for("rpc"), __file__, "rpc-server", "--endpoint", endpoint, "--threads", "1"]
-                log = self._log(f"{config.model}-{config.mode}{config.n_nodes}-server{i}")
+                    cmd = [self.python_for("rpc"), __file__, "rpc-server", "--endpoint", endpoint, "--threads", "1"]
+                log = self.new_log(f"{config.model}-{config.mode}{config.n_nodes}-server{i}")
                 with log.open("wb") as out:
                     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
                 procs.append(proc)
@@ -633,9 +633,9 @@ class Runner:
         with self.servers(config) as endpoints:
             spec = RunSpec(model=config.model, gguf=config.gguf, mode=config.mode, endpoints=endpoints,
                            proxy=proxy, n_gen=self.n_gen, n_ctx=self.n_ctx, repeats=self.repeats, prompt=PROMPT)
-            log = self._log(f"{config.model}-{config.mode}{config.n_nodes}-{'traffic' if proxy else 'timed'}")
+            log = self.new_log(f"{config.model}-{config.mode}{config.n_nodes}-{'traffic' if proxy else 'timed'}")
             with log.open("wb") as err:
-                proc = subprocess.run([self._python_for(config.mode), __file__, "worker", json.dumps(asdict(spec))],
+                proc = subprocess.run([self.python_for(config.mode), __file__, "worker", json.dumps(asdict(spec))],
                                       check=False, stdout=subprocess.PIPE, stderr=err, env=self.env, cwd=REPO,
                                       timeout=1800)
             for line in proc.stdout.decode(errors="replace").splitlines():
