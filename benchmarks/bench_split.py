@@ -365,32 +365,19 @@ def _tbrpc_traffic() -> tuple[Traffic, int]:
 
 @contextlib.contextmanager
 def _weight_repacking(enabled: bool) -> Iterator[None]:
-    """Turn off the CPU backend's weight repacking (llama_model_params.use_extra_bufts) for one Llama().
+    """Turn off the CPU backend's weight repacking for one Llama() unless `enabled`.
 
-    A head that computes locally repacks some weights (e.g. Q4_K to q4_K_8x8)
-    and multiplies them with different kernels than a node or RPC server,
-    which use the plain CPU buffer type. The sums round differently, so greedy
-    output can diverge after a few dozen tokens. "single-norepack" is the
-    one-process run with the same kernels as the remote modes.
-    Llama() has no parameter for it, so wrap the defaults it starts from.
+    "single-norepack" is the one-process run with the kernels the remote modes
+    use (plain CPU buffers, tbrpc/head_buffers.py); "single" keeps llama.cpp's
+    default repacking, which runs other kernels (and aborts on CPUs with AMX).
     """
-    import llama_cpp.llama_cpp as lib  # the module llama_cpp/llama.py calls llama_model_default_params on
-
     if enabled:
         yield
         return
-    original = lib.llama_model_default_params
+    from tbrpc.head_buffers import plain_cpu_buffers
 
-    def defaults() -> Any:
-        params = original()
-        params.use_extra_bufts = False
-        return params
-
-    lib.llama_model_default_params = defaults
-    try:
+    with plain_cpu_buffers():
         yield
-    finally:
-        lib.llama_model_default_params = original
 
 
 def run_worker(spec: RunSpec) -> RunResult:

@@ -116,6 +116,10 @@ class Cluster:
             bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies,
         )
 
+    def device_names(self) -> list[str]:
+        """The ggml names of this process's tbrpc devices (TBRPC0, ...)."""
+        return [self.info(i).device_name for i in range(len(self._endpoints))]
+
     def nodes(self) -> list[NodeInfo]:
         return [self.info(i) for i in range(len(self._endpoints))]
 
@@ -186,10 +190,14 @@ def _install_error_hooks(c: Cluster) -> None:
 
     ggml's backend interface has no error path for most calls; our C side
     marks the node failed and makes ggml's calls fail softly. These wrappers,
-    around the two entry points llama-cpp-python uses for loading and
-    decoding, turn that state into a Python exception.
+    around the entry points llama-cpp-python uses for loading, context
+    creation and decoding, turn that state into a Python exception. The load
+    wrapper also turns off the CPU's extra buffer types for a model that uses
+    tbrpc devices (why: tbrpc/head_buffers.py).
     """
     import llama_cpp.llama_cpp as llama_lib
+
+    from tbrpc.head_buffers import plain_cpu, uses_devices
 
     def wrap(name: str) -> None:
         original: Callable[..., Any] = getattr(llama_lib, name)
@@ -197,6 +205,8 @@ def _install_error_hooks(c: Cluster) -> None:
             return
 
         def checked(*args: Any) -> Any:
+            if name == "llama_model_load_from_file" and uses_devices(args[1], c.device_names()):
+                plain_cpu(args[1])   # extra buffer types abort split graphs on some CPUs (head_buffers.py)
             # Only failures of this call count: a node that failed under an
             # earlier model must not fail a later one that does not use it.
             before = c.failures()

@@ -18,19 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def single_process_params() -> None:
-    """Plain CPU buffers, like a node serves: CPU_REPACK would run other kernels."""
-    import llama_cpp.llama_cpp as lib
-
-    original = lib.llama_model_default_params
-
-    def params() -> Any:
-        p = original()
-        p.use_extra_bufts = False
-        return p
-
-    lib.llama_model_default_params = params
+from tests.reference import reference_llama  # noqa: E402  (after the path it needs)
 
 
 def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None,
@@ -69,13 +57,13 @@ def main(spec_path: str, out_path: str) -> None:
                                   verbose=False, seed=0)
     if nodes:
         tbrpc.connect(nodes, timeout=spec.get("timeout", 10.0))
-        kwargs.update(n_gpu_layers=-1, tensor_split=spec.get("tensor_split") or [1.0] * len(nodes))
+        kwargs.update(n_gpu_layers=spec.get("n_gpu_layers", -1),
+                      tensor_split=spec.get("tensor_split") or [1.0] * len(nodes))
     else:
-        single_process_params()
         kwargs.update(n_gpu_layers=0)
     try:
         t0 = time.time()
-        llm = llama_cpp.Llama(spec["model"], **kwargs)
+        llm = llama_cpp.Llama(spec["model"], **kwargs) if nodes else reference_llama(spec["model"], **kwargs)
         result["load_s"] = time.time() - t0
         if nodes:
             result["allocated_after_load"] = [tbrpc.cluster().status(i).bytes_allocated for i in range(len(nodes))]

@@ -83,12 +83,9 @@ def baseline(model: Path, prompt: str, max_tokens: int, n_ctx: int = 256, chat_f
     """Greedy completion (and chat, with chat_format) in one plain process with the kernels nodes use
     (use_extra_bufts=False)."""
     code = textwrap.dedent(f"""
-        import json, llama_cpp, llama_cpp.llama_cpp as lib
-        original = lib.llama_model_default_params
-        def params():
-            p = original(); p.use_extra_bufts = False; return p
-        lib.llama_model_default_params = params
-        llm = llama_cpp.Llama({str(model)!r}, n_ctx={n_ctx}, verbose=False, chat_format={chat_format!r})
+        import json
+        from tests.reference import reference_llama
+        llm = reference_llama({str(model)!r}, n_ctx={n_ctx}, verbose=False, chat_format={chat_format!r})
         out = llm.create_completion({prompt!r}, max_tokens={max_tokens}, temperature=0)
         result = {{"text": out["choices"][0]["text"], "usage": out["usage"]}}
         if {chat_format!r}:

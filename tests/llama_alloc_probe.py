@@ -47,7 +47,9 @@ def _log(level, text, user_data):
 
 llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
 llama_cpp.llama_backend_init()
-mp = llama_cpp.llama_model_default_params()
+# plain CPU buffers, as on a tbrpc head (tbrpc/head_buffers.py): the planner predicts those
+from tbrpc.head_buffers import plain_cpu
+mp = plain_cpu(llama_cpp.llama_model_default_params())
 mp.n_gpu_layers = args["n_gpu_layers"]
 mp.no_alloc = args["no_alloc"]
 if args["no_alloc"]:

@@ -22,6 +22,7 @@ from llama_cpp import Llama
 import models
 from models import gemma, tiny_deepseek2, tiny_llama
 from models._quant import quantize
+from tests.reference import reference_llama
 
 REPO = Path(__file__).resolve().parent.parent
 TINY: dict[str, ModuleType] = {"llama": tiny_llama, "deepseek2": tiny_deepseek2}
@@ -57,8 +58,8 @@ def any_path(request: pytest.FixtureRequest, tiny_dir: Path) -> Path:
 
 def load(path: Path, n_threads: int = 1, logits_all: bool = False) -> Llama:
     # Two cores on CI: never more than two threads.
-    return Llama(
-        str(path),
+    return reference_llama(
+        path,
         n_ctx=128,
         n_threads=n_threads,
         n_threads_batch=n_threads,
@@ -111,7 +112,7 @@ def test_tiny_completion_api(tiny_path: Path) -> None:
 
 
 def test_tokenizer_round_trips_ascii(tiny_path: Path) -> None:
-    llm = Llama(str(tiny_path), vocab_only=True, verbose=False)
+    llm = reference_llama(tiny_path, vocab_only=True, verbose=False)
     text = "".join(map(chr, range(32, 127))) + "\n\tHello world, the machines!"
     tokens = llm.tokenize(text.encode(), add_bos=False)
     assert llm.detokenize(tokens).decode() == text
