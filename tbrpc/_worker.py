@@ -1,7 +1,8 @@
 """A spawned node worker: serves one client of a ``tbrpc node`` in a fresh process.
 
-The node starts ``python -m tbrpc._worker <node options> --client-fd N
---status-fd N --parent-fd N --slot N --name NAME`` for each client when it
+The node starts this module (see ``tbrpc.node.worker_command``: an isolated
+interpreter told where the node's own tbrpc is) with ``<node options>
+--client-fd N --status-fd N --parent-fd N --slot N --name NAME`` for each client when it
 serves clients in spawned processes (``--isolation spawn``; the default on
 macOS, where Metal does not survive fork()). A request that makes ggml abort
 then ends this process only. Not meant to be run by hand.
@@ -18,7 +19,7 @@ from tbrpc.native import error_buffer, load, text
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tbrpc._worker")
+    parser = argparse.ArgumentParser(prog="tbrpc node worker")
     parser.add_argument("--host", default="")
     parser.add_argument("--device", default="")
     parser.add_argument("--threads", type=int, default=0)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tbrpc.client import NodeStatus, _status_from_c
@@ -19,6 +20,10 @@ from tbrpc.native import TbrpcError, error_buffer, load, text
 
 DEFAULT_PORT = 50052
 ISOLATION = {"auto": -1, "thread": 0, "process": 1, "spawn": 2}
+PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)   # the directory this tbrpc is imported from
+# argv[1] is PACKAGE_PARENT; the worker's own options follow it
+WORKER_BOOTSTRAP = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+                    "from tbrpc._worker import main; sys.exit(main())")
 
 
 @dataclass
@@ -36,8 +41,16 @@ class NodeConfig:
 
 
 def worker_command(config: NodeConfig, model_dirs: str) -> list[str]:
-    """How the node starts a spawned worker (tbrpc/_worker.py); the C side appends the descriptors."""
-    return [sys.executable, "-m", "tbrpc._worker", "--host", config.host, "--device", config.device or "",
+    """How the node starts a spawned worker (tbrpc/_worker.py); the C side appends the descriptors.
+
+    The worker must run the very tbrpc this node runs, whatever directory the
+    node was started from: ``python -m`` would put the working directory first
+    on ``sys.path``, where a source checkout's ``tbrpc`` (without its built
+    extension) would win. So the interpreter runs isolated (``-I``: no working
+    directory, no PYTHONPATH, no user site) and is told where this tbrpc is.
+    """
+    return [sys.executable, "-I", "-c", WORKER_BOOTSTRAP, PACKAGE_PARENT,
+            "--host", config.host, "--device", config.device or "",
             "--threads", str(config.threads), "--log-file", os.path.abspath(config.log_path) if config.log_path else "",
             "--timeout-ms", str(int(config.timeout * 1000)), "--model-dirs", model_dirs]
 

@@ -33,12 +33,15 @@ class NodeProcess:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def start_node(tmp_path: Path, *extra: str) -> NodeProcess:
-    """Start `tbrpc node` on a free port and wait until it listens."""
+def start_node(tmp_path: Path, *extra: str, cwd: Path = ROOT) -> NodeProcess:
+    """Start `tbrpc node` on a free port and wait until it listens.
+
+    The interpreter runs isolated (-I), as the installed `tbrpc` script does:
+    it imports the installed tbrpc, never one from the working directory."""
     log = tmp_path / f"node-{time.monotonic_ns()}.log"
     stderr = open(log, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1", *extra],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-I", "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1", *extra],
+                            cwd=cwd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     deadline = time.time() + 30
     while time.time() < deadline:
         m = re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))
@@ -56,8 +59,8 @@ def nodes(tmp_path: Path) -> Iterator[Any]:
     """Factory: nodes(n) starts n node processes, all stopped (and checked gone) after the test."""
     started: list[NodeProcess] = []
 
-    def factory(n: int, *extra: str) -> list[NodeProcess]:
-        new = [start_node(tmp_path, *extra) for _ in range(n)]
+    def factory(n: int, *extra: str, cwd: Path = ROOT) -> list[NodeProcess]:
+        new = [start_node(tmp_path, *extra, cwd=cwd) for _ in range(n)]
         started.extend(new)
         return new
 

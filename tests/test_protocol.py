@@ -374,7 +374,7 @@ def test_a_spawned_worker_does_not_outlive_its_node(nodes: Any) -> None:
     w.alloc(1 << 20)
     (worker,) = _workers(node)
     cmdline = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
-    assert b"tbrpc._worker" in cmdline
+    assert any(b"tbrpc._worker" in arg for arg in cmdline), cmdline
     inherited = sorted(int(fd.name) for fd in Path(f"/proc/{worker}/fd").iterdir())
     named = {int(cmdline[cmdline.index(flag) + 1]) for flag in (b"--client-fd", b"--status-fd", b"--parent-fd")}
     assert named <= set(inherited)
@@ -484,3 +484,22 @@ def test_load_from_file_checks_ids_and_ranges(nodes: Any, tmp_path: Path) -> Non
     w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=10, size=4096, file_id=1,
                                            file_offset=0))
     assert w.sync_error() == ""
+
+
+def test_a_spawned_worker_imports_its_nodes_tbrpc(nodes: Any, tmp_path: Path) -> None:
+    """A node started from a directory holding another tbrpc (a source
+    checkout without its built extension) must not hand its clients to that
+    tbrpc's worker: the worker imports exactly the package the node runs."""
+    decoy = tmp_path / "checkout"
+    (decoy / "tbrpc").mkdir(parents=True)
+    marker = tmp_path / "decoy-ran"
+    (decoy / "tbrpc" / "__init__.py").write_text("")
+    (decoy / "tbrpc" / "_worker.py").write_text(
+        f"import pathlib, sys\npathlib.Path({str(marker)!r}).write_text('x')\nsys.exit(3)\n")
+    node = nodes(1, "--isolation", "spawn", cwd=decoy)[0]
+    w = ready(node)
+    handle = w.alloc(4096)
+    w.send(lib.TB_CMD_SET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=4) + b"abcd")
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=4))
+    assert w.reply() == (0, b"abcd")
+    assert not marker.exists()
