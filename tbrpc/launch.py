@@ -226,7 +226,7 @@ def _start_hint(spec: NodeSpec, log: str) -> str:
     where = "this machine" if spec.start == "local" else spec.ssh_destination()
     if "No module named 'tbrpc._native'" in log:
         return (f"tbrpc's C library is not built for {python} on {where}: reinstall tbrpc there "
-                "(pip install --no-build-isolation tbrpc, or `make setup` in a checkout)")
+                "(pip install tbrpc, or `make setup` in a checkout)")
     if "No module named" in log:
         return (f"tbrpc is not importable by {python} on {where}: install tbrpc there, "
                 "or set `python = \"/path/to/venv/bin/python\"` for this node in the cluster file")

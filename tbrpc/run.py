@@ -23,7 +23,7 @@ from tbrpc.gguf_model import GGUFError, load_gguf
 from tbrpc.launch import LaunchError, Nodes, start_nodes
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster
 from tbrpc.native import TbrpcError
-from tbrpc.serve import chat, complete_once, listen, serve_http
+from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
 from tbrpc.status import launch_record
 from tbrpc.units import format_size
 
@@ -151,6 +151,8 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             except GGUFError as exc:
                 raise TbrpcError(f"step plan: {exc}\n  try: --gguf must be a GGUF model "
                                  "(for a split set, its first shard)") from exc
+            if opts.prompt is None and not opts.chat:
+                require_server()
             step = "start"
             say(f"{len(specs)} node(s); node logs in {log_dir}")
             nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say, head_model=opts.gguf)

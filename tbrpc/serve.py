@@ -17,27 +17,34 @@ from typing import Any, TextIO
 
 import llama_cpp
 
-from tbrpc.native import TbrpcError
+from tbrpc.native import SUPPORTED_LLAMA_CPP_PYTHON, TbrpcError
 
 
 class ServeError(TbrpcError):
     """The HTTP server could not start, or stopped because a node failed."""
 
 
-def _missing_server_extra(exc: ImportError) -> ServeError:
-    return ServeError(f"step serve: the HTTP API needs llama-cpp-python's server extra ({exc.name} is missing)\n"
-                      "  try: pip install 'tbrpc[server]' (or: pip install fastapi uvicorn sse-starlette "
-                      "starlette-context pydantic-settings), or use --prompt / --chat")
+def require_server() -> None:
+    """Raise ServeError naming the missing piece if the HTTP API cannot be served here.
+
+    The API's packages are dependencies of tbrpc, so this fails only in an
+    environment changed after install; `tbrpc launch` asks before it starts
+    a node or reads a byte of the model."""
+    try:
+        import llama_cpp.server.app  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ServeError(f"step serve: the HTTP API needs llama-cpp-python's server extra ({exc.name} is missing)\n"
+                         f"  try: pip install 'llama-cpp-python[server]=={SUPPORTED_LLAMA_CPP_PYTHON}', "
+                         "or use --prompt / --chat") from exc
 
 
 def make_app(llm: llama_cpp.Llama, alias: str, api_key: str | None = None) -> Any:
     """llama-cpp-python's FastAPI app, serving `llm` as model `alias`."""
-    try:
-        import llama_cpp.server.app as app_module
-        from llama_cpp.server.model import LlamaProxy
-        from llama_cpp.server.settings import ModelSettings, ServerSettings
-    except ImportError as exc:
-        raise _missing_server_extra(exc) from exc
+    require_server()
+    import llama_cpp.server.app as app_module
+    from llama_cpp.server.model import LlamaProxy
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     settings = ModelSettings(model=str(llm.model_path), model_alias=alias)
 
@@ -84,11 +91,9 @@ def listen(host: str, port: int) -> socket.socket:
 def serve_http(llm: llama_cpp.Llama, sock: socket.socket, alias: str, failure: Callable[[], str | None],
                api_key: str | None = None, log_level: str = "warning") -> str | None:
     """Serve until SIGINT/SIGTERM (returns None) or until `failure()` reports a failed node (returns it)."""
-    try:
-        import uvicorn
-    except ImportError as exc:
-        raise _missing_server_extra(exc) from exc
     app = make_app(llm, alias, api_key)
+    import uvicorn
+
     # A stop does not wait for long streams to finish: 3 s, then open requests are cut.
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3))
     failed: list[str] = []

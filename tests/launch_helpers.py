@@ -145,7 +145,8 @@ class Launch:
         return node_pids(self.log_dir)
 
 
-def start_launch(tmp_path: Path, *args: str, stdin_text: str | None = None) -> Launch:
+def start_launch(tmp_path: Path, *args: str, stdin_text: str | None = None, shadow: Path | None = None) -> Launch:
+    """`tbrpc launch ARGS` in the background; `shadow` is a directory put first on its PYTHONPATH."""
     log_dir = tmp_path / f"logs-{time.monotonic_ns()}"
     stdout_path = tmp_path / f"stdout-{time.monotonic_ns()}.txt"
     out = open(stdout_path, "w")
@@ -155,7 +156,7 @@ def start_launch(tmp_path: Path, *args: str, stdin_text: str | None = None) -> L
         stdin.write(stdin_text)
         stdin.seek(0)
     proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "launch", "--log-dir", str(log_dir), *args],
-                            cwd=tmp_path, env=ENV, stdin=stdin, stdout=out, stderr=subprocess.PIPE,
+                            cwd=tmp_path, env=_shadowed(shadow) if shadow else ENV, stdin=stdin, stdout=out, stderr=subprocess.PIPE,
                             text=True)
     out.close()
     launch = Launch(proc, log_dir, stdout_path)
@@ -167,6 +168,10 @@ def start_launch(tmp_path: Path, *args: str, stdin_text: str | None = None) -> L
 
     threading.Thread(target=pump, daemon=True).start()
     return launch
+
+
+def _shadowed(first: Path) -> dict[str, str]:
+    return {**ENV, "PYTHONPATH": os.pathsep.join((str(first), ENV["PYTHONPATH"]))}
 
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> Any:

@@ -205,6 +205,18 @@ def test_not_a_model_starts_nothing(tmp_path: Path) -> None:
     assert "starting" not in launch.stderr and not launch.node_pids()
 
 
+def test_missing_http_server_package_starts_nothing(tmp_path: Path) -> None:
+    """Serving is the main job: a broken environment is named before a node starts or the model is read."""
+    shadow = tmp_path / "shadow" / "uvicorn"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'uvicorn'\", name='uvicorn')\n")
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--port", "0",
+                          shadow=shadow.parent)
+    assert launch.finish() == 1, launch.stderr
+    assert "(uvicorn is missing)" in launch.stderr and "pip install 'llama-cpp-python[server]==0.3.36'" in launch.stderr
+    assert "node(s)" not in launch.stderr and not launch.node_pids()
+
+
 def test_unreachable_manual_node_names_node_and_step(tmp_path: Path) -> None:
     cluster = tmp_path / "c.toml"
     cluster.write_text('[[node]]\nname = "far"\nhost = "127.0.0.1"\nport = 1\nmemory = "8GiB"\nstart = "manual"\n')

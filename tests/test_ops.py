@@ -17,7 +17,7 @@ CASES = ["set_get_odd", "memset_clear", "copy_and_views", "ops", "many_nodes", "
 
 @pytest.fixture(scope="module")
 def op_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    include, lib = llama_cpp_paths()
+    include, lib, _ = llama_cpp_paths()
     exe = tmp_path_factory.mktemp("c") / "op_tests"
     link = ["-l:libggml.so.0", "-l:libggml-base.so.0"] if sys.platform != "darwin" else ["-lggml", "-lggml-base"]
     cmd = ["cc", "-std=gnu11", "-O2", "-Wall", "-Werror", "-Wno-unused-parameter", "-Wno-format-truncation",
