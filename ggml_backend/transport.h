@@ -13,8 +13,9 @@
 // registered frames, SEND/RECV only) and shared memory fit the same shape:
 // send copies into the current frame, flush posts it, recv consumes frames.
 //
-// Errors: every call returns 0 on success and -1 on failure, with a
-// human-readable reason in t->error (which names the peer).
+// Errors: every call returns 0 on success and -1 on failure, with a kind in
+// t->error_kind (enum tb_io_error: what a caller may act on) and a reason in
+// t->error that names the peer (what a person reads).
 #pragma once
 
 #include <stddef.h>
@@ -25,6 +26,14 @@ extern "C" {
 #endif
 
 struct tb_transport;
+
+enum tb_io_error {
+    TB_IO_OK = 0,
+    TB_IO_CLOSED,    // the peer closed the connection, or its process is gone
+    TB_IO_TIMEOUT,   // no progress within timeout_ms
+    TB_IO_REFUSED,   // nothing to connect to: refused, unreachable, unknown host
+    TB_IO_BROKEN,    // an I/O error, or bytes that break the wire's rules (a lost or forged frame)
+};
 
 struct tb_transport_ops {
     const char * name;
@@ -41,10 +50,17 @@ struct tb_transport {
     int      timeout_ms;      // recv/send give up after this long without progress; <= 0 waits forever
     char     peer[96];        // "host:port" of the other side, for messages
     char     error[256];      // reason of the last failure
+    int      error_kind;      // enum tb_io_error of the last failure
+    char     describe[96];    // what carries the bytes, and why: "tcp", "shm 16x64K", "tcp: TBRPC_TRANSPORT=tcp"
     uint64_t bytes_sent;
     uint64_t bytes_received;
     uint64_t flushes;         // number of flushes that actually sent bytes
 };
+
+// Record a failure of t (kind and reason); returns -1 for `return tb_fail(...)`.
+int tb_fail(struct tb_transport * t, int kind, const char * fmt, ...) __attribute__((format(printf, 3, 4)));
+const char * tb_io_error_name(int kind);
+int64_t tb_now_ms(void);   // a monotonic clock, for deadlines
 
 static inline int  tb_send (struct tb_transport * t, const void * d, size_t n) { return t->ops->send(t, d, n); }
 static inline int  tb_flush(struct tb_transport * t)                          { return t->ops->flush(t); }
@@ -64,6 +80,28 @@ int tb_tcp_bound_port(int listen_fd);
 
 // Wrap an accepted connection fd. Takes ownership of fd.
 struct tb_transport * tb_tcp_from_fd(int fd, int timeout_ms);
+
+// The socket under a TCP transport (a shared-memory ring keeps it as doorbell and liveness).
+int tb_tcp_fd(struct tb_transport * t);
+
+// --- Shared memory (transport/shm.c) -----------------------------------------
+// A ring of frames (transport/ring.h) in a segment the node creates and the
+// head attaches to; the TCP connection they negotiated it over stays open as
+// doorbell and liveness. The offer travels in the protocol's UPGRADE reply.
+#define TB_SHM_NAME_LEN 32
+struct tb_shm_offer {
+    uint32_t slots;
+    uint32_t stride;
+    uint8_t  nonce[16];
+    char     name[TB_SHM_NAME_LEN];
+};
+struct tb_shm;   // a mapped segment, not yet a transport
+struct tb_shm * tb_shm_create(uint32_t slots, uint32_t stride, struct tb_shm_offer * offer, char * err, size_t err_len);
+struct tb_shm * tb_shm_attach(const struct tb_shm_offer * offer, char * err, size_t err_len);
+void tb_shm_discard(struct tb_shm * s);   // unmap (and unlink, on the creating side)
+// One transport from an attached segment and its TCP connection (owns both,
+// also on failure). The creator's name is unlinked here.
+struct tb_transport * tb_shm_transport(struct tb_shm * s, struct tb_transport * tcp, char * err, size_t err_len);
 
 // Split "host:port" (or "[v6]:port") into parts. Returns 0 or -1 with err.
 int tb_parse_endpoint(const char * endpoint, char * host, size_t host_len, int * port, char * err, size_t err_len);

@@ -27,7 +27,10 @@ from cffi import FFI
 
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "ggml_backend"
-C_SOURCES = ["proto.c", "client.c", "client_node.c", "node.c", "node_session.c", "model_file.c", "transport/tcp.c"]
+TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "transport/shm.c"]
+# shm_open lives in librt on C libraries older than glibc 2.34
+SYSTEM_LIBS = ["-pthread"] + (["-lrt"] if sys.platform.startswith("linux") else [])
+C_SOURCES = ["proto.c", "client.c", "client_node.c", "node.c", "node_session.c", "model_file.c", *TRANSPORT_SOURCES]
 
 CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;
@@ -129,7 +132,7 @@ def make_ffi() -> FFI:
         sources=[f"ggml_backend/{s}" for s in C_SOURCES],
         include_dirs=[str(C_DIR), str(include)],
         extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-format-truncation", "-pthread"],
-        extra_link_args=link + ["-pthread"],
+        extra_link_args=link + SYSTEM_LIBS,
     )
     return ffi
 

@@ -31,12 +31,6 @@ struct tcp_transport {
     uint8_t wbuf[TCP_WBUF_SIZE];
 };
 
-static int64_t now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 // Wait until fd is readable/writable. Returns 1 ready, 0 timeout, -1 error.
 static int wait_fd(int fd, short events, int timeout_ms) {
     struct pollfd p = { .fd = fd, .events = events };
@@ -55,13 +49,12 @@ static int write_all(struct tcp_transport * t, const uint8_t * p, size_t n) {
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
             int w = wait_fd(t->fd, POLLOUT, t->base.timeout_ms);
             if (w == 0) {
-                snprintf(t->base.error, sizeof t->base.error, "%s: send timed out after %d ms", t->base.peer, t->base.timeout_ms);
-                return -1;
+                return tb_fail(&t->base, TB_IO_TIMEOUT, "%s: send timed out after %d ms", t->base.peer, t->base.timeout_ms);
             }
             if (w > 0) continue;
         }
-        snprintf(t->base.error, sizeof t->base.error, "%s: send failed: %s", t->base.peer, k == 0 ? "connection closed" : strerror(errno));
-        return -1;
+        int kind = k == 0 || errno == EPIPE || errno == ECONNRESET ? TB_IO_CLOSED : TB_IO_BROKEN;
+        return tb_fail(&t->base, kind, "%s: send failed: %s", t->base.peer, k == 0 ? "connection closed" : strerror(errno));
     }
     return 0;
 }
@@ -97,19 +90,13 @@ static int tcp_recv(struct tb_transport * base, void * data, size_t len) {
     uint8_t * p = data;
     while (len > 0) {
         int w = wait_fd(t->fd, POLLIN, base->timeout_ms);
-        if (w == 0) {
-            snprintf(base->error, sizeof base->error, "%s: no answer within %d ms", base->peer, base->timeout_ms);
-            return -1;
-        }
-        if (w < 0) {
-            snprintf(base->error, sizeof base->error, "%s: poll failed: %s", base->peer, strerror(errno));
-            return -1;
-        }
+        if (w == 0) return tb_fail(base, TB_IO_TIMEOUT, "%s: no answer within %d ms", base->peer, base->timeout_ms);
+        if (w < 0) return tb_fail(base, TB_IO_BROKEN, "%s: poll failed: %s", base->peer, strerror(errno));
         ssize_t k = recv(t->fd, p, len, 0);
         if (k > 0) { p += k; len -= (size_t) k; base->bytes_received += (uint64_t) k; continue; }
         if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-        snprintf(base->error, sizeof base->error, "%s: %s", base->peer, k == 0 ? "connection closed by peer" : strerror(errno));
-        return -1;
+        int kind = k == 0 || errno == ECONNRESET ? TB_IO_CLOSED : TB_IO_BROKEN;
+        return tb_fail(base, kind, "%s: %s", base->peer, k == 0 ? "connection closed by peer" : strerror(errno));
     }
     return 0;
 }
@@ -119,8 +106,8 @@ static int tcp_poll(struct tb_transport * base, int timeout_ms) {
     struct pollfd p = { .fd = t->fd, .events = POLLIN };
     int rc;
     do { rc = poll(&p, 1, timeout_ms); } while (rc < 0 && errno == EINTR);
-    if (rc < 0) snprintf(base->error, sizeof base->error, "%s: poll failed: %s", base->peer, strerror(errno));
-    return rc < 0 ? -1 : (rc > 0 ? 1 : 0);
+    if (rc < 0) return tb_fail(base, TB_IO_BROKEN, "%s: poll failed: %s", base->peer, strerror(errno));
+    return rc > 0 ? 1 : 0;
 }
 
 static void tcp_close(struct tb_transport * base) {
@@ -155,12 +142,17 @@ static void describe_peer(int fd, char * out, size_t out_len) {
     snprintf(out, out_len, "%s:%s", host, port);
 }
 
+int tb_tcp_fd(struct tb_transport * base) {
+    return ((struct tcp_transport *) base)->fd;
+}
+
 struct tb_transport * tb_tcp_from_fd(int fd, int timeout_ms) {
     struct tcp_transport * t = calloc(1, sizeof *t);
     if (!t) { close(fd); return NULL; }
     t->base.ops = &tcp_ops;
     t->base.timeout_ms = timeout_ms;
     t->fd = fd;
+    snprintf(t->base.describe, sizeof t->base.describe, "tcp");
     set_socket_options(fd);
     describe_peer(fd, t->base.peer, sizeof t->base.peer);
     return &t->base;
@@ -196,12 +188,12 @@ struct tb_transport * tb_tcp_connect(const char * host, int port, int timeout_ms
         snprintf(err, err_len, "%s:%d: cannot resolve host: %s", host, port, gai_strerror(gai));
         return NULL;
     }
-    int64_t deadline = now_ms() + timeout_ms;
+    int64_t deadline = tb_now_ms() + timeout_ms;
     int last_errno = 0;
     for (struct addrinfo * ai = res; ai; ai = ai->ai_next) {
         int fd = cloexec_socket(ai);
         if (fd < 0) { last_errno = errno; continue; }
-        int left = (int) (deadline - now_ms());
+        int left = (int) (deadline - tb_now_ms());
         if (connect_with_timeout(fd, ai->ai_addr, ai->ai_addrlen, left > 0 ? left : 1) == 0) {
             freeaddrinfo(res);
             struct tb_transport * t = tb_tcp_from_fd(fd, timeout_ms);

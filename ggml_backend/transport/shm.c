@@ -1,0 +1,285 @@
+// transport/shm.c - the ring (ring.h) over a shared-memory segment, for a
+// head and a node (or two nodes) on one host.
+//
+// The node creates the segment (shm_open, mode 0600, a random name and a
+// random nonce written inside), the head attaches by name and checks the
+// nonce and the size, then the node unlinks the name: from then on no other
+// process can open it. Layout: a 4 KiB control page, then the node-to-head
+// slots, then the head-to-node slots.
+//
+// Frames are written straight into the receiver's slot; the header's seq is
+// stored last with release order, so a reader that sees the seq it expects
+// (acquire) sees the whole frame. Waiting spins briefly, then sleeps in
+// poll() on the TCP connection the segment was negotiated over: a sleeper
+// raises its flag in the control page, and a writer that sees the flag sends
+// one byte over TCP. The same poll() sees end of file the moment the peer
+// process dies, so a crash is noticed as fast as over TCP, and an idle
+// connection costs no CPU.
+#include "ring.h"
+
+#include <errno.h>
+#include <stddef.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define SHM_MAGIC     0x314d485342525442ull   // "TBRPCSHM1" folded: version 1 of this layout
+#define CONTROL_BYTES 4096u
+#define SPIN_CHECKS   2000                    // about 20-50 µs of checking before sleeping
+
+struct shm_control {
+    uint64_t magic;
+    uint8_t  nonce[16];
+    uint32_t slots, stride;
+    _Alignas(64) _Atomic uint32_t sleeping[2];   // [side]: that side sleeps in poll() and wants a doorbell
+};
+
+struct tb_shm {
+    uint8_t * base;
+    size_t    size;
+    uint32_t  slots, stride;   // ours: the copies in the control page are the peer's to scribble on
+    int       side;            // 0: creator (node), 1: attacher (head)
+    char      name[TB_SHM_NAME_LEN];
+    int       named;           // the name still exists (creator only)
+};
+
+struct shm_transport {
+    struct tb_ring ring;       // must be first
+    struct tb_shm  shm;
+    struct tb_transport * tcp; // doorbell and liveness
+    int       fd;              // its socket
+};
+
+static size_t segment_size(uint32_t slots, uint32_t stride) {
+    return CONTROL_BYTES + 2 * (size_t) slots * stride;
+}
+
+static struct shm_control * control(const struct tb_shm * s) { return (struct shm_control *) s->base; }
+
+// The slots `side` receives in.
+static uint8_t * slots_of(const struct tb_shm * s, int side) {
+    return s->base + CONTROL_BYTES + (size_t) side * s->slots * s->stride;
+}
+
+static int random_bytes(void * out, size_t len) {
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t k = read(fd, out, len);
+    close(fd);
+    return k == (ssize_t) len ? 0 : -1;
+}
+
+static int map_fd(struct tb_shm * s, int fd, size_t size, char * err, size_t err_len) {
+    void * p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        snprintf(err, err_len, "cannot map shared memory %s: %s", s->name, strerror(errno));
+        return -1;
+    }
+    s->base = p;
+    s->size = size;
+    return 0;
+}
+
+struct tb_shm * tb_shm_create(uint32_t slots, uint32_t stride, struct tb_shm_offer * offer, char * err, size_t err_len) {
+    if (!tb_ring_geometry_ok(slots, stride)) {
+        snprintf(err, err_len, "no shared-memory ring of %u slots of %u bytes", slots, stride);
+        return NULL;
+    }
+    struct tb_shm * s = calloc(1, sizeof *s);
+    uint8_t id[8];
+    if (!s || random_bytes(id, sizeof id) != 0 || random_bytes(offer->nonce, sizeof offer->nonce) != 0) {
+        snprintf(err, err_len, "cannot make a shared-memory name: %s", s ? "no /dev/urandom" : "out of memory");
+        free(s);
+        return NULL;
+    }
+    snprintf(s->name, sizeof s->name, "/tbrpc-%02x%02x%02x%02x%02x%02x%02x%02x",
+             id[0], id[1], id[2], id[3], id[4], id[5], id[6], id[7]);
+    int fd = shm_open(s->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) {
+        snprintf(err, err_len, "cannot create shared memory %s: %s", s->name, strerror(errno));
+        free(s);
+        return NULL;
+    }
+    s->named = 1;
+    size_t size = segment_size(slots, stride);
+    if (ftruncate(fd, (off_t) size) != 0) {
+        snprintf(err, err_len, "cannot size shared memory %s to %zu bytes: %s", s->name, size, strerror(errno));
+        close(fd);
+        tb_shm_discard(s);
+        return NULL;
+    }
+    if (map_fd(s, fd, size, err, err_len) != 0) { tb_shm_discard(s); return NULL; }
+    struct shm_control * c = control(s);
+    memcpy(c->nonce, offer->nonce, sizeof c->nonce);
+    c->slots = slots;
+    c->stride = stride;
+    c->magic = SHM_MAGIC;
+    s->slots = slots;
+    s->stride = stride;
+    offer->slots = slots;
+    offer->stride = stride;
+    snprintf(offer->name, sizeof offer->name, "%s", s->name);
+    return s;
+}
+
+struct tb_shm * tb_shm_attach(const struct tb_shm_offer * offer, char * err, size_t err_len) {
+    if (!tb_ring_geometry_ok(offer->slots, offer->stride) || strncmp(offer->name, "/tbrpc-", 7) != 0 ||
+        memchr(offer->name, '\0', sizeof offer->name) == NULL) {
+        snprintf(err, err_len, "the node offered a shared-memory ring that is not ours");
+        return NULL;
+    }
+    struct tb_shm * s = calloc(1, sizeof *s);
+    if (!s) { snprintf(err, err_len, "out of memory"); return NULL; }
+    s->side = 1;
+    snprintf(s->name, sizeof s->name, "%s", offer->name);
+    int fd = shm_open(s->name, O_RDWR, 0);
+    if (fd < 0) {
+        snprintf(err, err_len, errno == ENOENT ? "the node is on another host (no shared memory %s here)"
+                                               : "cannot open shared memory %s: %s", s->name, strerror(errno));
+        free(s);
+        return NULL;
+    }
+    struct stat st;
+    size_t size = segment_size(offer->slots, offer->stride);
+    if (fstat(fd, &st) != 0 || (size_t) st.st_size != size) {
+        snprintf(err, err_len, "shared memory %s is not %zu bytes", s->name, size);
+        close(fd);
+        free(s);
+        return NULL;
+    }
+    if (map_fd(s, fd, size, err, err_len) != 0) { free(s); return NULL; }
+    const struct shm_control * c = control(s);
+    if (c->magic != SHM_MAGIC || memcmp(c->nonce, offer->nonce, sizeof c->nonce) != 0 ||
+        c->slots != offer->slots || c->stride != offer->stride) {
+        snprintf(err, err_len, "shared memory %s is not the one the node offered", s->name);
+        tb_shm_discard(s);
+        return NULL;
+    }
+    s->slots = offer->slots;
+    s->stride = offer->stride;
+    return s;
+}
+
+void tb_shm_discard(struct tb_shm * s) {
+    if (!s) return;
+    if (s->named) shm_unlink(s->name);
+    if (s->base) munmap(s->base, s->size);
+    free(s);
+}
+
+// --- the wire ------------------------------------------------------------------
+
+static struct shm_transport * of(struct tb_ring * r) { return (struct shm_transport *) r; }
+
+static uint8_t * shm_tx_frame(struct tb_ring * r, uint32_t seq) {
+    struct tb_shm * s = &of(r)->shm;
+    return slots_of(s, 1 - s->side) + (size_t) (seq % r->slots) * r->stride;
+}
+
+static const uint8_t * shm_rx_frame(struct tb_ring * r, uint32_t seq, int * broken) {
+    struct tb_shm * s = &of(r)->shm;
+    const uint8_t * f = slots_of(s, s->side) + (size_t) (seq % r->slots) * r->stride;
+    const _Atomic uint32_t * at = (const _Atomic uint32_t *) (f + offsetof(struct tb_frame_header, seq));
+    *broken = 0;
+    return atomic_load_explicit(at, memory_order_acquire) == seq ? f : NULL;
+}
+
+static int shm_post(struct tb_ring * r, uint32_t seq) {
+    struct shm_transport * t = of(r);
+    uint8_t * f = shm_tx_frame(r, seq);
+    atomic_store_explicit((_Atomic uint32_t *) (f + offsetof(struct tb_frame_header, seq)), seq, memory_order_release);
+    atomic_thread_fence(memory_order_seq_cst);   // pairs with the sleeper's: it sees the frame or we see its flag
+    if (atomic_load_explicit(&control(&t->shm)->sleeping[1 - t->shm.side], memory_order_relaxed)) {
+        char bell = 'b';
+        ssize_t k;
+        do { k = send(t->fd, &bell, 1, MSG_DONTWAIT); } while (k < 0 && errno == EINTR);
+        // EAGAIN: the socket is full of doorbells already; any other failure shows up as end of file to the waiter
+    }
+    return 0;
+}
+
+static int shm_release(struct tb_ring * r, uint32_t seq) {
+    (void) r; (void) seq;   // the slot is free once the peer gets the credit back
+    return 0;
+}
+
+// Empty the socket of doorbells; -1 if the peer closed it.
+static int drain(struct shm_transport * t) {
+    char buf[64];
+    for (;;) {
+        ssize_t k = recv(t->fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (k > 0) continue;
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+        return tb_fail(&t->ring.base, TB_IO_CLOSED, "%s: %s", t->ring.base.peer,
+                       k == 0 ? "connection closed by peer" : strerror(errno));
+    }
+}
+
+static int shm_wait(struct tb_ring * r, uint32_t seq, int timeout_ms) {
+    struct shm_transport * t = of(r);
+    int broken;
+    for (int i = 0; i < SPIN_CHECKS; i++) {
+        if (shm_rx_frame(r, seq, &broken)) return 0;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+#endif
+    }
+    _Atomic uint32_t * mine = &control(&t->shm)->sleeping[t->shm.side];
+    atomic_store_explicit(mine, 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_seq_cst);
+    int rc = 0;
+    if (!shm_rx_frame(r, seq, &broken)) {
+        struct pollfd p = { .fd = t->fd, .events = POLLIN };
+        int k;
+        do { k = poll(&p, 1, timeout_ms); } while (k < 0 && errno == EINTR);
+        if (k < 0) rc = tb_fail(&r->base, TB_IO_BROKEN, "%s: poll failed: %s", r->base.peer, strerror(errno));
+        else if (k > 0) rc = drain(t);
+    }
+    atomic_store_explicit(mine, 0, memory_order_relaxed);
+    return rc;
+}
+
+static void shm_free(struct tb_ring * r) {
+    struct shm_transport * t = of(r);
+    tb_ring_destroy(r);
+    if (t->shm.base) munmap(t->shm.base, t->shm.size);
+    tb_close(t->tcp);
+    free(t);
+}
+
+static const struct tb_ring_wire shm_wire = {
+    .name = "shm", .tx_frame = shm_tx_frame, .post = shm_post, .rx_frame = shm_rx_frame,
+    .release = shm_release, .wait = shm_wait, .free = shm_free,
+};
+
+struct tb_transport * tb_shm_transport(struct tb_shm * s, struct tb_transport * tcp, char * err, size_t err_len) {
+    struct shm_transport * t = calloc(1, sizeof *t);
+    if (!t || !tb_ring_init(&t->ring, &shm_wire, s->slots, s->stride, tcp->timeout_ms, tcp->peer)) {
+        snprintf(err, err_len, "out of memory for a shared-memory ring");
+        free(t);
+        tb_shm_discard(s);
+        tb_close(tcp);
+        return NULL;
+    }
+    if (s->named) shm_unlink(s->name);   // attached: nobody else may open it now
+    t->shm = *s;
+    t->shm.named = 0;
+    free(s);
+    t->tcp = tcp;
+    t->fd = tb_tcp_fd(tcp);
+    t->ring.base.bytes_sent = tcp->bytes_sent;
+    t->ring.base.bytes_received = tcp->bytes_received;
+    snprintf(t->ring.base.describe, sizeof t->ring.base.describe, "shm %ux%uK", t->shm.slots, t->shm.stride / 1024);
+    return &t->ring.base;
+}

@@ -1,0 +1,268 @@
+// ring_tests.c - the frame ring (transport/ring.c) over shared memory
+// (transport/shm.c), between two real processes. One case per run:
+//   ring_tests CASE    prints "PASS CASE" and exits 0, or says what failed.
+// The doorbell/liveness socket is a socketpair standing in for the TCP
+// connection the ring is negotiated over.
+#include "transport.h"
+#include "transport/ring.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+    fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } } while (0)
+
+struct pair { struct tb_transport * mine; pid_t child; };
+
+// Fork; each side gets its end of a ring of `slots` x `stride`. The child runs
+// `child_fn` on its end and exits with its return value.
+static struct pair make_pair(uint32_t slots, uint32_t stride, int timeout_ms, int (*child_fn)(struct tb_transport *)) {
+    int sv[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair: %s", strerror(errno));
+    char err[256];
+    struct tb_shm_offer offer;
+    struct tb_shm * seg = tb_shm_create(slots, stride, &offer, err, sizeof err);
+    CHECK(seg, "create: %s", err);
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) {
+        close(sv[0]);
+        struct tb_shm * mine = tb_shm_attach(&offer, err, sizeof err);
+        CHECK(mine, "attach: %s", err);
+        CHECK(write(sv[1], "a", 1) == 1, "confirm");   // as the head confirms over TCP
+        struct tb_transport * t = tb_shm_transport(mine, tb_tcp_from_fd(sv[1], timeout_ms), err, sizeof err);
+        CHECK(t, "child transport: %s", err);
+        snprintf(t->peer, sizeof t->peer, "parent");
+        int rc = child_fn(t);
+        tb_close(t);
+        _exit(rc);
+    }
+    close(sv[1]);
+    char confirm;   // the creator keeps the name until the attacher confirms
+    CHECK(read(sv[0], &confirm, 1) == 1, "no confirmation");
+    struct tb_transport * t = tb_shm_transport(seg, tb_tcp_from_fd(sv[0], timeout_ms), err, sizeof err);
+    CHECK(t, "parent transport: %s", err);
+    snprintf(t->peer, sizeof t->peer, "child");
+    return (struct pair) { t, pid };
+}
+
+static int child_status(pid_t pid) {
+    int st = 0;
+    CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static uint8_t pattern(uint64_t i, uint32_t salt) { return (uint8_t) ((i * 2654435761u) >> 13 ^ salt); }
+
+// --- cases ------------------------------------------------------------------------
+
+#define STREAM_BYTES (6u << 20)   // many times the ring, both ways at once
+
+struct stream { struct tb_transport * t; uint32_t salt; int rc; };
+
+// Send STREAM_BYTES in odd chunk sizes, flushing after each.
+static void * stream_out(void * arg) {
+    struct stream * s = arg;
+    static _Thread_local uint8_t buf[70000];
+    uint32_t step = 1;
+    for (uint64_t sent = 0; sent < STREAM_BYTES; step++) {
+        uint32_t n = (step * 7919u) % sizeof buf + 1;
+        if (n > STREAM_BYTES - sent) n = (uint32_t) (STREAM_BYTES - sent);
+        for (uint32_t i = 0; i < n; i++) buf[i] = pattern(sent + i, s->salt);
+        if (tb_send(s->t, buf, n) != 0 || tb_flush(s->t) != 0) { fprintf(stderr, "send: %s\n", s->t->error); s->rc = 2; return NULL; }
+        sent += n;
+    }
+    return NULL;
+}
+
+// Receive STREAM_BYTES in other odd chunk sizes, checking every byte.
+static void * stream_in(void * arg) {
+    struct stream * s = arg;
+    static _Thread_local uint8_t buf[70000];
+    uint32_t step = 1;
+    for (uint64_t got = 0; got < STREAM_BYTES; step++) {
+        uint32_t n = (step * 104729u) % sizeof buf + 1;
+        if (n > STREAM_BYTES - got) n = (uint32_t) (STREAM_BYTES - got);
+        if (tb_recv(s->t, buf, n) != 0) { fprintf(stderr, "recv: %s\n", s->t->error); s->rc = 3; return NULL; }
+        for (uint32_t i = 0; i < n; i++) {
+            if (buf[i] != pattern(got + i, s->salt)) { fprintf(stderr, "byte %llu differs\n", (unsigned long long) (got + i)); s->rc = 4; return NULL; }
+        }
+        got += n;
+    }
+    return NULL;
+}
+
+// Both directions at once, a sending and a receiving thread on each side.
+static int stream_both_ways(struct tb_transport * t, uint32_t send_salt, uint32_t recv_salt) {
+    struct stream out = { t, send_salt, 0 }, in = { t, recv_salt, 0 };
+    pthread_t a, b;
+    if (pthread_create(&a, NULL, stream_out, &out) != 0 || pthread_create(&b, NULL, stream_in, &in) != 0) return 5;
+    pthread_join(a, NULL);
+    pthread_join(b, NULL);
+    return out.rc ? out.rc : in.rc;
+}
+
+static int child_stream(struct tb_transport * t) { return stream_both_ways(t, 2, 1); }
+
+static void case_stream(void) {
+    struct pair p = make_pair(8, 4096, 10000, child_stream);
+    int rc = stream_both_ways(p.mine, 1, 2);
+    CHECK(rc == 0, "parent stream failed (%d): %s", rc, p.mine->error);
+    CHECK(child_status(p.child) == 0, "child stream failed");
+    CHECK(p.mine->bytes_sent == STREAM_BYTES && p.mine->bytes_received == STREAM_BYTES,
+          "counted %llu sent, %llu received", (unsigned long long) p.mine->bytes_sent, (unsigned long long) p.mine->bytes_received);
+    struct tb_ring * r = (struct tb_ring *) p.mine;
+    CHECK(r->frames_sent >= STREAM_BYTES / (4096 - TB_FRAME_HEADER), "only %llu frames", (unsigned long long) r->frames_sent);
+    tb_close(p.mine);
+}
+
+// One-way traffic: the receiver never sends data, so credits must come back on their own.
+static int child_sink(struct tb_transport * t) {
+    static uint8_t buf[1 << 16];
+    for (uint64_t got = 0; got < STREAM_BYTES; got += sizeof buf) {
+        if (tb_recv(t, buf, sizeof buf) != 0) { fprintf(stderr, "sink: %s\n", t->error); return 2; }
+    }
+    uint8_t ok = 1;
+    return tb_send(t, &ok, 1) == 0 && tb_flush(t) == 0 ? 0 : 3;
+}
+
+static void case_one_way(void) {
+    struct pair p = make_pair(4, 4096, 10000, child_sink);
+    static uint8_t buf[1 << 16];
+    for (uint64_t sent = 0; sent < STREAM_BYTES; sent += sizeof buf) CHECK(tb_send(p.mine, buf, sizeof buf) == 0, "send: %s", p.mine->error);
+    CHECK(tb_flush(p.mine) == 0, "flush: %s", p.mine->error);
+    uint8_t ok = 0;
+    CHECK(tb_recv(p.mine, &ok, 1) == 0 && ok == 1, "no answer: %s", p.mine->error);
+    CHECK(child_status(p.child) == 0, "sink failed");
+    tb_close(p.mine);
+}
+
+static int child_die(struct tb_transport * t) {
+    uint8_t b;
+    if (tb_recv(t, &b, 1) != 0) return 2;
+    kill(getpid(), SIGKILL);
+    return 0;
+}
+
+static void case_peer_killed(void) {
+    struct pair p = make_pair(16, 65536, 60000, child_die);
+    uint8_t b = 7;
+    CHECK(tb_send(p.mine, &b, 1) == 0 && tb_flush(p.mine) == 0, "send");
+    int64_t t0 = tb_now_ms();
+    CHECK(tb_recv(p.mine, &b, 1) != 0, "recv from a killed peer succeeded");
+    CHECK(p.mine->error_kind == TB_IO_CLOSED, "kind %s: %s", tb_io_error_name(p.mine->error_kind), p.mine->error);
+    CHECK(tb_now_ms() - t0 < 2000, "took %lld ms to notice", (long long) (tb_now_ms() - t0));
+    CHECK(child_status(p.child) == 128 + SIGKILL, "child was not killed");
+    tb_close(p.mine);
+}
+
+static int child_close(struct tb_transport * t) { (void) t; return 0; }
+
+static void case_peer_closes(void) {
+    struct pair p = make_pair(16, 65536, 60000, child_close);
+    uint8_t b;
+    CHECK(tb_recv(p.mine, &b, 1) != 0, "recv after the peer closed succeeded");
+    CHECK(p.mine->error_kind == TB_IO_CLOSED && strstr(p.mine->error, "closed by peer"), "%s", p.mine->error);
+    CHECK(child_status(p.child) == 0, "child failed");
+    tb_close(p.mine);
+}
+
+static int child_silent(struct tb_transport * t) { sleep(3); return 0; }
+
+// A silent peer times out after timeout_ms, and waiting for it costs no CPU.
+static void case_silence_times_out_idle(void) {
+    struct pair p = make_pair(16, 65536, 1500, child_silent);
+    struct rusage before, after;
+    getrusage(RUSAGE_SELF, &before);
+    int64_t t0 = tb_now_ms();
+    uint8_t b;
+    CHECK(tb_recv(p.mine, &b, 1) != 0, "recv from a silent peer succeeded");
+    int64_t waited = tb_now_ms() - t0;
+    getrusage(RUSAGE_SELF, &after);
+    double cpu = (double) (after.ru_utime.tv_sec - before.ru_utime.tv_sec + after.ru_stime.tv_sec - before.ru_stime.tv_sec)
+               + (after.ru_utime.tv_usec - before.ru_utime.tv_usec + after.ru_stime.tv_usec - before.ru_stime.tv_usec) / 1e6;
+    CHECK(p.mine->error_kind == TB_IO_TIMEOUT && strstr(p.mine->error, "no answer within 1500 ms"), "%s", p.mine->error);
+    CHECK(waited >= 1500 && waited < 3000, "timed out after %lld ms", (long long) waited);
+    CHECK(cpu < 0.15, "waiting %lld ms cost %.3f s of CPU", (long long) waited, cpu);
+    printf("idle wait: %lld ms, %.4f s CPU\n", (long long) waited, cpu);
+    child_status(p.child);
+    tb_close(p.mine);
+}
+
+// A peer that writes a frame that is not one breaks the connection with a clear error.
+static int forge(struct tb_transport * t, struct tb_frame_header h) {
+    struct tb_ring * r = (struct tb_ring *) t;
+    uint8_t * f = r->wire->tx_frame(r, r->tx_seq);
+    memcpy(f, &h, sizeof h);
+    int rc = r->wire->post(r, r->tx_seq);
+    r->tx_seq++;   // as post_current would: the close that follows is a frame of its own
+    r->tx_credits--;
+    return rc;
+}
+static int child_bad_magic(struct tb_transport * t) { return forge(t, (struct tb_frame_header) { 0xdeadbeef, 4, 0, 0, 0 }); }
+static int child_bad_len(struct tb_transport * t) { return forge(t, (struct tb_frame_header) { TB_FRAME_MAGIC, 1u << 30, 0, 0, 0 }); }
+static int child_bad_credits(struct tb_transport * t) { return forge(t, (struct tb_frame_header) { TB_FRAME_MAGIC, 4, 0, 5, 0 }); }
+
+static void expect_broken(int (*child_fn)(struct tb_transport *), const char * what) {
+    struct pair p = make_pair(16, 65536, 5000, child_fn);
+    uint8_t b[4];
+    CHECK(tb_recv(p.mine, b, sizeof b) != 0, "%s was accepted", what);
+    CHECK(p.mine->error_kind == TB_IO_BROKEN && strstr(p.mine->error, "is not a frame of this connection"),
+          "%s: %s (%s)", what, p.mine->error, tb_io_error_name(p.mine->error_kind));
+    child_status(p.child);
+    tb_close(p.mine);
+}
+
+static void case_forged_frames(void) {
+    expect_broken(child_bad_magic, "a bad magic");
+    expect_broken(child_bad_len, "a length beyond the stride");
+    expect_broken(child_bad_credits, "credits for slots never used");
+}
+
+static void case_attach_rules(void) {
+    char err[256];
+    struct tb_shm_offer offer;
+    CHECK(!tb_shm_create(3, 65536, &offer, err, sizeof err), "3 slots accepted");
+    struct tb_shm * seg = tb_shm_create(16, 65536, &offer, err, sizeof err);
+    CHECK(seg, "create: %s", err);
+    struct tb_shm_offer wrong = offer;
+    wrong.nonce[0] ^= 1;
+    CHECK(!tb_shm_attach(&wrong, err, sizeof err) && strstr(err, "not the one the node offered"), "wrong nonce: %s", err);
+    wrong = offer;
+    wrong.stride = 32768;
+    CHECK(!tb_shm_attach(&wrong, err, sizeof err) && strstr(err, "is not"), "wrong size: %s", err);
+    wrong = offer;
+    memcpy(wrong.name, "/etc-passwd", 12);
+    CHECK(!tb_shm_attach(&wrong, err, sizeof err) && strstr(err, "not ours"), "foreign name: %s", err);
+    struct tb_shm * ok = tb_shm_attach(&offer, err, sizeof err);
+    CHECK(ok, "attach: %s", err);
+    tb_shm_discard(ok);
+    tb_shm_discard(seg);   // unlinks the name
+    CHECK(!tb_shm_attach(&offer, err, sizeof err) && strstr(err, "another host"), "after unlink: %s", err);
+}
+
+int main(int argc, char ** argv) {
+    static const struct { const char * name; void (*fn)(void); } cases[] = {
+        { "stream", case_stream }, { "one_way", case_one_way }, { "peer_killed", case_peer_killed },
+        { "peer_closes", case_peer_closes }, { "silence_times_out_idle", case_silence_times_out_idle },
+        { "forged_frames", case_forged_frames }, { "attach_rules", case_attach_rules },
+    };
+    signal(SIGPIPE, SIG_IGN);
+    for (size_t i = 0; argc == 2 && i < sizeof cases / sizeof cases[0]; i++) {
+        if (strcmp(argv[1], cases[i].name) == 0) {
+            cases[i].fn();
+            printf("PASS %s\n", cases[i].name);
+            return 0;
+        }
+    }
+    fprintf(stderr, "usage: ring_tests CASE\n");
+    return 2;
+}

@@ -1,0 +1,30 @@
+"""The frame ring over shared memory (ggml_backend/transport/ring.c, shm.c),
+between two real processes: tests/c/ring_tests.c, one process per case."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tbrpc._build import C_DIR, SYSTEM_LIBS, TRANSPORT_SOURCES
+
+CASES = ["stream", "one_way", "peer_killed", "peer_closes", "silence_times_out_idle", "forged_frames", "attach_rules"]
+
+
+@pytest.fixture(scope="module")
+def ring_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    exe = tmp_path_factory.mktemp("c") / "ring_tests"
+    cmd = ["cc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-Wno-format-truncation",
+           f"-I{C_DIR}", str(Path(__file__).parent / "c" / "ring_tests.c"),
+           *[str(C_DIR / s) for s in TRANSPORT_SOURCES], *SYSTEM_LIBS, "-o", str(exe)]
+    subprocess.run(cmd, check=True)
+    return exe
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ring_case(ring_tests: Path, case: str) -> None:
+    proc = subprocess.run([str(ring_tests), case], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"PASS {case}" in proc.stdout
