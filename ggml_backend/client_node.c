@@ -230,16 +230,29 @@ static uint64_t mix(uint64_t h, uint64_t v) {
     return h;
 }
 
+// How t lies in memory, as ggml's layout predicates see it. Devices test
+// different ones: Metal wants contiguous rows for unary and binary ops, rows
+// contiguous from dimension 1 on for GLU, full contiguity for SUM or
+// IM2COL. One "contiguous" bit gave a row-strided view and a transposed
+// tensor the same class, and one device answer for both.
+static uint64_t layout_bits(const struct ggml_tensor * t) {
+    return (uint64_t) ggml_is_contiguous(t) | (uint64_t) ggml_is_contiguous_1(t) << 1 |
+           (uint64_t) ggml_is_contiguous_2(t) << 2 | (uint64_t) ggml_is_contiguous_rows(t) << 3 |
+           (uint64_t) ggml_is_contiguous_channels(t) << 4 | (uint64_t) ggml_is_transposed(t) << 5 |
+           (uint64_t) ggml_is_permuted(t) << 6;
+}
+
 // What a device's supports_op may depend on: op, types, op params, row
-// length, contiguity. Not the other dimensions, which change with every
-// batch size and would make every new prompt length cost round trips.
+// length, memory layout of the op and its sources. Not the other
+// dimensions, which change with every batch size and would make every new
+// prompt length cost round trips.
 uint64_t supports_key(const struct ggml_tensor * op) {
     uint64_t h = mix(0xcbf29ce484222325ull, 1);
-    h = mix(mix(mix(h, op->op), op->type), (uint64_t) op->ne[0]);
+    h = mix(mix(mix(mix(h, op->op), op->type), (uint64_t) op->ne[0]), layout_bits(op));
     for (size_t i = 0; i < GGML_MAX_OP_PARAMS / sizeof(int32_t); i++) h = mix(h, (uint32_t) op->op_params[i]);
     for (int s = 0; s < GGML_MAX_SRC; s++) {
         const struct ggml_tensor * t = op->src[s];
-        h = t ? mix(mix(mix(h, t->type), (uint64_t) t->ne[0]), ggml_is_contiguous(t)) : mix(h, UINT64_MAX);
+        h = t ? mix(mix(mix(h, t->type), (uint64_t) t->ne[0]), layout_bits(t)) : mix(h, UINT64_MAX);
     }
     return h;
 }

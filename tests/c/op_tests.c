@@ -562,6 +562,41 @@ static void case_asked_about_foreign_sources(struct env * e) {
     ggml_free(ctx_cpu);
 }
 
+// An answer is kept per op class (supports_key): two ops a device may
+// answer differently for must fall in different classes. Metal adds F32 rows
+// only when both sources have contiguous rows, and runs GLU only on a
+// source whose rows are contiguous from dimension 1 on. Another batch size
+// alone is the same class: a new prompt length costs no question.
+static void case_supports_key_layouts(struct env * e) {
+    struct ggml_context * ctx = no_alloc_ctx(32);
+    struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 4);
+    struct ggml_tensor * base = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 64, 8, 4);
+    struct ggml_tensor * strided_rows = ggml_view_2d(ctx, base, 64, 4, 2 * base->nb[1], 0);           // rows contiguous
+    struct ggml_tensor * transposed = ggml_transpose(ctx, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 4, 64)); // rows are columns
+    CHECK(!ggml_is_contiguous(strided_rows) && !ggml_is_contiguous(transposed) && strided_rows->ne[0] == transposed->ne[0] &&
+          ggml_is_contiguous_rows(strided_rows) && !ggml_is_contiguous_rows(transposed), "layouts of the ADD sources");
+    struct ggml_tensor * add_rows = ggml_add(ctx, x, strided_rows), * add_columns = ggml_add(ctx, x, transposed);
+    CHECK(supports_key(add_rows) != supports_key(add_columns), "ADD of strided rows and ADD of a transposed tensor share a class");
+
+    struct ggml_tensor * split_1 = ggml_view_3d(ctx, base, 64, 4, 2, 2 * base->nb[1], base->nb[2], 0);     // dim 1 strided only
+    struct ggml_tensor * split_2 = ggml_view_3d(ctx, base, 64, 4, 2, base->nb[1], base->nb[2], 0);         // dims 1 and 2 apart
+    CHECK(ggml_is_contiguous_1(split_1) && !ggml_is_contiguous_1(split_2) && !ggml_is_contiguous(split_1) &&
+          ggml_is_contiguous_rows(split_2), "layouts of the GLU sources");
+    struct ggml_tensor * glu[2];
+    for (int i = 0; i < 2; i++) {            // described only, never built by ggml_glu (which asserts the layout)
+        glu[i] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 32, 4, 2);
+        glu[i]->op = GGML_OP_GLU;
+        glu[i]->op_params[0] = GGML_GLU_OP_SWIGLU;
+        glu[i]->src[0] = i == 0 ? split_1 : split_2;
+    }
+    CHECK(supports_key(glu[0]) != supports_key(glu[1]), "GLU of contiguous_1 rows and of scattered rows share a class");
+
+    struct ggml_tensor * batch_9 = ggml_add(ctx, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 9), ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 9));
+    struct ggml_tensor * batch_4 = ggml_add(ctx, x, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 4));
+    CHECK(supports_key(batch_4) == supports_key(batch_9), "another batch size made another class");
+    ggml_free(ctx);
+}
+
 int main(int argc, char ** argv) {
     CHECK(argc == 2, "usage: op_tests CASE");
     static const struct { const char * name; void (*fn)(struct env *); int timeout_ms; } cases[] = {
@@ -571,7 +606,7 @@ int main(int argc, char ** argv) {
         { "supports_op", case_supports_op }, { "asked_answers", case_asked_answers },
         { "dead_node_answers_yes", case_dead_node_answers_yes }, { "keepalive", case_keepalive, 300 },
         { "alloc_size", case_alloc_size }, { "op_query_fields", case_op_query_fields },
-        { "asked_about_foreign_sources", case_asked_about_foreign_sources },
+        { "asked_about_foreign_sources", case_asked_about_foreign_sources }, { "supports_key_layouts", case_supports_key_layouts },
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         if (strcmp(argv[1], cases[i].name) == 0) {
