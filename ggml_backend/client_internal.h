@@ -96,6 +96,13 @@ int  node_post_locked(struct client_node * n, uint16_t cmd, const void * a, size
 // 0 with err.
 size_t encode_graph(struct client_node * n, struct ggml_cgraph * g, char * err, size_t err_len);
 
+// A SUPPORTS_OP / GET_ALLOC_SIZE question: the op's sources, then the op.
+struct op_query { struct tb_graph_header h; struct tb_wire_tensor t[GGML_MAX_SRC + 1]; };
+// Describe op and its sources in q: real shapes, types, ops, params, flags
+// and view offsets, no data location (buffer 0, offset 0) and no view links,
+// wherever their data lies. Returns the message length.
+size_t encode_op_query(const struct ggml_tensor * op, struct op_query * q);
+
 // Cache keys of op classes: what supports_op, and what an allocation size,
 // may depend on.
 uint64_t supports_key(const struct ggml_tensor * op);

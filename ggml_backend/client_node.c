@@ -130,25 +130,35 @@ struct graph_encoder {
     char err[256];
 };
 
-static int encode_tensor_fields(struct graph_encoder * e, const struct ggml_tensor * t, struct tb_wire_tensor * w) {
+// What t is, without where its data lies: shape, strides, type, op, op
+// params, flags, view offset, name. No links (src, view_src: -1) and no
+// location (buffer 0, offset 0); the caller adds what its message needs.
+static void describe_tensor(const struct ggml_tensor * t, struct tb_wire_tensor * w) {
     memset(w, 0, sizeof *w);
-    if (t->data != NULL) {
-        if (!is_our_buffer(t->buffer) || ((struct client_buffer *) t->buffer->context)->node != e->node) {
-            if (e->err[0] == '\0')
-                snprintf(e->err, sizeof e->err, "tensor '%s' is not in a buffer of this node", t->name);
-            return -1;
-        }
-        struct client_buffer * cb = t->buffer->context;
-        w->buffer = cb->handle;
-        w->offset = tensor_offset(cb, t);
-    }
     for (int d = 0; d < GGML_MAX_DIMS; d++) { w->ne[d] = t->ne[d]; w->nb[d] = t->nb[d]; }
     w->type = (uint32_t) t->type;
     w->op = (uint32_t) t->op;
     memcpy(w->op_params, t->op_params, sizeof w->op_params);
     w->flags = t->flags;
     w->view_offs = t->view_offs;
+    for (int s = 0; s < GGML_MAX_SRC; s++) w->src[s] = -1;
+    w->view_src = -1;
     memcpy(w->name, t->name, GGML_MAX_NAME);
+}
+
+// Where t's data lies on this node: buffer handle and offset. A tensor
+// without data stays at buffer 0; data in any other buffer (the head's CPU,
+// another node) has no name here, and a graph that uses it cannot run here.
+static int locate_tensor(struct graph_encoder * e, const struct ggml_tensor * t, struct tb_wire_tensor * w) {
+    if (t->data == NULL) return 0;
+    if (!is_our_buffer(t->buffer) || ((struct client_buffer *) t->buffer->context)->node != e->node) {
+        if (e->err[0] == '\0')
+            snprintf(e->err, sizeof e->err, "tensor '%s' is not in a buffer of this node", t->name);
+        return -1;
+    }
+    struct client_buffer * cb = t->buffer->context;
+    w->buffer = cb->handle;
+    w->offset = tensor_offset(cb, t);
     return 0;
 }
 
@@ -165,7 +175,8 @@ static int32_t encode_tensor(struct graph_encoder * e, const struct ggml_tensor 
         return -1;
     }
     struct tb_wire_tensor * w = &e->tensors[e->n];
-    if (encode_tensor_fields(e, t, w) != 0) return -1;
+    describe_tensor(t, w);
+    if (locate_tensor(e, t, w) != 0) return -1;
     memcpy(w->src, src, sizeof src);
     w->view_src = view_src;
     index_put(&e->ix, t, (int32_t) e->n);
@@ -219,16 +230,29 @@ static uint64_t mix(uint64_t h, uint64_t v) {
     return h;
 }
 
+// How t lies in memory, as ggml's layout predicates see it. Devices test
+// different ones: Metal wants contiguous rows for unary and binary ops, rows
+// contiguous from dimension 1 on for GLU, full contiguity for SUM or
+// IM2COL. One "contiguous" bit gave a row-strided view and a transposed
+// tensor the same class, and one device answer for both.
+static uint64_t layout_bits(const struct ggml_tensor * t) {
+    return (uint64_t) ggml_is_contiguous(t) | (uint64_t) ggml_is_contiguous_1(t) << 1 |
+           (uint64_t) ggml_is_contiguous_2(t) << 2 | (uint64_t) ggml_is_contiguous_rows(t) << 3 |
+           (uint64_t) ggml_is_contiguous_channels(t) << 4 | (uint64_t) ggml_is_transposed(t) << 5 |
+           (uint64_t) ggml_is_permuted(t) << 6;
+}
+
 // What a device's supports_op may depend on: op, types, op params, row
-// length, contiguity. Not the other dimensions, which change with every
-// batch size and would make every new prompt length cost round trips.
+// length, memory layout of the op and its sources. Not the other
+// dimensions, which change with every batch size and would make every new
+// prompt length cost round trips.
 uint64_t supports_key(const struct ggml_tensor * op) {
     uint64_t h = mix(0xcbf29ce484222325ull, 1);
-    h = mix(mix(mix(h, op->op), op->type), (uint64_t) op->ne[0]);
+    h = mix(mix(mix(mix(h, op->op), op->type), (uint64_t) op->ne[0]), layout_bits(op));
     for (size_t i = 0; i < GGML_MAX_OP_PARAMS / sizeof(int32_t); i++) h = mix(h, (uint32_t) op->op_params[i]);
     for (int s = 0; s < GGML_MAX_SRC; s++) {
         const struct ggml_tensor * t = op->src[s];
-        h = t ? mix(mix(mix(h, t->type), (uint64_t) t->ne[0]), ggml_is_contiguous(t)) : mix(h, UINT64_MAX);
+        h = t ? mix(mix(mix(h, t->type), (uint64_t) t->ne[0]), layout_bits(t)) : mix(h, UINT64_MAX);
     }
     return h;
 }
@@ -248,28 +272,22 @@ uint64_t alloc_size_key(const struct ggml_tensor * op) {
     return h;
 }
 
-struct op_query { struct tb_graph_header h; struct tb_wire_tensor t[GGML_MAX_SRC + 1]; };
-
-// The op and its direct sources as a tensor table (sources first, op last).
-// Buffers are left out: the node answers for its device, not for data.
-static size_t encode_op_query(struct client_node * n, const struct ggml_tensor * op, struct op_query * q) {
+// The op and its direct sources as a tensor table (sources first, op last),
+// each described in full and located nowhere (buffer 0): the node answers
+// for its device and these shapes, and the answer is cached per op class
+// whatever buffers the data of the next op of that class lies in.
+size_t encode_op_query(const struct ggml_tensor * op, struct op_query * q) {
     memset(q, 0, sizeof *q);
-    struct graph_encoder e = { .node = n };
     int32_t src_at[GGML_MAX_SRC];
     uint32_t count = 0;
     for (int s = 0; s < GGML_MAX_SRC; s++) {
         src_at[s] = -1;
         if (!op->src[s]) continue;
-        encode_tensor_fields(&e, op->src[s], &q->t[count]);
-        q->t[count].buffer = q->t[count].offset = 0;
-        for (int k = 0; k < GGML_MAX_SRC; k++) q->t[count].src[k] = -1;
-        q->t[count].view_src = -1;
+        describe_tensor(op->src[s], &q->t[count]);
         src_at[s] = (int32_t) count++;
     }
-    encode_tensor_fields(&e, op, &q->t[count]);
-    q->t[count].buffer = q->t[count].offset = 0;
+    describe_tensor(op, &q->t[count]);
     memcpy(q->t[count].src, src_at, sizeof src_at);
-    q->t[count].view_src = -1;
     q->h.n_tensors = ++count;
     return sizeof q->h + count * sizeof(struct tb_wire_tensor);
 }
@@ -291,7 +309,7 @@ bool ask_node_about_op(struct client_node * n, uint16_t cmd, uint64_t key, const
         *answer = slot->value;
     } else {
         struct op_query q;
-        size_t len = encode_op_query(n, op, &q);
+        size_t len = encode_op_query(op, &q);
         *answer = 0;
         ok = node_call_locked(n, cmd, &q, len, NULL, 0, answer, answer_len) == 0;
         if (ok) *slot = (struct op_cache_entry) { .key = key, .value = *answer, .used = true };

@@ -156,7 +156,8 @@ struct tb_status {
 // message; src/view_src refer to earlier positions (or -1), which makes the
 // graph acyclic by construction.
 struct tb_wire_tensor {
-    uint64_t buffer;          // node buffer handle; 0 means "no data"
+    uint64_t buffer;          // node buffer handle; 0 means "no data": shapes only (every tensor of
+                              // SUPPORTS_OP/GET_ALLOC_SIZE, only 0-byte ones in GRAPH_COMPUTE)
     uint64_t offset;          // data offset inside that buffer
     int64_t  ne[GGML_MAX_DIMS];
     uint64_t nb[GGML_MAX_DIMS];

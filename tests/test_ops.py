@@ -12,7 +12,8 @@ import pytest
 from tbrpc._build import C_DIR, C_SOURCES, SYSTEM_LIBS, llama_cpp_paths
 
 CASES = ["set_get_odd", "memset_clear", "copy_and_views", "ops", "many_nodes", "graph_reuse",
-         "allocation_accounting", "supports_op", "asked_answers", "dead_node_answers_yes", "keepalive", "alloc_size"]
+         "allocation_accounting", "supports_op", "asked_answers", "dead_node_answers_yes", "keepalive", "alloc_size",
+         "op_query_fields", "asked_about_foreign_sources", "supports_key_layouts"]
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,11 @@
 // and checks data movement (set/get/memset/copy at odd offsets, views) and
 // ops (quantized matmul, MoE, norms, rope, large graphs) against the plain CPU
 // backend of the same ggml: results must be bitwise identical, since both run
-// the same CPU kernels. Usage: op_tests CASE  (prints "PASS CASE" on success)
+// the same CPU kernels. The questions the head asks a node about ops are
+// checked field by field (encode_op_query, from the client's own header).
+// Usage: op_tests CASE  (prints "PASS CASE" on success)
 #include "tbrpc.h"
+#include "client_internal.h"   // encode_op_query, supports_key: what the head puts on the wire
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -28,14 +31,23 @@ struct env {
 
 static void * serve(void * arg) { tb_node_serve(arg); return NULL; }
 
+// A CPU node serving on a loopback port in a thread (named CPU: once a TBRPC
+// device is registered here, it would be a node's "best" device); endpoint
+// receives its address.
+static struct tb_node * start_node(pthread_t * thread, char * endpoint, size_t endpoint_len) {
+    char err[512];
+    struct tb_node_config cfg = { .host = "127.0.0.1", .port = 0, .device = "CPU", .threads = 1, .name = "op-test", .timeout_ms = 10000 };
+    struct tb_node * node = tb_node_create(&cfg, err, sizeof err);
+    CHECK(node, "node: %s", err);
+    pthread_create(thread, NULL, serve, node);
+    snprintf(endpoint, endpoint_len, "127.0.0.1:%d", tb_node_port(node));
+    return node;
+}
+
 static void env_open(struct env * e, int client_timeout_ms) {
     char err[512];
-    struct tb_node_config cfg = { .host = "127.0.0.1", .port = 0, .threads = 1, .name = "op-test", .timeout_ms = 10000 };
-    e->node = tb_node_create(&cfg, err, sizeof err);
-    CHECK(e->node, "node: %s", err);
-    pthread_create(&e->thread, NULL, serve, e->node);
     char endpoint[64];
-    snprintf(endpoint, sizeof endpoint, "127.0.0.1:%d", tb_node_port(e->node));
+    e->node = start_node(&e->thread, endpoint, sizeof endpoint);
     e->client = tbrpc_client_new();
     CHECK(tbrpc_client_add_node(e->client, endpoint, client_timeout_ms, err, sizeof err) == 0, "add_node: %s", err);
     CHECK(tbrpc_client_register(e->client, err, sizeof err) == 0, "register: %s", err);
@@ -411,6 +423,180 @@ static void case_dead_node_answers_yes(struct env * e) {
     ggml_free(q.ctx);
 }
 
+// ---- what a question about an op says (encode_op_query) ----------------------
+
+// The record a question must carry for t, written out here from the ggml
+// tensor (not by the encoder): every field of t but where its data lies
+// (buffer 0, offset 0) and no view link; src as given.
+static struct tb_wire_tensor wire_of(const struct ggml_tensor * t, const int32_t src[GGML_MAX_SRC]) {
+    struct tb_wire_tensor w;
+    memset(&w, 0, sizeof w);
+    for (int d = 0; d < GGML_MAX_DIMS; d++) { w.ne[d] = t->ne[d]; w.nb[d] = t->nb[d]; }
+    w.type = (uint32_t) t->type;
+    w.op = (uint32_t) t->op;
+    memcpy(w.op_params, t->op_params, sizeof w.op_params);
+    w.flags = t->flags;
+    w.view_src = -1;
+    w.view_offs = t->view_offs;
+    memcpy(w.src, src, sizeof w.src);
+    memcpy(w.name, t->name, sizeof w.name);
+    return w;
+}
+
+static void check_wire(const struct tb_wire_tensor * got, const struct tb_wire_tensor * want, const char * what) {
+    CHECK(got->buffer == 0 && got->offset == 0, "%s: located at buffer %llu offset %llu; a question names no data", what,
+          (unsigned long long) got->buffer, (unsigned long long) got->offset);
+    for (int d = 0; d < GGML_MAX_DIMS; d++) {
+        CHECK(got->ne[d] == want->ne[d], "%s: ne[%d] = %lld, want %lld", what, d, (long long) got->ne[d], (long long) want->ne[d]);
+        CHECK(got->nb[d] == want->nb[d], "%s: nb[%d] = %llu, want %llu", what, d, (unsigned long long) got->nb[d],
+              (unsigned long long) want->nb[d]);
+    }
+    CHECK(got->type == want->type, "%s: type %u, want %u", what, got->type, want->type);
+    CHECK(got->op == want->op, "%s: op %u, want %u", what, got->op, want->op);
+    for (size_t i = 0; i < sizeof got->op_params / sizeof *got->op_params; i++)
+        CHECK(got->op_params[i] == want->op_params[i], "%s: op_params[%zu] = %d, want %d", what, i, got->op_params[i], want->op_params[i]);
+    CHECK(got->flags == want->flags, "%s: flags %d, want %d", what, got->flags, want->flags);
+    CHECK(got->view_src == -1, "%s: view_src %d, want -1", what, got->view_src);
+    CHECK(got->view_offs == want->view_offs, "%s: view_offs %llu, want %llu", what, (unsigned long long) got->view_offs,
+          (unsigned long long) want->view_offs);
+    for (int k = 0; k < GGML_MAX_SRC; k++) CHECK(got->src[k] == want->src[k], "%s: src[%d] = %d, want %d", what, k, got->src[k], want->src[k]);
+    CHECK(memcmp(got->name, want->name, sizeof got->name) == 0, "%s: name '%.64s', want '%.64s'", what, got->name, want->name);
+    CHECK(got->use_count == 0 && got->reserved == 0, "%s: use_count %d reserved %d", what, got->use_count, got->reserved);
+    CHECK(memcmp(got, want, sizeof *got) == 0, "%s: differs outside the fields checked above", what);
+}
+
+// An op whose sources lie in this node's buffer (at an offset), in the
+// head's CPU buffer, in another node's buffer, nowhere (no buffer), and a
+// strided view at an offset: each goes out with its real shape, strides,
+// type, op, params, flags, view offset and name, and none with a location.
+// Before, a source outside this node's buffers went out as a zero-shape F32
+// tensor, and the node answered about that.
+static void case_op_query_fields(struct env * e) {
+    pthread_t other_thread;
+    char other_endpoint[64], err[512];
+    struct tb_node * other = start_node(&other_thread, other_endpoint, sizeof other_endpoint);
+    CHECK(tbrpc_client_add_node(e->client, other_endpoint, 10000, err, sizeof err) == 1, "add_node: %s", err);
+    ggml_backend_t other_backend = ggml_backend_dev_init(ggml_backend_dev_by_name("TBRPC1"), NULL);
+    CHECK(other_backend, "TBRPC1 backend");
+
+    struct ggml_context * ctx_own = no_alloc_ctx(4), * ctx_cpu = no_alloc_ctx(2), * ctx_far = no_alloc_ctx(2), * ctx = no_alloc_ctx(8);
+    ggml_new_tensor_1d(ctx_own, GGML_TYPE_I8, 4096);                  // so that `own` lies at an offset
+    struct ggml_tensor * own = ggml_new_tensor_3d(ctx_own, GGML_TYPE_Q4_K, 256, 6, 2);
+    struct ggml_tensor * base = ggml_new_tensor_2d(ctx_own, GGML_TYPE_F32, 64, 10);
+    struct ggml_tensor * cpu = ggml_new_tensor_3d(ctx_cpu, GGML_TYPE_F16, 256, 3, 2);
+    struct ggml_tensor * far = ggml_new_tensor_2d(ctx_far, GGML_TYPE_Q8_0, 64, 5);
+    ggml_backend_buffer_t own_buf = ggml_backend_alloc_ctx_tensors(ctx_own, e->remote);
+    ggml_backend_buffer_t cpu_buf = ggml_backend_alloc_ctx_tensors(ctx_cpu, e->cpu);
+    ggml_backend_buffer_t far_buf = ggml_backend_alloc_ctx_tensors(ctx_far, other_backend);
+    CHECK(own_buf && cpu_buf && far_buf, "alloc");
+    CHECK((uint8_t *) own->data > (uint8_t *) ggml_backend_buffer_get_base(own_buf), "own lies at offset 0");
+    struct ggml_tensor * bare = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 3, 2);
+    struct ggml_tensor * view = ggml_view_2d(ctx, base, 48, 4, 2 * base->nb[1], 3 * base->nb[1] + 8 * sizeof(float));
+    CHECK(ggml_backend_view_init(view) == GGML_STATUS_SUCCESS, "view init");
+    ggml_set_name(own, "blk.0.ffn_down.weight");
+    ggml_set_name(cpu, "token_embd.weight");
+    ggml_set_name(far, "on another node");
+    ggml_set_name(bare, "ids");
+    ggml_set_input(cpu);
+    ggml_set_output(bare);
+    cpu->op_params[3] = 77;
+
+    struct ggml_tensor * op = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 6, 3, 2);
+    op->op = GGML_OP_MUL_MAT_ID;                // only described here, never computed
+    op->op_params[0] = 5;
+    op->op_params[GGML_MAX_OP_PARAMS / sizeof(int32_t) - 1] = -3;
+    op->flags = GGML_TENSOR_FLAG_COMPUTE;
+    ggml_set_name(op, "the op");
+    op->src[0] = own; op->src[1] = cpu; op->src[3] = bare; op->src[4] = view; op->src[6] = far;
+
+    struct op_query q;
+    memset(&q, 0xEE, sizeof q);
+    const size_t len = encode_op_query(op, &q);
+    CHECK(len == sizeof q.h + 6 * sizeof(struct tb_wire_tensor), "message of %zu bytes for 6 tensors", len);
+    CHECK(q.h.n_tensors == 6 && q.h.n_nodes == 0, "header: %u tensors, %u nodes", q.h.n_tensors, q.h.n_nodes);
+    const int32_t none[GGML_MAX_SRC] = { -1, -1, -1, -1, -1, -1, -1, -1, -1, -1 };
+    const int32_t links[GGML_MAX_SRC] = { 0, 1, -1, 2, 3, -1, 4, -1, -1, -1 };
+    const struct { const struct ggml_tensor * t; const int32_t * src; const char * what; } want[] = {
+        { own, none, "source in this node's buffer" }, { cpu, none, "source in the head's CPU buffer" },
+        { bare, none, "source without a buffer" }, { view, none, "strided view at an offset" },
+        { far, none, "source in another node's buffer" }, { op, links, "the op" },
+    };
+    for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
+        const struct tb_wire_tensor expected = wire_of(want[i].t, want[i].src);
+        check_wire(&q.t[i], &expected, want[i].what);
+    }
+
+    ggml_backend_buffer_free(own_buf);
+    ggml_backend_buffer_free(cpu_buf);
+    ggml_backend_buffer_free(far_buf);
+    ggml_backend_free(other_backend);
+    ggml_free(ctx); ggml_free(ctx_own); ggml_free(ctx_cpu); ggml_free(ctx_far);
+    tb_node_stop(other);
+    pthread_join(other_thread, NULL);
+    tb_node_free(other);
+}
+
+// The node answers about the op as it is, wherever its sources lie: Q4_K
+// weights times Q4_0 rows, both in the head's CPU buffer, are not supported.
+// (Before, both went out as zero-shape F32 tensors, the node said yes, and
+// that yes was cached for every Q4_K x Q4_0 product.)
+static void case_asked_about_foreign_sources(struct env * e) {
+    struct ggml_context * ctx_cpu = no_alloc_ctx(4), * ctx = no_alloc_ctx(8);
+    struct ggml_tensor * weights = ggml_new_tensor_2d(ctx_cpu, GGML_TYPE_Q4_K, 256, 4);
+    struct ggml_tensor * rows = ggml_new_tensor_2d(ctx_cpu, GGML_TYPE_Q4_0, 256, 3);
+    ggml_backend_buffer_t cpu_buf = ggml_backend_alloc_ctx_tensors(ctx_cpu, e->cpu);
+    CHECK(cpu_buf, "alloc");
+    struct ggml_tensor * on_head = ggml_mul_mat(ctx, weights, rows);
+    struct ggml_tensor * nowhere = ggml_mul_mat(ctx, ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_K, 256, 4),
+                                                ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, 256, 3));
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    CHECK(!ggml_backend_dev_supports_op(cpu, on_head), "the head's CPU runs q4_K x q4_0");
+    tbrpc_client_ask_node(e->client, 0, 1);
+    const uint64_t before = round_trips(e);
+    CHECK(!ggml_backend_dev_supports_op(e->remote_dev, on_head), "node says it runs q4_K x q4_0 (sources in the head's CPU buffer)");
+    CHECK(round_trips(e) - before == 1, "%llu round trips", (unsigned long long) (round_trips(e) - before));
+    CHECK(!ggml_backend_dev_supports_op(e->remote_dev, nowhere), "the cached answer says q4_K x q4_0 runs");
+    CHECK(round_trips(e) - before == 1, "the same op class was asked again");
+    ggml_backend_buffer_free(cpu_buf);
+    ggml_free(ctx);
+    ggml_free(ctx_cpu);
+}
+
+// An answer is kept per op class (supports_key): two ops a device may
+// answer differently for must fall in different classes. Metal adds F32 rows
+// only when both sources have contiguous rows, and runs GLU only on a
+// source whose rows are contiguous from dimension 1 on. Another batch size
+// alone is the same class: a new prompt length costs no question.
+static void case_supports_key_layouts(struct env * e) {
+    struct ggml_context * ctx = no_alloc_ctx(32);
+    struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 4);
+    struct ggml_tensor * base = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 64, 8, 4);
+    struct ggml_tensor * strided_rows = ggml_view_2d(ctx, base, 64, 4, 2 * base->nb[1], 0);           // rows contiguous
+    struct ggml_tensor * transposed = ggml_transpose(ctx, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 4, 64)); // rows are columns
+    CHECK(!ggml_is_contiguous(strided_rows) && !ggml_is_contiguous(transposed) && strided_rows->ne[0] == transposed->ne[0] &&
+          ggml_is_contiguous_rows(strided_rows) && !ggml_is_contiguous_rows(transposed), "layouts of the ADD sources");
+    struct ggml_tensor * add_rows = ggml_add(ctx, x, strided_rows), * add_columns = ggml_add(ctx, x, transposed);
+    CHECK(supports_key(add_rows) != supports_key(add_columns), "ADD of strided rows and ADD of a transposed tensor share a class");
+
+    struct ggml_tensor * split_1 = ggml_view_3d(ctx, base, 64, 4, 2, 2 * base->nb[1], base->nb[2], 0);     // dim 1 strided only
+    struct ggml_tensor * split_2 = ggml_view_3d(ctx, base, 64, 4, 2, base->nb[1], base->nb[2], 0);         // dims 1 and 2 apart
+    CHECK(ggml_is_contiguous_1(split_1) && !ggml_is_contiguous_1(split_2) && !ggml_is_contiguous(split_1) &&
+          ggml_is_contiguous_rows(split_2), "layouts of the GLU sources");
+    struct ggml_tensor * glu[2];
+    for (int i = 0; i < 2; i++) {            // described only, never built by ggml_glu (which asserts the layout)
+        glu[i] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 32, 4, 2);
+        glu[i]->op = GGML_OP_GLU;
+        glu[i]->op_params[0] = GGML_GLU_OP_SWIGLU;
+        glu[i]->src[0] = i == 0 ? split_1 : split_2;
+    }
+    CHECK(supports_key(glu[0]) != supports_key(glu[1]), "GLU of contiguous_1 rows and of scattered rows share a class");
+
+    struct ggml_tensor * batch_9 = ggml_add(ctx, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 9), ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 9));
+    struct ggml_tensor * batch_4 = ggml_add(ctx, x, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 64, 4));
+    CHECK(supports_key(batch_4) == supports_key(batch_9), "another batch size made another class");
+    ggml_free(ctx);
+}
+
 int main(int argc, char ** argv) {
     CHECK(argc == 2, "usage: op_tests CASE");
     static const struct { const char * name; void (*fn)(struct env *); int timeout_ms; } cases[] = {
@@ -419,7 +605,8 @@ int main(int argc, char ** argv) {
         { "graph_reuse", case_graph_reuse }, { "allocation_accounting", case_allocation_accounting },
         { "supports_op", case_supports_op }, { "asked_answers", case_asked_answers },
         { "dead_node_answers_yes", case_dead_node_answers_yes }, { "keepalive", case_keepalive, 300 },
-        { "alloc_size", case_alloc_size },
+        { "alloc_size", case_alloc_size }, { "op_query_fields", case_op_query_fields },
+        { "asked_about_foreign_sources", case_asked_about_foreign_sources }, { "supports_key_layouts", case_supports_key_layouts },
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         if (strcmp(argv[1], cases[i].name) == 0) {
