@@ -487,13 +487,14 @@ struct tbrpc_client * tbrpc_client_new(void) {
     return c;
 }
 
-int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, char * err, size_t err_len) {
+int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
+                          char * err, size_t err_len) {
     char name[32];
     pthread_mutex_lock(&c->lock);
     const size_t index = c->n_nodes;
     pthread_mutex_unlock(&c->lock);
     snprintf(name, sizeof name, "TBRPC%zu", index);
-    struct client_node * n = node_open(endpoint, name, timeout_ms, err, err_len);
+    struct client_node * n = node_open(endpoint, name, timeout_ms, transport, err, err_len);
     if (!n) return -1;
     n->client = c;
     snprintf(n->description, sizeof n->description, "tbrpc node %s at %s: %s (%s)", n->info.node_name, endpoint,
@@ -543,6 +544,7 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
     out->hello = n->info;
     out->failed = n->failed;
     snprintf(out->error, sizeof out->error, "%s", n->error);
+    snprintf(out->transport, sizeof out->transport, "%s", n->tp->describe);
     out->bytes_sent = n->tp->bytes_sent;
     out->bytes_received = n->tp->bytes_received;
     out->round_trips = n->round_trips;
@@ -596,7 +598,7 @@ void tbrpc_client_ask_node(struct tbrpc_client * c, size_t i, int always) {
 }
 
 int tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status, char * err, size_t err_len) {
-    struct client_node * n = node_open(endpoint, "probe", timeout_ms, err, err_len);
+    struct client_node * n = node_open(endpoint, "probe", timeout_ms, "tcp", err, err_len);   // one question: no upgrade
     if (!n) return -1;
     *hello = n->info;
     int rc = node_call(n, TB_CMD_STATUS, NULL, 0, status, sizeof *status);

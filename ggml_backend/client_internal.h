@@ -78,7 +78,9 @@ struct client_buffer {
 
 // Connect to endpoint and handshake. Returns a node not yet in any
 // registry, or NULL with err.
-struct client_node * node_open(const char * endpoint, const char * name, int timeout_ms, char * err, size_t err_len);
+// transport: "tcp" keeps the connection on TCP; NULL or "auto" takes shared memory where it can.
+struct client_node * node_open(const char * endpoint, const char * name, int timeout_ms, const char * transport,
+                               char * err, size_t err_len);
 void node_destroy(struct client_node * n);
 
 // Mark the node failed (once) with a message naming it, the step and why.

@@ -358,6 +358,43 @@ static int handshake(struct client_node * n, char * err, size_t err_len) {
     return 0;
 }
 
+// Move the connection into shared memory; 0, or -1 with why not (the
+// connection then stays on TCP and works as before).
+static int upgrade_to_shm(struct client_node * n, char * why, size_t why_len) {
+    struct tb_transport_req req = { TB_TRANSPORT_SHM, TB_SHM_SLOTS, TB_SHM_STRIDE, 0 };
+    struct tb_transport_reply rep;
+    if (node_call(n, TB_CMD_TRANSPORT_OFFER, &req, sizeof req, &rep, sizeof rep) != 0) {
+        snprintf(why, why_len, "%s", n->error);
+        return -1;
+    }
+    rep.declined[sizeof rep.declined - 1] = '\0';
+    if (rep.declined[0]) { snprintf(why, why_len, "%s", rep.declined); return -1; }
+    struct tb_shm * seg = tb_shm_attach(&rep.offer, why, why_len);
+    uint32_t attached = seg != NULL;
+    if (node_post(n, TB_CMD_TRANSPORT_SWITCH, &attached, sizeof attached) != 0 || tb_flush(n->tp) != 0) {
+        tb_shm_discard(seg);
+        snprintf(why, why_len, "%s", n->failed ? n->error : n->tp->error);
+        return -1;
+    }
+    if (!seg) return -1;
+    n->dirty = false;   // the switch is posted, but the node has nothing to report about it
+    struct tb_transport * shm = tb_shm_transport(seg, n->tp, why, why_len);
+    if (!shm) { node_fail(n, "TRANSPORT_SWITCH", why); return -1; }   // the node has switched: we cannot stay
+    n->tp = shm;
+    return 0;
+}
+
+// Shared memory when the node is on this host and offers it, else TCP; the
+// transport's description says which, and why.
+static void choose_transport(struct client_node * n, const char * wanted) {
+    char why[256] = "";
+    if (wanted && strcmp(wanted, "tcp") == 0) snprintf(why, sizeof why, "asked for");
+    else if (!(n->info.caps & TB_CAP_SHM)) snprintf(why, sizeof why, "the node offers no shared memory");
+    else if (!tb_tcp_same_host(n->tp)) snprintf(why, sizeof why, "the node is on another host");
+    else if (upgrade_to_shm(n, why, sizeof why) == 0) return;
+    if (!n->failed) snprintf(n->tp->describe, sizeof n->tp->describe, "tcp: %s", why);
+}
+
 void node_destroy(struct client_node * n) {
     if (!n) return;
     tb_close(n->tp);
@@ -370,7 +407,8 @@ void node_destroy(struct client_node * n) {
 
 // Connect to endpoint and handshake. Returns a node not yet in any
 // registry, or NULL with err.
-struct client_node * node_open(const char * endpoint, const char * name, int timeout_ms, char * err, size_t err_len) {
+struct client_node * node_open(const char * endpoint, const char * name, int timeout_ms, const char * transport,
+                               char * err, size_t err_len) {
     char host[256];
     int port = 0;
     if (tb_parse_endpoint(endpoint, host, sizeof host, &port, err, err_len) != 0) return NULL;
@@ -388,5 +426,7 @@ struct client_node * node_open(const char * endpoint, const char * name, int tim
         return NULL;
     }
     if (handshake(n, err, err_len) != 0) { node_destroy(n); return NULL; }
+    choose_transport(n, transport);
+    if (n->failed) { snprintf(err, err_len, "%s", n->error); node_destroy(n); return NULL; }
     return n;
 }

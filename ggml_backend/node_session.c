@@ -61,6 +61,8 @@ struct node_conn {
     size_t    n_peers;
     pthread_t watchdog;
     bool      has_watchdog;
+
+    struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
 };
 
 // ---- buffers ----------------------------------------------------------------
@@ -148,6 +150,7 @@ static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
     h->device_type = (uint32_t) ggml_backend_dev_type(n->dev);
     h->caps = buft->iface.get_alloc_size == NULL ? TB_CAP_ALLOC_SIZE_IS_NBYTES : 0;
     if (strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(n->dev)), "CPU") == 0) h->caps |= TB_CAP_SUPPORTS_OP_IS_CPU;
+    if (n->serve_mode != SERVE_THREAD) h->caps |= TB_CAP_SHM;   // see handle_transport_offer
     tb_ggml_build(h->ggml_build, sizeof h->ggml_build);
     snprintf(h->device_name, sizeof h->device_name, "%s", ggml_backend_dev_name(n->dev));
     snprintf(h->device_description, sizeof h->device_description, "%s", ggml_backend_dev_description(n->dev));
@@ -727,17 +730,6 @@ static int handle_memory(struct node_conn * c, const struct tb_header * h, struc
 
 // ---- the connection loop ----------------------------------------------------
 
-static bool is_posted(uint16_t cmd) {
-    switch (cmd) {
-        case TB_CMD_FREE_BUFFER: case TB_CMD_BUFFER_CLEAR: case TB_CMD_SET_TENSOR: case TB_CMD_MEMSET_TENSOR:
-        case TB_CMD_COPY_TENSOR: case TB_CMD_GRAPH_COMPUTE: case TB_CMD_GRAPH_RECOMPUTE: case TB_CMD_LOAD_FROM_FILE:
-        case TB_CMD_PEER_SEND: case TB_CMD_PEER_RECV:
-            return true;
-        default:
-            return false;
-    }
-}
-
 static int read_payload(struct node_conn * c, size_t len) {
     if (tb_reserve(&c->payload, &c->payload_cap, len) != 0) return -1;
     return len ? tb_recv(c->tp, c->payload, len) : 0;
@@ -769,6 +761,54 @@ static int handle_set(struct node_conn * c, const struct tb_header * h, char * e
     return 0;
 }
 
+// ---- transports ---------------------------------------------------------------
+// A head on this host may move the connection into shared memory. Only
+// workers with a process of their own offer it: the segment is shared with
+// the head, and a head that shrank it under us could crash what maps it
+// (it needs the node's own user for that, mode 0600, who could do worse).
+
+static int handle_transport_offer(struct node_conn * c, const struct tb_header * h, struct reply * r,
+                                  char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_transport_req), "TRANSPORT_OFFER", err, err_len) != 0) return -1;
+    const struct tb_transport_req * req = (const struct tb_transport_req *) c->payload;
+    struct tb_transport_reply * rep = (struct tb_transport_reply *) r->small;
+    _Static_assert(sizeof *rep <= sizeof r->small, "the transport reply fits the small reply");
+    memset(rep, 0, sizeof *rep);
+    r->data = rep;
+    r->len = sizeof *rep;
+    tb_shm_discard(c->offered);
+    c->offered = NULL;
+    if (req->kind != TB_TRANSPORT_SHM) {
+        snprintf(rep->declined, sizeof rep->declined, "the node knows no transport of kind %u", req->kind);
+    } else if (c->node->serve_mode == SERVE_THREAD) {
+        snprintf(rep->declined, sizeof rep->declined, "the node serves clients in threads (--isolation thread)");
+    } else if (!tb_ring_geometry_ok(req->slots, req->stride)) {
+        snprintf(rep->declined, sizeof rep->declined, "no ring of %u slots of %u bytes", req->slots, req->stride);
+    } else {
+        c->offered = tb_shm_create(req->slots, req->stride, &rep->offer, rep->declined, sizeof rep->declined);
+    }
+    return 0;
+}
+
+// The head switches right after sending this: if we cannot follow, the session ends (*io_failed).
+static int handle_transport_switch(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len,
+                                   bool * io_failed) {
+    if (expect_len(h->len, sizeof(uint32_t), "TRANSPORT_SWITCH", err, err_len) != 0) return -1;
+    uint32_t attached;
+    memcpy(&attached, c->payload, sizeof attached);
+    struct tb_shm * seg = c->offered;
+    c->offered = NULL;
+    if (!seg) { snprintf(err, err_len, "TRANSPORT_SWITCH without an offer"); *io_failed = attached != 0; return -1; }
+    if (!attached) { tb_shm_discard(seg); return 0; }
+    pthread_mutex_lock(&c->send_lock);   // the watchdog sends on c->tp
+    struct tb_transport * shm = tb_shm_transport(seg, c->tp, err, err_len);
+    if (shm) c->tp = shm;
+    pthread_mutex_unlock(&c->send_lock);
+    if (!shm) { *io_failed = true; return -1; }
+    node_log(c->node, "client %s: transport %s", shm->peer, shm->describe);
+    return 0;
+}
+
 static int dispatch(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     switch (h->cmd) {
         case TB_CMD_HELLO:           return handle_hello(c, h, r, err, err_len);
@@ -792,6 +832,7 @@ static int dispatch(struct node_conn * c, const struct tb_header * h, struct rep
         case TB_CMD_PEER_RECV:       return handle_peer_recv(c, h, err, err_len);
         case TB_CMD_SYNC:            return expect_len(h->len, 0, "SYNC", err, err_len);
         case TB_CMD_STATUS:          return handle_status(c, h, r, err, err_len);
+        case TB_CMD_TRANSPORT_OFFER: return handle_transport_offer(c, h, r, err, err_len);
         default:
             snprintf(err, err_len, "unknown command %u", h->cmd);
             return -1;
@@ -820,7 +861,7 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
     struct tb_header h;
     char err[512] = "";
     if (tb_msg_recv_header(c->tp, &h, err, sizeof err) != 0) {
-        if (strstr(err, "closed by peer") == NULL) node_log(c->node, "client %s: %s; dropping it", c->tp->peer, err);
+        if (c->tp->error_kind != TB_IO_CLOSED) node_log(c->node, "client %s: %s; dropping it", c->tp->peer, err);
         return -1;
     }
     if (!*said_hello && h.cmd != TB_CMD_HELLO) {
@@ -837,6 +878,8 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
     } else if (read_payload(c, (size_t) h.len) != 0) {
         io_failed = true;
         rc = -1;
+    } else if (h.cmd == TB_CMD_TRANSPORT_SWITCH) {
+        rc = handle_transport_switch(c, &h, err, sizeof err, &io_failed);
     } else {
         rc = dispatch(c, &h, &r, err, sizeof err);
     }
@@ -849,7 +892,7 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
         if (rc != 0) { send_reply(c, &h, rc, &r, err); return -1; }
         *said_hello = true;
     }
-    if (is_posted(h.cmd)) {
+    if (tb_cmd_posted(h.cmd)) {
         if (rc != 0 && !c->sticky[0]) snprintf(c->sticky, sizeof c->sticky, "earlier %s (request %llu) failed: %s",
                                                tb_cmd_name(h.cmd), (unsigned long long) h.id, err);
         return 0;
@@ -876,6 +919,7 @@ static void conn_free(struct node_conn * c) {
     if (c->backend) ggml_backend_free(c->backend);
     free(c->buffers);
     free(c->payload);
+    tb_shm_discard(c->offered);
     tb_close(c->tp);
     free(c);
 }

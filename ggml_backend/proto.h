@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define TB_MAGIC            0x43504254u   // "TBPC" on the wire
-#define TB_PROTO_VERSION    2u
+#define TB_PROTO_VERSION    3u
 #define TB_MAX_PAYLOAD      (256ull << 20) // one message; larger tensor writes are split by the client
 #define TB_MAX_GRAPH_TENSORS (1u << 20)
 #define TB_MAX_GRAPH_NODES   (1u << 20)
@@ -61,6 +61,8 @@ enum tb_cmd {
     TB_CMD_PEER_ACCEPT,      // u64 token           reply: u64 peer id (0: nobody came in time)
     TB_CMD_PEER_SEND,        // tb_peer_range       posted: send a buffer range to a peer (also the data frame on a peer link)
     TB_CMD_PEER_RECV,        // tb_peer_range       posted: receive the peer's next range into a buffer range
+    TB_CMD_TRANSPORT_OFFER,  // tb_transport_req    reply: tb_transport_reply (a segment for this connection, or why not)
+    TB_CMD_TRANSPORT_SWITCH, // u32 1: attached, switch now; 0: could not, stay  posted, always over TCP
     TB_CMD_COUNT_,
 };
 
@@ -114,6 +116,18 @@ struct tb_hello {            // request and reply share it; the node fills the d
 // The device is ggml's CPU backend: a head with the same ggml_build answers
 // supports_op with its own CPU device (the same code) instead of asking.
 #define TB_CAP_SUPPORTS_OP_IS_CPU   2u
+// The node offers shared memory (TRANSPORT_OFFER) to a head on its own host.
+#define TB_CAP_SHM                  4u
+
+// TRANSPORT_OFFER: the ring the head asks for. The node may answer another
+// geometry (tb_shm_offer says which); kind 1 is shared memory, the only one yet.
+#define TB_TRANSPORT_SHM 1u
+struct tb_transport_req { uint32_t kind; uint32_t slots; uint32_t stride; uint32_t reserved; };
+// The answer: a segment made for this connection, or why not (declined[0] != 0).
+struct tb_transport_reply { struct tb_shm_offer offer; char declined[160]; };
+
+// Whether a request is posted (no reply; failures are sticky).
+bool tb_cmd_posted(uint16_t cmd);
 
 // Grow *buf (capacity *cap) to hold at least `need` bytes; contents are kept.
 // 0, or -1 (out of memory) with *buf and *cap unchanged.

@@ -23,6 +23,7 @@ struct tbrpc_node_info {
     struct tb_hello hello;           // what the node said at the handshake
     int      failed;
     char     error[512];
+    char     transport[96];          // what carries the bytes and why: "shm 16x64K", "tcp: the node is on another host"
     uint64_t bytes_sent;
     uint64_t bytes_received;
     uint64_t round_trips;            // requests that waited for an answer
@@ -35,7 +36,9 @@ struct tbrpc_node_info {
 
 struct tbrpc_client * tbrpc_client_new(void);
 // Connect and handshake. Returns the node's index, or -1 with err.
-int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, char * err, size_t err_len);
+// transport: "tcp" forces TCP; NULL or "auto": shared memory with a node on this host, else TCP.
+int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
+                             char * err, size_t err_len);
 // Register the registry and its devices with the ggml this library is
 // linked against (once; later nodes are registered as they are added).
 int    tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len);

@@ -83,12 +83,16 @@ struct tb_transport * tb_tcp_from_fd(int fd, int timeout_ms);
 
 // The socket under a TCP transport (a shared-memory ring keeps it as doorbell and liveness).
 int tb_tcp_fd(struct tb_transport * t);
+// 1 when both ends of the connection have the same address: the peer is on this host.
+int tb_tcp_same_host(struct tb_transport * t);
 
 // --- Shared memory (transport/shm.c) -----------------------------------------
 // A ring of frames (transport/ring.h) in a segment the node creates and the
 // head attaches to; the TCP connection they negotiated it over stays open as
 // doorbell and liveness. The offer travels in the protocol's UPGRADE reply.
 #define TB_SHM_NAME_LEN 32
+#define TB_SHM_SLOTS    16            // what a head asks for: 16 frames of 64 KiB each way
+#define TB_SHM_STRIDE   (64u * 1024)
 struct tb_shm_offer {
     uint32_t slots;
     uint32_t stride;
@@ -99,8 +103,9 @@ struct tb_shm;   // a mapped segment, not yet a transport
 struct tb_shm * tb_shm_create(uint32_t slots, uint32_t stride, struct tb_shm_offer * offer, char * err, size_t err_len);
 struct tb_shm * tb_shm_attach(const struct tb_shm_offer * offer, char * err, size_t err_len);
 void tb_shm_discard(struct tb_shm * s);   // unmap (and unlink, on the creating side)
-// One transport from an attached segment and its TCP connection (owns both,
-// also on failure). The creator's name is unlinked here.
+// One transport from an attached segment and its TCP connection: it owns
+// both, or on failure (NULL) has discarded the segment and left the TCP
+// connection to the caller. The creator's name is unlinked here.
 struct tb_transport * tb_shm_transport(struct tb_shm * s, struct tb_transport * tcp, char * err, size_t err_len);
 
 // Split "host:port" (or "[v6]:port") into parts. Returns 0 or -1 with err.

@@ -76,14 +76,15 @@ int  tb_node_worker_serve(const struct tb_node_config * cfg, int client_fd, int 
                           char * err, size_t err_len);
 
 struct tbrpc_node_info { char endpoint[...]; char device_name[...]; struct tb_hello hello; int failed;
-                         char error[...]; uint64_t bytes_sent; uint64_t bytes_received; uint64_t round_trips;
+                         char error[...]; char transport[...]; uint64_t bytes_sent; uint64_t bytes_received; uint64_t round_trips;
                          uint64_t messages; uint64_t graphs_sent; uint64_t graphs_reused;
                          uint64_t bytes_from_files; uint64_t peer_copies; ...; };
 struct tb_file_identity { uint64_t size; uint8_t fingerprint[16]; };
 int tbrpc_file_identity(const char * path, struct tb_file_identity * out, char * err, size_t err_len);
 struct tbrpc_client;
 struct tbrpc_client * tbrpc_client_new(void);
-int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, char * err, size_t err_len);
+int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
+                             char * err, size_t err_len);
 int    tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len);
 size_t tbrpc_client_node_count(struct tbrpc_client * c);
 int    tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out);

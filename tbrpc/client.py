@@ -10,6 +10,7 @@ connected.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -17,6 +18,7 @@ from typing import Any, Callable, Sequence
 from tbrpc.native import TbrpcError, error_buffer, load, text
 
 DEFAULT_TIMEOUT_S = 10.0
+TRANSPORTS = ("auto", "tcp")
 
 
 class NodeError(TbrpcError):
@@ -42,6 +44,7 @@ class NodeInfo:
     graphs_reused: int
     bytes_from_files: int     # weights the node read from its own copy of the model
     peer_copies: int = 0      # activations it sent straight to the next node
+    transport: str = ""       # what carries the bytes, and why: "shm 16x64K", "tcp: the node is on another host"
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,12 @@ class Cluster:
         self._endpoints: list[str] = []
         self._lock = threading.Lock()
 
-    def add(self, endpoint: str, timeout: float) -> str:
-        """Connect to `endpoint` (once) and return its ggml device name."""
+    def add(self, endpoint: str, timeout: float, transport: str = "auto") -> str:
+        """Connect to `endpoint` (once) and return its ggml device name.
+
+        transport: "auto" (shared memory with a node on this host, else TCP) or "tcp"."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
         with self._lock:
             if endpoint in self._endpoints:
                 info = self.info(self._endpoints.index(endpoint))
@@ -86,7 +93,8 @@ class Cluster:
                     raise NodeError(f"{info.error}; restart this process to reconnect to {endpoint}")
                 return info.device_name
             err = error_buffer()
-            index = self._lib.tbrpc_client_add_node(self._client, endpoint.encode(), int(timeout * 1000), err, len(err))
+            index = self._lib.tbrpc_client_add_node(self._client, endpoint.encode(), int(timeout * 1000),
+                                                    transport.encode(), err, len(err))
             if index < 0:
                 raise NodeError(text(err))
             self._endpoints.append(endpoint)
@@ -113,7 +121,7 @@ class Cluster:
             mem_free=h.mem_free, mem_total=h.mem_total, failed=bool(out.failed), error=text(out.error),
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, round_trips=out.round_trips,
             messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
-            bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies,
+            bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies, transport=text(out.transport),
         )
 
     def device_names(self) -> list[str]:
@@ -172,8 +180,16 @@ def cluster() -> Cluster:
         return _cluster
 
 
-def connect(nodes: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
+def default_transport() -> str:
+    """TBRPC_TRANSPORT=tcp keeps every connection on TCP; otherwise "auto"."""
+    return os.environ.get("TBRPC_TRANSPORT", "auto") or "auto"
+
+
+def connect(nodes: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, transport: str | None = None) -> list[str]:
     """Connect to each "host:port" node; return their ggml device names, in order.
+
+    `transport` ("auto" or "tcp"; default: TBRPC_TRANSPORT, else "auto")
+    applies to connections made now; ``nodes()`` says what each one got.
 
     After this, a plain ``llama_cpp.Llama(..., n_gpu_layers=-1, tensor_split=[...])``
     places layers on the nodes. Raises NodeError naming the first node that is
@@ -182,7 +198,7 @@ def connect(nodes: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> list[st
     if isinstance(nodes, str):
         raise TypeError('connect() takes a list of "host:port" strings')
     c = cluster()
-    return [c.add(endpoint, timeout) for endpoint in nodes]
+    return [c.add(endpoint, timeout, transport or default_transport()) for endpoint in nodes]
 
 
 def _install_error_hooks(c: Cluster) -> None:
@@ -243,6 +259,6 @@ def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[NodeInfo, 
         endpoint=endpoint, device_name="", node_name=text(hello.node_name), node_device=text(hello.device_name),
         description=text(hello.device_description), mem_free=hello.mem_free, mem_total=hello.mem_total,
         failed=False, error="", bytes_sent=0, bytes_received=0, round_trips=0, messages=0, graphs_sent=0,
-        graphs_reused=0, bytes_from_files=0,
+        graphs_reused=0, bytes_from_files=0, transport="tcp: a probe connection",
     )
     return info, _status_from_c(status)

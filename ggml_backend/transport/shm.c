@@ -269,7 +269,6 @@ struct tb_transport * tb_shm_transport(struct tb_shm * s, struct tb_transport * 
         snprintf(err, err_len, "out of memory for a shared-memory ring");
         free(t);
         tb_shm_discard(s);
-        tb_close(tcp);
         return NULL;
     }
     if (s->named) shm_unlink(s->name);   // attached: nobody else may open it now

@@ -142,6 +142,22 @@ static void describe_peer(int fd, char * out, size_t out_len) {
     snprintf(out, out_len, "%s:%s", host, port);
 }
 
+int tb_tcp_same_host(struct tb_transport * base) {
+    int fd = ((struct tcp_transport *) base)->fd;
+    struct sockaddr_storage mine, theirs;
+    socklen_t ml = sizeof mine, tl = sizeof theirs;
+    if (getsockname(fd, (struct sockaddr *) &mine, &ml) != 0 || getpeername(fd, (struct sockaddr *) &theirs, &tl) != 0) return 0;
+    if (mine.ss_family != theirs.ss_family) return 0;
+    if (mine.ss_family == AF_INET) {
+        return ((struct sockaddr_in *) &mine)->sin_addr.s_addr == ((struct sockaddr_in *) &theirs)->sin_addr.s_addr;
+    }
+    if (mine.ss_family == AF_INET6) {
+        return memcmp(&((struct sockaddr_in6 *) &mine)->sin6_addr, &((struct sockaddr_in6 *) &theirs)->sin6_addr,
+                      sizeof(struct in6_addr)) == 0;
+    }
+    return mine.ss_family == AF_UNIX;
+}
+
 int tb_tcp_fd(struct tb_transport * base) {
     return ((struct tcp_transport *) base)->fd;
 }
