@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tbrpc.cluster import ClusterError, ClusterNode, Node, make_node, read_cluster_file
+from tbrpc.cluster import ClusterError, ClusterNode, Node, read_cluster_file
 
 DEFAULT_FILE_NAME = "tbrpc.toml"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -146,22 +146,13 @@ def load_specs(path: str | Path) -> list[NodeSpec]:
     return [spec_from_table(t, e.given, f"{path}: node {e.name}") for t, e in zip(tables, entries)]
 
 
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def local_specs(n: int, threads: int | None = None) -> list[NodeSpec]:
-    """N nodes on this machine on free loopback ports, sharing its RAM and cores."""
+    """N nodes on this machine on free loopback ports, sharing its cores (and, as they report it, its memory)."""
     if n < 1:
         raise ClusterError("--local needs at least one node")
-    share = physical_memory() // n
-    kind = "metal" if sys.platform == "darwin" else "cpu"   # on a Mac the nodes serve Metal: its wired-memory cap applies
     per_node_threads = threads if threads is not None else max(1, (os.cpu_count() or 1) // n)
-    return [
-        NodeSpec(name=f"local{i}", host="127.0.0.1", port=0, start="local", threads=per_node_threads,
-                 plan_node=make_node(f"local{i}", share, host="127.0.0.1", port=0, kind=kind))
-        for i in range(n)
-    ]
+    return [NodeSpec(name=f"local{i}", host="127.0.0.1", port=0, start="local", threads=per_node_threads)
+            for i in range(n)]
 
 
 def endpoint_specs(endpoints: list[str]) -> list[NodeSpec]:
