@@ -41,7 +41,10 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 
 @main.command()
 @click.option("--gguf", "gguf_path", required=True, type=click.Path(exists=True, dir_okay=False), help="Model file, or any shard of a split set.")
-@click.option("--cluster", "cluster_file", type=click.Path(exists=True, dir_okay=False), help="TOML file with one [[node]] table per machine.")
+@click.option("--cluster", "cluster_file", type=click.Path(exists=True, dir_okay=False),
+              help="TOML file with one [[node]] table per machine; nodes without `memory` are asked for theirs.")
+@click.option("--offline", is_flag=True, help="Do not ask the cluster file's nodes: use its `memory` figures (every node needs one).")
+@click.option("--timeout", default=3.0, show_default=True, type=float, help="Seconds each node has to answer.")
 @click.option("--node", "node_flags", multiple=True, metavar="NAME=SIZE", help="A node and its RAM, e.g. mac1=512GiB (repeat; first is the head).")
 @click.option("--nodes", "nodes_flag", metavar="NxSIZE", help="N identical nodes, e.g. 4x512GiB.")
 @click.option("--ctx", type=int, default=None, help="Context length in tokens [default: min(32768, training context)].")
@@ -56,7 +59,8 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--head-device", type=click.Choice(["gpu", "cpu", "none"]), default="gpu", show_default=True,
               help="Backend the head runs its own layers on; none: every layer on a node (as `tbrpc launch` does).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sizes in bytes).")
-def plan(gguf_path: str, cluster_file: str | None, node_flags: tuple[str, ...], nodes_flag: str | None, ctx: int | None,
+def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float, node_flags: tuple[str, ...],
+         nodes_flag: str | None, ctx: int | None,
          cache_type_k: str, cache_type_v: str, ubatch: int, batch: int | None, flash_attn: bool | None, swa_full: bool,
          margin: str, metal_fraction: float, head_device: str, as_json: bool) -> None:
     """Say whether a model fits a cluster, which layers go where, and the llama.cpp flags. Exit 1 if it does not fit."""
@@ -69,7 +73,7 @@ def plan(gguf_path: str, cluster_file: str | None, node_flags: tuple[str, ...], 
         if cluster_file and (node_flags or nodes_flag):
             raise ValueError("use either --cluster or --node/--nodes")
         if cluster_file:
-            nodes = load_cluster_file(cluster_file, metal_fraction)
+            nodes = load_cluster_file(cluster_file, metal_fraction, ask=not offline, timeout=timeout)
         else:
             nodes = nodes_from_flags(list(node_flags), nodes_flag, metal_fraction)
         result = make_plan(gguf_path, nodes, ctx=ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v, ubatch=ubatch,

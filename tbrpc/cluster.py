@@ -4,17 +4,27 @@ Sources: a TOML cluster file (one ``[[node]]`` table per machine), repeated
 ``--node NAME=SIZE`` flags, or ``--nodes NxSIZE``.  The first node is the head:
 the machine that runs llama-cpp-python.
 
+A cluster file may leave out ``memory``: every node reports its device's
+memory when a client says HELLO, so the planner can ask it instead
+(``load_cluster_file(..., ask=True)``, ``size_nodes``).  A figure the file
+does give is a cap: with the node's answer the planner takes the smaller of
+the two, without it (planning offline, or the node is down) the file's.
+
 On Apple silicon the GPU may only wire part of unified memory: macOS caps it
 at about 75% of RAM on large machines unless ``iogpu.wired_limit_mb`` is
-raised.  That cap, not the RAM size, is what the model must fit in, so every
-node carries an explicit limit and the plan says which one it assumed.
+raised.  That cap, not the RAM size, is what the model must fit in, so a
+node given by its RAM carries an explicit limit and the plan says which one
+it assumed.  A Metal node that is asked reports the cap itself (ggml-metal:
+recommendedMaxWorkingSetSize, less what the node process has allocated).
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +36,14 @@ DEFAULT_METAL_FRACTION = 0.75
 DEFAULT_PORT = 50052
 
 _KINDS = ("metal", "cpu")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_ASK_TIMEOUT_S = 3.0
+
+# Where a node's usable figure came from (Node.memory_from)
+GIVEN = "given"                  # make_node's caller
+FROM_FILE = "cluster file"
+FROM_FLAGS = "command line"      # --node / --nodes
+FROM_NODE = "node"               # what the node reported at HELLO
 
 
 class ClusterError(ValueError):
@@ -34,13 +52,17 @@ class ClusterError(ValueError):
 
 @dataclass(frozen=True)
 class Node:
+    """A node as the planner sees it: a name and the bytes the model may use there."""
+
     name: str
-    memory_bytes: int  # physical RAM
+    memory_bytes: int  # physical RAM (for a figure the node reported: its device's total)
     usable_bytes: int  # what the model may use on this node
-    limit_source: str  # human explanation of how usable_bytes was chosen
+    limit_source: str  # human explanation of where usable_bytes came from and how it was chosen
     host: str = ""
     port: int = DEFAULT_PORT
     kind: str = "metal"
+    memory_from: str = GIVEN  # FROM_FILE, FROM_FLAGS, FROM_NODE or GIVEN: whose figure usable_bytes is
+    reported_bytes: int | None = None  # what the node reported (its share of it), when it was asked
 
 
 def _usable(memory: int, kind: str, usable: int | None, wired_limit: int | None, fraction: float) -> tuple[int, str]:
@@ -79,8 +101,48 @@ def make_node(
     return Node(name, mem, usable, source, host, port, kind)
 
 
-def load_cluster_file(path: str | Path, metal_fraction: float = DEFAULT_METAL_FRACTION) -> list[Node]:
-    """Read ``[[node]]`` tables; keys other than ours are left to other tools (the launcher)."""
+def with_origin(node: Node, origin: str) -> Node:
+    """`node`, its figure labelled as coming from `origin` (the cluster file, the command line)."""
+    return replace(node, memory_from=origin, limit_source=f"{origin} ({node.limit_source})")
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One ``[[node]]`` table as the planner reads it: where the node is, and its memory if the file says."""
+
+    name: str
+    host: str
+    port: int
+    given: Node | None  # the file's figure (`memory`, `usable_memory`, ...): a cap; None: ask the node
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a node said about its device's memory at HELLO."""
+
+    device: str  # the node's ggml device (CPU, MTL0, ...)
+    free: int
+    total: int
+
+    @property
+    def usable(self) -> int:
+        """Free memory (a device that reports no free figure: its total)."""
+        return min(self.free, self.total) or self.total
+
+
+@dataclass(frozen=True)
+class NoAnswer:
+    """A node that was asked for its memory and did not answer."""
+
+    why: str
+
+
+def read_cluster_file(path: str | Path, metal_fraction: float = DEFAULT_METAL_FRACTION) -> list[ClusterNode]:
+    """Read ``[[node]]`` tables, memory optional; keys other than ours are left to other tools (the launcher)."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -93,24 +155,141 @@ def load_cluster_file(path: str | Path, metal_fraction: float = DEFAULT_METAL_FR
     return nodes
 
 
-def _node_from_table(table: dict[str, Any], index: int, path: str | Path, fraction: float) -> Node:
+def load_cluster_file(path: str | Path, metal_fraction: float = DEFAULT_METAL_FRACTION, *, ask: bool = False,
+                      timeout: float = DEFAULT_ASK_TIMEOUT_S) -> list[Node]:
+    """The planner's nodes of a cluster file.
+
+    ``ask=False`` plans offline: every node needs `memory` (or `usable_memory`).
+    ``ask=True`` asks every node for its memory (``timeout`` seconds each, in
+    parallel) and sizes them with ``size_nodes``.
+    """
+    entries = read_cluster_file(path, metal_fraction)
+    return size_nodes(entries, ask_nodes(entries, timeout) if ask else [None] * len(entries))
+
+
+def _node_from_table(table: dict[str, Any], index: int, path: str | Path, fraction: float) -> ClusterNode:
     where = f"{path}: node #{index + 1}"
-    for key in ("name", "host", "port", "memory"):
+    for key in ("name", "host", "port"):
         if key not in table:
             raise ClusterError(f"{where}: missing required key {key!r}")
+    name, kind = str(table["name"]), str(table.get("kind", "metal"))
     try:
-        return make_node(
-            str(table["name"]),
-            table["memory"],
+        port = int(table["port"])
+        if "memory" in table:
+            ram = table["memory"]
+        elif "usable_memory" in table:   # a cap on its own: the node's RAM is what it reports
+            ram = table["usable_memory"]
+        elif "wired_limit" in table and kind == "metal":
+            ram = table["wired_limit"]
+        else:
+            if kind not in _KINDS:
+                raise ClusterError(f"node {name}: kind must be one of {', '.join(_KINDS)}, not {kind!r}")
+            for key in ("wired_limit", "metal_fraction"):
+                if key in table:
+                    raise ClusterError(f"{key} needs `memory` (the node's RAM)")
+            return ClusterNode(name, str(table["host"]), port, None)
+        given = make_node(
+            name,
+            ram,
             host=str(table["host"]),
-            port=int(table["port"]),
-            kind=str(table.get("kind", "metal")),
+            port=port,
+            kind=kind,
             usable_memory=table.get("usable_memory"),
             wired_limit=table.get("wired_limit"),
             metal_fraction=float(table.get("metal_fraction", fraction)),
         )
     except ValueError as exc:
         raise ClusterError(f"{where}: {exc}") from exc
+    return ClusterNode(name, given.host, given.port, with_origin(given, FROM_FILE))
+
+
+def ask_nodes(entries: Sequence[ClusterNode], timeout: float = DEFAULT_ASK_TIMEOUT_S) -> list[Report | NoAnswer]:
+    """Ask every node for its memory (a handshake, in parallel); a node without a fixed port cannot be asked."""
+    try:
+        from tbrpc.client import probe
+        from tbrpc.native import TbrpcError, load
+
+        load()
+    except (ImportError, RuntimeError) as exc:   # tbrpc's C library unbuilt, or the wrong llama-cpp-python
+        return [NoAnswer(f"cannot ask nodes from here: {exc}")] * len(entries)
+
+    def ask(entry: ClusterNode) -> Report | NoAnswer:
+        if not entry.port:
+            return NoAnswer("port 0: it has a port only while `tbrpc launch` runs it")
+        try:
+            info, _ = probe(entry.endpoint, timeout=timeout)
+        except TbrpcError as exc:
+            return NoAnswer(str(exc))
+        return Report(info.node_device, info.mem_free, info.mem_total)
+
+    if not entries:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(entries))) as pool:
+        return list(pool.map(ask, entries))
+
+
+def _machine(host: str) -> str:
+    return "this machine" if host in _LOOPBACK else host
+
+
+def size_nodes(entries: Sequence[ClusterNode], answers: Sequence[Report | NoAnswer | None]) -> list[Node]:
+    """The planner's nodes from the cluster file's figures and what the nodes answered (None: not asked).
+
+    A node's figure is the file's when the node was not asked or did not
+    answer; what it reported when the file gives none; the smaller of the two
+    otherwise.  Nodes on one machine (the same `host`, loopback counting as
+    one) that report the same device share what it reports equally.  A node
+    with neither figure is a ClusterError naming every such node.
+    """
+    if len(entries) != len(answers):
+        raise ValueError(f"{len(entries)} nodes but {len(answers)} answers")
+    sharing: dict[tuple[str, str], int] = {}
+    for entry, answer in zip(entries, answers):
+        if isinstance(answer, Report):
+            key = (_machine(entry.host), answer.device)
+            sharing[key] = sharing.get(key, 0) + 1
+    nodes: list[Node] = []
+    missing: list[str] = []
+    for entry, answer in zip(entries, answers):
+        if isinstance(answer, Report):
+            nodes.append(_sized(entry, answer, sharing[(_machine(entry.host), answer.device)]))
+        elif entry.given is not None:
+            why = f"; the node did not answer ({answer.why})" if isinstance(answer, NoAnswer) else ""
+            nodes.append(replace(entry.given, limit_source=entry.given.limit_source + why))
+        else:
+            missing.append(_missing(entry, answer))
+    if missing:
+        raise ClusterError("\n".join(missing))
+    return nodes
+
+
+def _sized(entry: ClusterNode, report: Report, shared_by: int) -> Node:
+    share = report.usable // shared_by
+    seen = f"reported by the node ({report.device}, {format_size(report.free)} free of {format_size(report.total)})"
+    if shared_by > 1:
+        seen += f", shared by the {shared_by} nodes on {_machine(entry.host)}"
+        reported = (f"node's {format_size(share)} share of the {format_size(report.usable)} free the {shared_by} "
+                    f"nodes on {_machine(entry.host)} report")
+    else:
+        reported = f"{format_size(share)} the node reports free"
+    given = entry.given
+    if given is not None and given.usable_bytes <= share:
+        relation = "below" if given.usable_bytes < share else "equal to"
+        return replace(given, limit_source=f"{given.limit_source}, {relation} the {reported}", reported_bytes=share)
+    if given is not None:
+        seen += f", below the {format_size(given.usable_bytes)} in the {given.memory_from}"
+    # kind "cpu": the figure is all the device offers, no Metal share of RAM to apply
+    return Node(entry.name, max(report.total, share), share, seen, entry.host, entry.port, "cpu", FROM_NODE, share)
+
+
+def _missing(entry: ClusterNode, answer: NoAnswer | None) -> str:
+    add = f"add `memory = \"...\"` to its [[node]] table"
+    if answer is None:
+        return (f"node {entry.name} ({entry.endpoint}): the cluster file gives it no `memory` and the nodes were not "
+                f"asked (planning offline): {add}, or plan with the node running (`tbrpc plan` without --offline)")
+    return (f"node {entry.name} ({entry.endpoint}) did not answer ({answer.why}) and the cluster file gives it no "
+            f"`memory`: start the node (`tbrpc node --host {entry.host} --port {entry.port} --name {entry.name}`), "
+            f"or {add} to plan without it")
 
 
 _NODES_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\S+)\s*$")
@@ -127,20 +306,21 @@ def nodes_from_flags(node_flags: list[str], nodes_flag: str | None, metal_fracti
         count = int(match[1])
         if count < 1:
             raise ClusterError("--nodes needs at least one node")
-        return [make_node(f"node{i}", match[2], metal_fraction=metal_fraction) for i in range(count)]
+        return [with_origin(make_node(f"node{i}", match[2], metal_fraction=metal_fraction), FROM_FLAGS)
+                for i in range(count)]
     nodes = []
     for flag in node_flags:
         name, sep, size = flag.partition("=")
         if not sep or not name or not size:
             raise ClusterError(f"--node wants NAME=SIZE like mac1=512GiB, got {flag!r}")
-        nodes.append(make_node(name, size, metal_fraction=metal_fraction))
+        nodes.append(with_origin(make_node(name, size, metal_fraction=metal_fraction), FROM_FLAGS))
     if not nodes:
         raise ClusterError("no nodes: pass --cluster FILE, --node NAME=SIZE or --nodes NxSIZE")
     _check_unique(nodes)
     return nodes
 
 
-def _check_unique(nodes: list[Node]) -> None:
+def _check_unique(nodes: Sequence[Node | ClusterNode]) -> None:
     seen: set[str] = set()
     for node in nodes:
         if node.name in seen:

@@ -129,7 +129,7 @@ def _check_device(n: _Node, info: Any) -> None:
         return
     declared = spec.plan_node.usable_bytes if spec.plan_node else None
     if declared is None:
-        n.add("device", OK, detail)
+        n.add("device", OK, f"{detail}; no `memory` given: plan and launch use what the node reports")
     elif declared > info.mem_total:
         n.add("device", FAIL, f"{detail}; the cluster file counts on {format_size(declared)} usable",
               f"lower `usable_memory`/`memory` for {spec.name} to at most {format_size(info.mem_total)}")

@@ -28,7 +28,7 @@ import llama_cpp
 import llama_cpp.llama_cpp as llama_lib
 
 from tbrpc.client import connect
-from tbrpc.cluster import make_node
+from tbrpc.cluster import Node, Report, size_nodes
 from tbrpc.gguf_model import GGUFError
 from tbrpc.launch import LaunchError, Nodes, start_nodes
 from tbrpc.native import TbrpcError
@@ -62,20 +62,10 @@ def resolve_cluster(cluster: ClusterArg) -> list[NodeSpec]:
     return endpoint_specs(list(cluster))
 
 
-def plan_nodes(specs: Sequence[NodeSpec], nodes: Nodes) -> list[Any]:
-    """The planner's nodes: from the cluster file, else from what each node reported at the handshake."""
-    result = []
-    n_local = sum(1 for s in specs if s.start == "local" and s.plan_node is None)
-    for spec, info in zip(specs, nodes.infos):
-        if spec.plan_node is not None:
-            result.append(spec.plan_node)
-            continue
-        usable = min(info.mem_free, info.mem_total) or info.mem_total
-        if spec.start == "local" and n_local > 1:
-            usable //= n_local   # nodes on one machine share its memory
-        result.append(make_node(spec.name, max(info.mem_total, usable), host=spec.host, port=spec.port, kind="cpu",
-                                usable_memory=usable))
-    return result
+def plan_nodes(specs: Sequence[NodeSpec], nodes: Nodes) -> list[Node]:
+    """The planner's nodes: what each node reported at the handshake, capped by the cluster file's figure."""
+    return size_nodes([spec.plan_entry() for spec in specs],
+                      [Report(info.node_device, info.mem_free, info.mem_total) for info in nodes.infos])
 
 
 def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nodes: Nodes, ctx: int | None,

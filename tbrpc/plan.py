@@ -258,7 +258,7 @@ def host_bytes(p: ArchParams, c: ContextParams) -> int:
 class NodePlan:
     name: str
     usable_bytes: int
-    limit: str
+    limit: str  # where usable_bytes came from, in words (the cluster file, the node's report, ...)
     layers: tuple[int, int] | None  # inclusive [first, last]; None if the node holds none
     weights_bytes: int
     kv_bytes: int
@@ -268,6 +268,8 @@ class NodePlan:
     headroom_bytes: int  # usable - margin - total; negative means it does not fit
     shards: list[str]
     device: str  # llama.cpp device that holds the layers
+    memory_from: str = "given"  # whose figure usable_bytes is: "cluster file", "command line", "node", "given"
+    reported_bytes: int | None = None  # what the node reported (its share), when it was asked
 
     @property
     def n_layers(self) -> int:
@@ -567,7 +569,7 @@ def plan(
         tensor_split=split,
         n_gpu_layers=ngl,
         head_device=head_device,
-        notes=_notes(params, layout, nodes, context, head_device),
+        notes=_notes(params, layout, context, head_device),
         head=_head_plan(params, layout, context) if head_device == "none" else None,
     )
     if not fits and explain_shortfall:
@@ -620,6 +622,8 @@ def _node_plan(model: GGUFModel, costs: _Costs, nodes: Sequence[Node], index: in
         headroom_bytes=node.usable_bytes - margin - total,
         shards=_shards_for(model, index == 0 and costs.head_is_node, first, last, costs.params.n_layer_all),
         device=device,
+        memory_from=node.memory_from,
+        reported_bytes=node.reported_bytes,
     )
 
 
@@ -641,11 +645,8 @@ def _shards_for(model: GGUFModel, is_head: bool, first: int, last: int, n_layer_
     return [model.shards[i].path.name for i in sorted(wanted)]
 
 
-def _notes(params: ArchParams, layout: WeightLayout, nodes: Sequence[Node], c: ContextParams, head_device: str) -> list[str]:
-    by_limit: dict[str, list[str]] = {}
-    for n in nodes:
-        by_limit.setdefault(n.limit_source, []).append(n.name)
-    notes = [f"{', '.join(names)}: {limit}" for limit, names in by_limit.items()]
+def _notes(params: ArchParams, layout: WeightLayout, c: ContextParams, head_device: str) -> list[str]:
+    notes: list[str] = []
     if params.is_mla:
         notes.append("MLA (deepseek2): the KV cache holds one latent K row per token and layer; no V cache.")
     if any(params.is_swa) and c.swa_full:
@@ -740,6 +741,9 @@ def format_table(p: Plan) -> str:
     for r in rows:
         lines.append("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
     lines.append("")
+    lines.append("usable memory:")
+    lines.extend(_usable_lines(p))
+    lines.append("")
     lines.append(f"verdict  {'FITS' if p.fits else 'DOES NOT FIT'}")
     if p.shortfall:
         s = p.shortfall
@@ -763,6 +767,13 @@ def format_table(p: Plan) -> str:
         lines.append("")
         lines.extend(f"note: {note}" for note in p.notes)
     return "\n".join(lines)
+
+
+def _usable_lines(p: Plan) -> list[str]:
+    """Per node: the usable figure the plan fits it into, and where that figure came from."""
+    width = max(len(n.name) for n in p.nodes)
+    size_width = max(len(format_size(n.usable_bytes)) for n in p.nodes)
+    return [f"  {n.name.ljust(width)}  {format_size(n.usable_bytes).rjust(size_width)}  {n.limit}" for n in p.nodes]
 
 
 def _shard_summary(names: list[str]) -> str:

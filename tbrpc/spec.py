@@ -1,7 +1,7 @@
 """How each node is reached and started: the launch keys of the cluster file.
 
 The cluster file is the planner's (``tbrpc.cluster``: ``[[node]]`` tables
-with ``name``, ``host``, ``port``, ``memory``, ...). ``tbrpc launch`` and
+with ``name``, ``host``, ``port`` and optionally ``memory``, ...). ``tbrpc launch`` and
 ``tbrpc doctor`` read these extra keys from the same tables::
 
     start   = "ssh"            # "local", "ssh" or "manual" (default: ssh when `ssh` is set,
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tbrpc.cluster import ClusterError, Node, load_cluster_file, make_node
+from tbrpc.cluster import ClusterError, ClusterNode, Node, read_cluster_file
 
 DEFAULT_FILE_NAME = "tbrpc.toml"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -77,7 +77,8 @@ class NodeSpec:
     threads: int = 0
     listen: str | None = None
     node_log_file: str | None = None
-    plan_node: Node | None = field(default=None, compare=False)   # the planner's view (memory)
+    plan_node: Node | None = field(default=None, compare=False)   # the cluster file's memory figure, a cap;
+                                                                   # None: the planner uses what the node reports
 
     @property
     def endpoint(self) -> str:
@@ -86,6 +87,10 @@ class NodeSpec:
     @property
     def listen_address(self) -> str:
         return self.listen or self.host
+
+    def plan_entry(self) -> ClusterNode:
+        """This node as the planner sizes it (with what it reports at the handshake)."""
+        return ClusterNode(self.name, self.host, self.port, self.plan_node)
 
     def ssh_destination(self) -> str:
         return self.ssh.destination if self.ssh else self.host
@@ -135,28 +140,19 @@ def spec_from_table(table: dict[str, Any], plan_node: Node | None, where: str) -
 
 
 def load_specs(path: str | Path) -> list[NodeSpec]:
-    """The nodes of a cluster file, with the planner's memory view attached."""
-    plan_nodes = load_cluster_file(path)
+    """The nodes of a cluster file, with the memory figure the file gives (if any) attached."""
+    entries = read_cluster_file(path)
     tables = tomllib.loads(Path(path).read_text())["node"]
-    return [spec_from_table(t, n, f"{path}: node {n.name}") for t, n in zip(tables, plan_nodes)]
-
-
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return [spec_from_table(t, e.given, f"{path}: node {e.name}") for t, e in zip(tables, entries)]
 
 
 def local_specs(n: int, threads: int | None = None) -> list[NodeSpec]:
-    """N nodes on this machine on free loopback ports, sharing its RAM and cores."""
+    """N nodes on this machine on free loopback ports, sharing its cores (and, as they report it, its memory)."""
     if n < 1:
         raise ClusterError("--local needs at least one node")
-    share = physical_memory() // n
-    kind = "metal" if sys.platform == "darwin" else "cpu"   # on a Mac the nodes serve Metal: its wired-memory cap applies
     per_node_threads = threads if threads is not None else max(1, (os.cpu_count() or 1) // n)
-    return [
-        NodeSpec(name=f"local{i}", host="127.0.0.1", port=0, start="local", threads=per_node_threads,
-                 plan_node=make_node(f"local{i}", share, host="127.0.0.1", port=0, kind=kind))
-        for i in range(n)
-    ]
+    return [NodeSpec(name=f"local{i}", host="127.0.0.1", port=0, start="local", threads=per_node_threads)
+            for i in range(n)]
 
 
 def endpoint_specs(endpoints: list[str]) -> list[NodeSpec]:

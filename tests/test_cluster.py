@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tbrpc.cluster import ClusterError, load_cluster_file, make_node, nodes_from_flags
+from tbrpc.cluster import (
+    FROM_FILE, ClusterError, ClusterNode, NoAnswer, Node, Report, load_cluster_file, make_node, nodes_from_flags,
+    read_cluster_file, size_nodes, with_origin,
+)
 from tbrpc.units import GiB, format_size, parse_size
 
 
@@ -59,13 +62,21 @@ def test_cluster_file_ignores_keys_for_other_tools(tmp_path: Path) -> None:
     )
     head, second = load_cluster_file(path)
     assert (head.name, head.host, head.port, head.usable_bytes) == ("mac1", "10.0.0.1", 50052, 384 * GiB)
-    assert (second.name, second.usable_bytes, second.limit_source) == ("mac2", 180 * GiB, "usable_memory set explicitly")
+    assert (second.name, second.usable_bytes, second.limit_source) == ("mac2", 180 * GiB,
+                                                                       "cluster file (usable_memory set explicitly)")
+    assert (second.memory_from, second.reported_bytes) == ("cluster file", None)
 
 
 def test_cluster_file_errors_name_the_problem(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text('[[node]]\nname = "a"\nhost = "h"\nport = 1\n')
-    with pytest.raises(ClusterError, match="missing required key 'memory'"):
+    with pytest.raises(ClusterError) as offline:
+        load_cluster_file(path)   # offline: nobody to ask
+    assert str(offline.value) == ('node a (h:1): the cluster file gives it no `memory` and the nodes were not asked '
+                                  '(planning offline): add `memory = "..."` to its [[node]] table, or plan with the '
+                                  'node running (`tbrpc plan` without --offline)')
+    path.write_text('[[node]]\nname = "a"\nport = 1\nmemory = "1GiB"\n')
+    with pytest.raises(ClusterError, match="missing required key 'host'"):
         load_cluster_file(path)
     path.write_text('[[node]]\nname = "a"\nhost = "h"\nport = 1\nmemory = "1GiB"\n[[node]]\nname = "a"\nhost = "h"\nport = 2\nmemory = "1GiB"\n')
     with pytest.raises(ClusterError, match="used twice"):
@@ -88,3 +99,96 @@ def test_flags() -> None:
     with pytest.raises(ClusterError):
         nodes_from_flags([], None)
     assert format_size(nodes[0].usable_bytes) == "384.0 GiB"
+
+
+# --- memory from the cluster file, from the nodes, or both -----------------------------
+
+
+def test_memory_is_optional(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        """
+        [[node]]
+        name = "asks"
+        host = "10.0.0.1"
+        port = 50052
+
+        [[node]]
+        name = "capped"
+        host = "10.0.0.2"
+        port = 50052
+        usable_memory = "20GiB"   # a cap on its own
+
+        [[node]]
+        name = "wired"
+        host = "10.0.0.3"
+        port = 50052
+        wired_limit = "400GiB"
+        """
+    )
+    asks, capped, wired = read_cluster_file(path)
+    assert asks == ClusterNode("asks", "10.0.0.1", 50052, None)
+    assert capped.given is not None and capped.given.usable_bytes == 20 * GiB
+    assert capped.given.limit_source == "cluster file (usable_memory set explicitly)"
+    assert wired.given is not None and wired.given.usable_bytes == 400 * GiB
+    path.write_text('[[node]]\nname = "x"\nhost = "h"\nport = 1\nmetal_fraction = 0.9\n')
+    with pytest.raises(ClusterError, match="metal_fraction needs `memory`"):
+        read_cluster_file(path)
+    path.write_text('[[node]]\nname = "x"\nhost = "h"\nport = 1\nkind = "cpu"\nwired_limit = "8GiB"\n')
+    with pytest.raises(ClusterError, match="wired_limit needs `memory`"):
+        read_cluster_file(path)
+
+
+CPU_24 = Report("CPU", 24 * GiB, 24 * GiB)
+
+
+def load_node(node: Node) -> Node:
+    """`node` as read from a cluster file."""
+    return with_origin(node, FROM_FILE)
+
+
+def test_reported_figures_and_caps() -> None:
+    cap = make_node("b", "8GiB", kind="cpu")
+    big = make_node("c", "1TiB", kind="cpu")
+    entries = [ClusterNode("a", "10.0.0.1", 1, None),
+               ClusterNode("b", "10.0.0.2", 1, load_node(cap)),
+               ClusterNode("c", "10.0.0.3", 1, load_node(big))]
+    a, b, c = size_nodes(entries, [Report("MTL0", 300 * GiB, 384 * GiB), CPU_24, CPU_24])
+    assert (a.usable_bytes, a.memory_from, a.reported_bytes) == (300 * GiB, "node", 300 * GiB)
+    assert a.limit_source == "reported by the node (MTL0, 300.0 GiB free of 384.0 GiB)"
+    assert (b.usable_bytes, b.memory_from, b.reported_bytes) == (8 * GiB, "cluster file", 24 * GiB)
+    assert b.limit_source == "cluster file (CPU node: all RAM), below the 24.0 GiB the node reports free"
+    assert (c.usable_bytes, c.memory_from, c.reported_bytes) == (24 * GiB, "node", 24 * GiB)
+    assert c.limit_source == "reported by the node (CPU, 24.0 GiB free of 24.0 GiB), below the 1.00 TiB in the cluster file"
+    # a device that reports no free memory: its total
+    (z,) = size_nodes(entries[:1], [Report("CPU", 0, 16 * GiB)])
+    assert z.usable_bytes == 16 * GiB
+
+
+def test_nodes_on_one_machine_share_what_it_reports() -> None:
+    entries = [ClusterNode("l0", "127.0.0.1", 1, None), ClusterNode("l1", "localhost", 2, None),
+               ClusterNode("l2", "127.0.0.1", 3, load_node(make_node("l2", "4GiB", kind="cpu"))),
+               ClusterNode("gpu", "127.0.0.1", 4, None)]
+    l0, l1, l2, gpu = size_nodes(entries, [CPU_24, CPU_24, CPU_24, Report("CUDA0", 10 * GiB, 12 * GiB)])
+    assert l0.usable_bytes == l1.usable_bytes == 8 * GiB   # 24 GiB over the three CPU nodes on loopback
+    assert l0.limit_source == "reported by the node (CPU, 24.0 GiB free of 24.0 GiB), shared by the 3 nodes on this machine"
+    assert (l2.usable_bytes, l2.reported_bytes) == (4 * GiB, 8 * GiB)
+    assert l2.limit_source == ("cluster file (CPU node: all RAM), below the node's 8.0 GiB share of the 24.0 GiB free "
+                               "the 3 nodes on this machine report")
+    assert gpu.usable_bytes == 10 * GiB   # another device: not shared
+
+
+def test_a_node_that_does_not_answer() -> None:
+    given = load_node(make_node("b", "8GiB", kind="cpu"))
+    entries = [ClusterNode("a", "10.0.0.1", 50052, None), ClusterNode("b", "10.0.0.2", 50052, given)]
+    (b,) = size_nodes(entries[1:], [NoAnswer("connection refused")])
+    assert (b.usable_bytes, b.memory_from, b.reported_bytes) == (8 * GiB, "cluster file", None)
+    assert b.limit_source == "cluster file (CPU node: all RAM); the node did not answer (connection refused)"
+    (b,) = size_nodes(entries[1:], [None])   # offline
+    assert b.limit_source == "cluster file (CPU node: all RAM)"
+    with pytest.raises(ClusterError) as missing:
+        size_nodes(entries, [NoAnswer("connection refused"), NoAnswer("timed out")])
+    assert str(missing.value) == (
+        "node a (10.0.0.1:50052) did not answer (connection refused) and the cluster file gives it no `memory`: "
+        "start the node (`tbrpc node --host 10.0.0.1 --port 50052 --name a`), or add `memory = \"...\"` to its "
+        "[[node]] table to plan without it")

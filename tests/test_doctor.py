@@ -23,6 +23,7 @@ from launch_helpers import ENV, free_port
 from tbrpc.doctor import FAIL, OK, WARN, Check, _check_linux, _check_macos, _Node, diagnose, failed, format_checks
 from tbrpc.facts import file_fingerprint, linux_facts, model_identity, sampled_ranges
 from tbrpc.spec import NodeSpec, load_specs
+from tbrpc.units import format_size
 
 
 def write_cluster(path: Path, nodes: list[dict[str, Any]]) -> Path:
@@ -64,6 +65,31 @@ def test_healthy_cluster(nodes: Any, tmp_path: Path) -> None:
                           env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ("all checks passed" in proc.stdout) == thp_on, proc.stdout
+
+
+def test_cluster_file_without_memory(nodes: Any, tmp_path: Path) -> None:
+    """Every node reports its memory at HELLO: doctor needs no `memory` and says what plan and launch will use."""
+    from tbrpc import probe
+
+    model = models.ensure("llama")
+    a, b = nodes(2)
+    tables = [{k: v for k, v in node_table(name, n.port).items() if k != "memory"} for name, n in (("a", a), ("b", b))]
+    cluster = write_cluster(tmp_path / "tbrpc.toml", tables)
+    assert "memory" not in cluster.read_text()
+    checks = diagnose(load_specs(cluster), str(model))
+    table = format_checks(checks)
+    assert not failed(checks), table
+    for name, n in (("a", a), ("b", b)):
+        info, _ = probe(n.endpoint)
+        device = by(checks, name, "device")
+        assert device.status == OK, table
+        assert device.detail == (f"{info.node_device} ({info.description}), {format_size(info.mem_free)} free of "
+                                 f"{format_size(info.mem_total)}; no `memory` given: plan and launch use what the "
+                                 "node reports")
+    proc = subprocess.run([sys.executable, "-m", "tbrpc.cli", "doctor", "--cluster", str(cluster), "--gguf", str(model)],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no `memory` given: plan and launch use what the node reports" in proc.stdout
 
 
 def test_node_down_fails_with_a_fix(nodes: Any, tmp_path: Path) -> None:

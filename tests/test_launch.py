@@ -196,6 +196,22 @@ def test_does_not_fit_refuses_and_stops_nodes(tmp_path: Path) -> None:
     assert_gone(launch.node_pids())
 
 
+def test_cluster_file_without_memory(nodes: Any, tmp_path: Path) -> None:
+    """No `memory` anywhere: launch plans with what the nodes report (one it starts, one already running)."""
+    want = expected("llama")
+    (running,) = nodes(1)
+    cluster = tmp_path / "tbrpc.toml"
+    cluster.write_text('[[node]]\nname = "started"\nhost = "127.0.0.1"\nport = 0\nthreads = 1\n\n'
+                       f'[[node]]\nname = "running"\nhost = "127.0.0.1"\nport = {running.port}\nstart = "manual"\n')
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster), "--ctx", "256",
+                          "--prompt", PROMPT, "--max-tokens", str(N_TOKENS))
+    assert launch.finish() == 0, launch.stderr
+    assert launch.stdout == want["text"] + "\n"
+    assert "tbrpc: plan: started layers 0-2, running layers 3-5" in launch.stderr, launch.stderr
+    assert_gone(launch.node_pids())
+    assert running.proc.poll() is None   # a node launch did not start is left running
+
+
 def test_not_a_model_starts_nothing(tmp_path: Path) -> None:
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"not a gguf" * 100)

@@ -36,10 +36,13 @@ def run_head(code: str) -> dict[str, Any]:
 
 
 def test_local_nodes_started_and_stopped(tmp_path: Path) -> None:
-    """cluster=N: nodes started here; close() and garbage collection both stop them."""
+    """cluster=N: nodes started here, sharing what this machine reports; close() and garbage collection stop them."""
     model = models.ensure("llama")
     out = run_head(f"""
+        from tbrpc.client import cluster
         llm = Llama({str(model)!r}, cluster=2, n_ctx=256, verbose=False, log_dir={str(tmp_path / "a")!r})
+        reported = [min(i.mem_free, i.mem_total) or i.mem_total for i in cluster().nodes()]
+        usable = [n.usable_bytes for n in llm.tbrpc_plan.nodes]
         text = llm({PROMPT!r}, max_tokens={N_TOKENS}, temperature=0)["choices"][0]["text"]
         first = tree(llm.tbrpc_node_pids)
         alive_before = all(os.path.exists(f"/proc/{{p}}") for p in first)
@@ -48,11 +51,16 @@ def test_local_nodes_started_and_stopped(tmp_path: Path) -> None:
         text2 = llm2({PROMPT!r}, max_tokens={N_TOKENS}, temperature=0)["choices"][0]["text"]
         second = tree(llm2.tbrpc_node_pids)
         devices = [llm.tbrpc_devices, llm2.tbrpc_devices]
+        usable2 = [n.usable_bytes for n in llm2.tbrpc_plan.nodes]
+        reported2 = min(cluster().info(2).mem_free, cluster().info(2).mem_total) or cluster().info(2).mem_total
         del llm2
         gc.collect()
         print(json.dumps({{"text": text, "text2": text2, "first": first, "second": second,
-                          "alive_before": alive_before, "devices": devices}}))
+                          "alive_before": alive_before, "devices": devices, "reported": reported, "usable": usable,
+                          "usable2": usable2, "reported2": reported2}}))
     """)
+    assert out["reported"][0] == out["reported"][1]   # one machine
+    assert out["usable"] == [out["reported"][0] // 2] * 2 and out["usable2"] == [out["reported2"]]
     want = expected("llama")
     assert out["text"] == want["text"] and out["text2"] == want["text"]
     assert out["alive_before"] and len(out["first"]) >= 2 and len(out["second"]) >= 1

@@ -11,17 +11,19 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as QT
+from launch_helpers import free_port
 
 from tbrpc.cli import main as cli_main
 from tbrpc.cluster import make_node, nodes_from_flags
 from tbrpc.gguf_model import GGUFError, arch_params, load_gguf, weight_layout
 from tbrpc.plan import ContextParams, Plan, PlanError, compute_bytes, plan
-from tbrpc.units import GiB, MiB
+from tbrpc.units import GiB, MiB, format_size
 from tests.fixtures_shapes import (
     DEEPSEEK_V3,
     KIMI_K2,
@@ -289,6 +291,107 @@ def test_cli_json_and_exit_codes(kimi: tuple[ModelSpec, list[Path]], tmp_path: P
     assert "DOES NOT FIT" in bad.output and "over by" in bad.output and "smallest cluster that fits" in bad.output
     table = runner.invoke(cli_main, ["plan", "--gguf", str(paths[0]), "--node", "a=512GiB", "--node", "b=512GiB", "--ctx", "32768"])
     assert table.exit_code == 0 and "FITS" in table.output and "GiB" in table.output and "-ts 31,31" in table.output
+    metal = "command line (Metal wired limit assumed 75% of RAM (macOS default); raise iogpu.wired_limit_mb to use more)"
+    assert _usable_section(table.output) == [f"  a  384.0 GiB  {metal}", f"  b  384.0 GiB  {metal}"]
+    assert [(n["memory_from"], n["reported_bytes"]) for n in data["nodes"]] == [("command line", None)] * 4
+
+
+# --- memory from the nodes themselves -------------------------------------------------
+
+
+def _reported(endpoint: str) -> tuple[str, int, int]:
+    """(device, free, total) as the node reports them at HELLO."""
+    from tbrpc import probe
+
+    info, _ = probe(endpoint)
+    return info.node_device, info.mem_free, info.mem_total
+
+
+def _plan_cli(*args: str) -> Any:
+    return CliRunner().invoke(cli_main, ["plan", "--gguf", str(_real_model("llama")), "--ctx", "512", "--margin", "0",
+                                         *args])
+
+
+def _usable_section(output: str) -> list[str]:
+    lines = output.splitlines()
+    start = lines.index("usable memory:") + 1
+    return lines[start:lines.index("", start)]
+
+
+def test_plan_asks_nodes_without_memory(nodes: Any, tmp_path: Path) -> None:
+    """No `memory`: the node's own figure, shared by the nodes on one machine; `memory` below it: a cap."""
+    a, b = nodes(2)
+    device, free, total = _reported(a.endpoint)
+    assert _reported(b.endpoint) == (device, free, total)   # one machine, one device
+    share = (min(free, total) or total) // 2
+    assert share > GiB
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(f'[[node]]\nname = "a"\nhost = "127.0.0.1"\nport = {a.port}\n\n'
+                       f'[[node]]\nname = "b"\nhost = "127.0.0.1"\nport = {b.port}\nmemory = "1GiB"\nkind = "cpu"\n')
+    out = _plan_cli("--cluster", str(cluster), "--json")
+    assert out.exit_code == 0, out.output
+    na, nb = json.loads(out.output)["nodes"]
+    assert (na["usable_bytes"], na["memory_from"], na["reported_bytes"]) == (share, "node", share)
+    assert (nb["usable_bytes"], nb["memory_from"], nb["reported_bytes"]) == (GiB, "cluster file", share)
+
+    out = _plan_cli("--cluster", str(cluster))
+    assert out.exit_code == 0, out.output
+    size = format_size(share)
+    assert _usable_section(out.output) == [
+        f"  a  {size}  reported by the node ({device}, {format_size(free)} free of {format_size(total)}), "
+        "shared by the 2 nodes on this machine",
+        f"  b  {format_size(GiB).rjust(len(size))}  cluster file (CPU node: all RAM), below the node's {size} share "
+        f"of the {format_size(min(free, total) or total)} free the 2 nodes on this machine report",
+    ]
+
+
+def test_plan_caps_and_nodes_that_are_down(nodes: Any, tmp_path: Path) -> None:
+    """`memory` above what the node reports: the report; a node that is down: the file's figure."""
+    (c,) = nodes(1)
+    device, free, total = _reported(c.endpoint)
+    usable = min(free, total) or total
+    down = free_port()
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(f'[[node]]\nname = "c"\nhost = "127.0.0.1"\nport = {c.port}\nmemory = "1TiB"\nkind = "cpu"\n\n'
+                       f'[[node]]\nname = "d"\nhost = "127.0.0.1"\nport = {down}\nmemory = "2GiB"\nkind = "cpu"\n')
+    out = _plan_cli("--cluster", str(cluster))
+    assert out.exit_code == 0, out.output
+    line_c, line_d = _usable_section(out.output)
+    width = max(len(format_size(usable)), len(format_size(2 * GiB)))
+    assert line_c == (f"  c  {format_size(usable).rjust(width)}  reported by the node ({device}, {format_size(free)} free "
+                      f"of {format_size(total)}), below the 1.00 TiB in the cluster file")
+    prefix = f"  d  {format_size(2 * GiB).rjust(width)}  cluster file (CPU node: all RAM); the node did not answer ("
+    assert line_d.startswith(prefix) and f"127.0.0.1:{down}" in line_d and line_d.endswith(")"), line_d
+
+    out = _plan_cli("--cluster", str(cluster), "--offline", "--json")   # nobody asked: the file's figures
+    assert out.exit_code == 0, out.output
+    assert [(n["usable_bytes"], n["memory_from"], n["reported_bytes"]) for n in json.loads(out.output)["nodes"]] == [
+        (1024 * GiB, "cluster file", None), (2 * GiB, "cluster file", None)]
+
+
+def test_plan_refuses_a_node_it_cannot_size(nodes: Any, tmp_path: Path) -> None:
+    """No `memory` and the node does not answer (or is not asked): an error naming it and both ways out."""
+    (up,) = nodes(1)
+    down = free_port()
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(f'[[node]]\nname = "up"\nhost = "127.0.0.1"\nport = {up.port}\n\n'
+                       f'[[node]]\nname = "gone"\nhost = "127.0.0.1"\nport = {down}\n')
+    out = _plan_cli("--cluster", str(cluster))
+    assert out.exit_code == 1
+    why = f"tbrpc node 127.0.0.1:{down}: unreachable: 127.0.0.1:{down}: cannot connect: Connection refused"
+    assert out.output == (
+        f"Error: node gone (127.0.0.1:{down}) did not answer ({why}) and the cluster file gives it no `memory`: "
+        f"start the node (`tbrpc node --host 127.0.0.1 --port {down} --name gone`), or add `memory = \"...\"` to its "
+        "[[node]] table to plan without it\n")
+    out = _plan_cli("--cluster", str(cluster), "--offline")
+    assert out.exit_code == 1
+    assert out.output == (
+        f"Error: node up (127.0.0.1:{up.port}): the cluster file gives it no `memory` and the nodes were not asked "
+        "(planning offline): add `memory = \"...\"` to its [[node]] table, or plan with the node running "
+        "(`tbrpc plan` without --offline)\n"
+        f"node gone (127.0.0.1:{down}): the cluster file gives it no `memory` and the nodes were not asked "
+        "(planning offline): add `memory = \"...\"` to its [[node]] table, or plan with the node running "
+        "(`tbrpc plan` without --offline)\n")
 
 
 # --- calibration against llama.cpp's own allocations --------------------------------
