@@ -7,6 +7,7 @@
 #include "ggml_abi.h"
 #include "model_file.h"
 #include "node_internal.h"
+#include "transport/ring.h"
 
 #include <errno.h>
 #include <fcntl.h>

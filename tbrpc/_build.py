@@ -132,7 +132,8 @@ def make_ffi() -> FFI:
         # relative to the project root: setuptools refuses absolute source paths
         sources=[f"ggml_backend/{s}" for s in C_SOURCES],
         include_dirs=[str(C_DIR), str(include)],
-        extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-format-truncation", "-pthread"],
+        extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-format-truncation",
+                            "-Werror=implicit-function-declaration", "-pthread"],
         extra_link_args=link + SYSTEM_LIBS,
     )
     return ffi
