@@ -112,6 +112,30 @@ def llama_cpp_paths() -> tuple[Path, Path, bool]:
 
 
 GGML_LIBS = ("libggml.so.0", "libggml.0.dylib")
+WARNINGS = ["-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers", "-Wno-format-truncation"]
+
+
+def ggml_link(lib: Path) -> list[str]:
+    if sys.platform == "darwin":
+        return [f"-L{lib}", "-lggml", "-lggml-base"]
+    # by SONAME: the loader then reuses the copies libllama already loaded
+    return [f"-L{lib}", "-l:libggml.so.0", "-l:libggml-base.so.0"]
+
+
+def build_program(source: Path, exe: Path, with_ggml: bool = True) -> Path:
+    """Compile a C test or benchmark program with tbrpc's C sources: all of
+    them against llama-cpp-python's ggml, or (with_ggml=False) the transports
+    alone. Warnings are errors."""
+    import subprocess
+
+    cmd = ["cc", "-std=gnu11", "-O2", *WARNINGS, "-Werror", f"-I{C_DIR}", str(source)]
+    if with_ggml:
+        include, lib, _ = llama_cpp_paths()
+        cmd += [f"-I{include}", *[str(C_DIR / s) for s in C_SOURCES], *ggml_link(lib), f"-Wl,-rpath,{lib}"]
+    else:
+        cmd += [str(C_DIR / s) for s in TRANSPORT_SOURCES]
+    subprocess.run([*cmd, *SYSTEM_LIBS, "-o", str(exe)], check=True)
+    return exe
 
 
 def make_ffi() -> FFI:
@@ -120,20 +144,14 @@ def make_ffi() -> FFI:
     ffi.cdef(CDEF)
     beside = "@loader_path/../llama_cpp/lib" if sys.platform == "darwin" else "$ORIGIN/../llama_cpp/lib"
     rpaths = [beside] + ([str(lib)] if own else [])
-    if sys.platform == "darwin":
-        link = [f"-L{lib}", "-lggml", "-lggml-base"]
-    else:
-        # by SONAME: the loader then reuses the copies libllama already loaded
-        link = [f"-L{lib}", "-l:libggml.so.0", "-l:libggml-base.so.0"]
-    link += [f"-Wl,-rpath,{path}" for path in rpaths]
+    link = ggml_link(lib) + [f"-Wl,-rpath,{path}" for path in rpaths]
     ffi.set_source(
         "tbrpc._native",
         '#include "tbrpc.h"',
         # relative to the project root: setuptools refuses absolute source paths
         sources=[f"ggml_backend/{s}" for s in C_SOURCES],
         include_dirs=[str(C_DIR), str(include)],
-        extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-format-truncation",
-                            "-Werror=implicit-function-declaration", "-pthread"],
+        extra_compile_args=["-std=gnu11", "-O2", *WARNINGS, "-Werror=implicit-function-declaration", "-pthread"],
         extra_link_args=link + SYSTEM_LIBS,
     )
     return ffi

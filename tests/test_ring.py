@@ -8,19 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tbrpc._build import C_DIR, SYSTEM_LIBS, TRANSPORT_SOURCES
+from tbrpc._build import build_program
 
 CASES = ["stream", "one_way", "peer_killed", "peer_closes", "silence_times_out_idle", "forged_frames", "attach_rules"]
 
 
 @pytest.fixture(scope="module")
 def ring_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    exe = tmp_path_factory.mktemp("c") / "ring_tests"
-    cmd = ["cc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-Wno-format-truncation",
-           f"-I{C_DIR}", str(Path(__file__).parent / "c" / "ring_tests.c"),
-           *[str(C_DIR / s) for s in TRANSPORT_SOURCES], *SYSTEM_LIBS, "-o", str(exe)]
-    subprocess.run(cmd, check=True)
-    return exe
+    return build_program(Path(__file__).parent / "c" / "ring_tests.c", tmp_path_factory.mktemp("c") / "ring_tests",
+                         with_ggml=False)
 
 
 @pytest.mark.parametrize("case", CASES)
