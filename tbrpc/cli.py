@@ -158,20 +158,17 @@ def status(cluster_file: str | None, timeout: float, endpoints: tuple[str, ...])
     """Nodes with their memory in use and clients (default: the launches running here, then ./tbrpc.toml)."""
     from tbrpc.cluster import ClusterError
     from tbrpc.spec import default_cluster_file, load_specs
-    from tbrpc.status import format_rows, query, running_launches
+    from tbrpc.status import format_rows, query, targets
 
     if endpoints:
-        nodes = [(e, e, "") for e in endpoints]
+        listed = [(e, e) for e in endpoints]
     else:
         path = cluster_file or default_cluster_file()
         try:
-            nodes = [(s.name, s.endpoint, "") for s in load_specs(path)] if path else []
+            listed = [(s.name, s.endpoint) for s in load_specs(path)] if path else []
         except ClusterError as e:
             raise click.UsageError(str(e)) from e
-        if not cluster_file:
-            for launch in running_launches():
-                tag = f"launch {launch['pid']} ({launch['model']})"
-                nodes += [(n["name"], n["endpoint"], tag) for n in launch["nodes"] if n["endpoint"] not in {e for _, e, _ in nodes}]
+    nodes = targets(listed, with_launches=not endpoints and not cluster_file)
     if not nodes:
         raise click.UsageError("no nodes: pass --cluster FILE or host:port, or start `tbrpc launch` first")
     rows = query(nodes, timeout)

@@ -182,7 +182,10 @@ def cluster() -> Cluster:
 
 def default_transport() -> str:
     """TBRPC_TRANSPORT=tcp keeps every connection on TCP; otherwise "auto"."""
-    return os.environ.get("TBRPC_TRANSPORT", "auto") or "auto"
+    chosen = os.environ.get("TBRPC_TRANSPORT", "auto") or "auto"
+    if chosen not in TRANSPORTS:
+        raise ValueError(f"TBRPC_TRANSPORT={chosen}: choose one of {', '.join(TRANSPORTS)}")
+    return chosen
 
 
 def connect(nodes: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, transport: str | None = None) -> list[str]:

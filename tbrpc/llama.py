@@ -27,6 +27,7 @@ from typing import Any
 import llama_cpp
 import llama_cpp.llama_cpp as llama_lib
 
+from tbrpc.client import cluster as client_cluster
 from tbrpc.client import connect
 from tbrpc.cluster import Node, Report, size_nodes
 from tbrpc.gguf_model import GGUFError
@@ -199,10 +200,12 @@ class Llama(llama_cpp.Llama):
                                  for n in self.tbrpc_plan.nodes) + f" (context {self.tbrpc_plan.ctx}"
             + (f"; this process keeps {format_size(head.total_bytes)})" if head else ")"))
         try:
-            self.tbrpc_devices = connect(nodes.endpoints)
+            self.tbrpc_devices = [connect([e], transport=s.transport)[0] for e, s in zip(nodes.endpoints, nodes.specs)]
         except TbrpcError as exc:
             raise type(exc)(nodes.explain("connect", str(exc))) from exc
-        say(f"connected: {', '.join(f'{d}={s.name}' for d, s in zip(self.tbrpc_devices, nodes.specs))}; loading")
+        carriers = {info.endpoint: info.transport for info in client_cluster().nodes()}
+        say("connected: " + ", ".join(f"{d}={s.name} ({carriers.get(e, '?')})" for d, s, e
+                                      in zip(self.tbrpc_devices, nodes.specs, nodes.endpoints)) + "; loading")
         for key, value in self.tbrpc_plan.llama_kwargs().items():
             if key in ("n_gpu_layers", "tensor_split", "split_mode"):
                 kwargs.setdefault(key, value)

@@ -24,7 +24,7 @@ from tbrpc.launch import LaunchError, Nodes, start_nodes
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster
 from tbrpc.native import TbrpcError
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
-from tbrpc.status import launch_record
+from tbrpc.status import launch_record, note_transports
 from tbrpc.units import format_size
 
 EXIT_OK, EXIT_FAILED, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -156,9 +156,10 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             step = "start"
             say(f"{len(specs)} node(s); node logs in {log_dir}")
             nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say, head_model=opts.gguf)
-            records.enter_context(launch_record(opts.gguf, [s.name for s in nodes.specs], nodes.endpoints))
+            record = records.enter_context(launch_record(opts.gguf, [s.name for s in nodes.specs], nodes.endpoints))
             step = "load"
             llm = _load(opts, nodes, signals, say)
+            note_transports(record, {info.endpoint: info.transport for info in client_cluster().nodes()})
             step = "generate"
             if opts.prompt is not None:
                 complete_once(llm, opts.prompt, out, opts.max_tokens, opts.temperature, opts.seed)

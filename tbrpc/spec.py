@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tbrpc.client import TRANSPORTS
 from tbrpc.cluster import ClusterError, ClusterNode, Node, read_cluster_file
 
 DEFAULT_FILE_NAME = "tbrpc.toml"
@@ -77,6 +78,7 @@ class NodeSpec:
     threads: int = 0
     listen: str | None = None
     node_log_file: str | None = None
+    transport: str | None = None     # "tcp" keeps the head's connection on TCP; None: TBRPC_TRANSPORT, else "auto"
     plan_node: Node | None = field(default=None, compare=False)   # the cluster file's memory figure, a cap;
                                                                    # None: the planner uses what the node reports
 
@@ -131,11 +133,14 @@ def spec_from_table(table: dict[str, Any], plan_node: Node | None, where: str) -
         raise ClusterError(f"{where}: start must be one of {', '.join(_STARTS)}, not {start!r}")
     if start == "ssh" and ssh is None:
         ssh = SshTarget(host=host)
+    transport = table.get("transport")
+    if transport is not None and transport not in TRANSPORTS:
+        raise ClusterError(f"{where}: transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
     return NodeSpec(
         name=str(table["name"]), host=host, port=int(table.get("port", 0)), start=start, ssh=ssh,
         python=table.get("python"), model=table.get("model"), device=table.get("device"),
         threads=int(table.get("threads", 0)), listen=table.get("listen"), node_log_file=table.get("log_file"),
-        plan_node=plan_node,
+        transport=transport, plan_node=plan_node,
     )
 
 

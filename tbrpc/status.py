@@ -4,6 +4,8 @@ Nodes come from a cluster file, from "host:port" arguments, or from the
 launches running on this machine: ``tbrpc launch`` records its nodes in a
 small JSON file for as long as it runs (``launch-<pid>.json`` in
 ``runtime_dir()``), so ``tbrpc status`` alone finds nodes on free ports too.
+Once its model is loaded a launch adds what carries each of its connections
+("shm 16x64K", "tcp: the node is on another host"), which status shows.
 """
 
 from __future__ import annotations
@@ -22,13 +24,20 @@ from tbrpc.units import format_size
 
 
 @dataclass(frozen=True)
-class Row:
+class Target:
+    """A node to ask about, and what a running launch on this machine knows of it."""
     name: str
     endpoint: str
+    launch: str = ""      # "launch <pid> (<model>)" when a running launch uses it
+    transport: str = ""   # that launch's connection to it
+
+
+@dataclass(frozen=True)
+class Row:
+    target: Target
     info: NodeInfo | None
     status: NodeStatus | None
     error: str = ""
-    launch: str = ""      # "launch <pid> (<model>)" when found through a running launch
 
 
 def runtime_dir() -> Path:
@@ -50,6 +59,16 @@ def launch_record(model: str, names: Sequence[str], endpoints: Sequence[str], ht
         path.unlink(missing_ok=True)
 
 
+def note_transports(record: Path, transports: dict[str, str]) -> None:
+    """Add to a launch record what carries the launch's connection to each endpoint."""
+    data = json.loads(record.read_text())
+    for node in data["nodes"]:
+        node["transport"] = transports.get(node["endpoint"], "")
+    partial = record.with_suffix(".partial")
+    partial.write_text(json.dumps(data))
+    partial.replace(record)
+
+
 def running_launches() -> list[dict[str, Any]]:
     """Records of launches still running on this machine (stale ones are removed)."""
     found = []
@@ -66,28 +85,49 @@ def running_launches() -> list[dict[str, Any]]:
     return found
 
 
-def query(nodes: Sequence[tuple[str, str, str]], timeout: float = 5.0) -> list[Row]:
-    """Probe each (name, endpoint, launch) node; failures become rows with the error."""
+def targets(listed: Sequence[tuple[str, str]], with_launches: bool) -> list[Target]:
+    """The (name, endpoint) nodes listed, then (if asked) the running launches'
+    other nodes; a listed node that a launch uses carries that launch's facts."""
+    found = [Target(name, endpoint) for name, endpoint in listed]
+    if not with_launches:
+        return found
+    for launch in running_launches():
+        tag = f"launch {launch['pid']} ({launch['model']})"
+        for node in launch["nodes"]:
+            known = next((i for i, t in enumerate(found) if t.endpoint == node["endpoint"]), None)
+            target = Target(found[known].name if known is not None else node["name"], node["endpoint"], tag,
+                            node.get("transport", ""))
+            if known is None:
+                found.append(target)
+            elif not found[known].launch:
+                found[known] = target
+    return found
+
+
+def query(nodes: Sequence[Target], timeout: float = 5.0) -> list[Row]:
+    """Probe each node; failures become rows with the error."""
     rows = []
-    for name, endpoint, launch in nodes:
+    for target in nodes:
         try:
-            info, status = probe(endpoint, timeout=timeout)
-            rows.append(Row(name, endpoint, info, status, launch=launch))
+            info, status = probe(target.endpoint, timeout=timeout)
+            rows.append(Row(target, info, status))
         except NodeError as exc:
-            rows.append(Row(name, endpoint, None, None, str(exc), launch))
+            rows.append(Row(target, None, None, str(exc)))
     return rows
 
 
 def format_rows(rows: Sequence[Row]) -> str:
-    header = ("node", "endpoint", "device", "in use", "from files", "buffers", "clients", "graphs", "free/total", "")
+    header = ("node", "endpoint", "device", "in use", "from files", "buffers", "clients", "graphs", "free/total",
+              "transport", "")
     table = [header]
     for r in rows:
+        t = r.target
         if r.status is None or r.info is None:
-            table.append((r.name, r.endpoint, "-", "-", "-", "-", "-", "-", "-", f"DOWN: {r.error}"))
+            table.append((t.name, t.endpoint, "-", "-", "-", "-", "-", "-", "-", "-", f"DOWN: {r.error}"))
             continue
         s = r.status
-        table.append((r.name, r.endpoint, s.device, format_size(s.bytes_allocated), format_size(s.bytes_from_files),
-                      str(s.buffers), str(s.clients),
-                      str(s.graphs_computed), f"{format_size(s.mem_free)}/{format_size(s.mem_total)}", r.launch))
+        table.append((t.name, t.endpoint, s.device, format_size(s.bytes_allocated), format_size(s.bytes_from_files),
+                      str(s.buffers), str(s.clients), str(s.graphs_computed),
+                      f"{format_size(s.mem_free)}/{format_size(s.mem_total)}", t.transport or "-", t.launch))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

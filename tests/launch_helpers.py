@@ -145,7 +145,8 @@ class Launch:
         return node_pids(self.log_dir)
 
 
-def start_launch(tmp_path: Path, *args: str, stdin_text: str | None = None, shadow: Path | None = None) -> Launch:
+def start_launch(tmp_path: Path, *args: str, stdin_text: str | None = None, shadow: Path | None = None,
+                 env: dict[str, str] | None = None) -> Launch:
     """`tbrpc launch ARGS` in the background; `shadow` is a directory put first on its PYTHONPATH."""
     log_dir = tmp_path / f"logs-{time.monotonic_ns()}"
     stdout_path = tmp_path / f"stdout-{time.monotonic_ns()}.txt"
@@ -156,7 +157,7 @@ def start_launch(tmp_path: Path, *args: str, stdin_text: str | None = None, shad
         stdin.write(stdin_text)
         stdin.seek(0)
     proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "launch", "--log-dir", str(log_dir), *args],
-                            cwd=tmp_path, env=_shadowed(shadow) if shadow else ENV, stdin=stdin, stdout=out, stderr=subprocess.PIPE,
+                            cwd=tmp_path, env=_shadowed(shadow) if shadow else env or ENV, stdin=stdin, stdout=out, stderr=subprocess.PIPE,
                             text=True)
     out.close()
     launch = Launch(proc, log_dir, stdout_path)

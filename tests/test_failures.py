@@ -45,11 +45,13 @@ def test_malformed_endpoint_is_a_clear_error() -> None:
         tbrpc.connect(["no-port-here"])
 
 
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
 @pytest.mark.parametrize("model_name", ["deepseek2", "gemma"])
-def test_node_killed_mid_generation(model_name: str, nodes: Any, tmp_path: Path) -> None:
+def test_node_killed_mid_generation(model_name: str, transport: str, nodes: Any, tmp_path: Path) -> None:
     a, b = nodes(2)
     result, _ = run_head(tmp_path, model=str(models.ensure(model_name)), prompt=PROMPT, n_predict=12,
-                         nodes=[a.endpoint, b.endpoint], kill={"pid": b.proc.pid, "after_tokens": 3})
+                         nodes=[a.endpoint, b.endpoint], kill={"pid": b.proc.pid, "after_tokens": 3},
+                         transport=transport)
     # the head process survived (run_head checks its exit code) and raised NodeError naming node b
     assert result["error"] is not None
     assert result["error"]["type"] == "NodeError"
@@ -89,12 +91,13 @@ def test_an_old_failure_does_not_fail_a_new_model(tmp_path: Path) -> None:
     assert "FIRST tbrpc node" in proc.stdout and "SECOND" in proc.stdout, proc.stdout
 
 
-def test_stalled_node_times_out(nodes: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_stalled_node_times_out(transport: str, nodes: Any, tmp_path: Path) -> None:
     a, b = nodes(2)
     try:
         started = time.time()
         result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt=PROMPT, n_predict=12,
-                             nodes=[a.endpoint, b.endpoint], timeout=2.0,
+                             nodes=[a.endpoint, b.endpoint], timeout=2.0, transport=transport,
                              kill={"pid": b.proc.pid, "after_tokens": 2, "signal": int(signal.SIGSTOP)})
         assert result["error"]["type"] == "NodeError"
         assert b.endpoint in result["error"]["message"] and "no answer within 2000 ms" in result["error"]["message"]

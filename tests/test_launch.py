@@ -9,6 +9,7 @@ launch itself, or a node killed during load or generation (checked by PID).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,9 +90,14 @@ kind = "cpu"
     assert os.path.expanduser("~/.ssh/tbrpc") in argv
     assert box.start == "manual" and box.listen_address == "10.0.0.3"
 
+    assert mac1.transport is None   # the head's choice: TBRPC_TRANSPORT, else "auto"
+
     bad = tmp_path / "bad.toml"
     bad.write_text('[[node]]\nname = "x"\nhost = "h"\nport = 1\nmemory = "1GiB"\nstart = "telnet"\n')
     with pytest.raises(ClusterError, match="start must be one of"):
+        load_specs(bad)
+    bad.write_text('[[node]]\nname = "x"\nhost = "h"\nport = 1\ntransport = "rdma"\n')
+    with pytest.raises(ClusterError, match="transport must be one of auto, tcp, not 'rdma'"):
         load_specs(bad)
 
 
@@ -210,6 +216,32 @@ def test_cluster_file_without_memory(nodes: Any, tmp_path: Path) -> None:
     assert "tbrpc: plan: started layers 0-2, running layers 3-5" in launch.stderr, launch.stderr
     assert_gone(launch.node_pids())
     assert running.proc.poll() is None   # a node launch did not start is left running
+
+
+def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
+    """`transport = "tcp"` keeps one node on TCP; the other, on this host, gets
+    shared memory. The load summary and `tbrpc status` say which and why."""
+    cluster = tmp_path / "two.toml"
+    cluster.write_text('[[node]]\nname = "near"\nhost = "127.0.0.1"\nport = 0\nthreads = 1\n\n'
+                       '[[node]]\nname = "far"\nhost = "127.0.0.1"\nport = 0\nthreads = 1\ntransport = "tcp"\n')
+    env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster), "--ctx", "256",
+                          "--port", "0", env=env)
+    try:
+        launch.http_base()
+        assert re.search(r"connected: TBRPC\d+=near \(shm \d+x\d+K\), TBRPC\d+=far \(tcp: asked for\)", launch.stderr), \
+            launch.stderr
+        status = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        rows = {line.split()[0]: line for line in status.stdout.splitlines()[1:]}
+        assert set(rows) == {"near", "far"}, status.stdout
+        assert re.search(r"shm \d+x\d+K\s+launch \d+", rows["near"]), status.stdout
+        assert "tcp: asked for" in rows["far"], status.stdout
+        stop_and_check(launch, signal.SIGINT, 0)
+    finally:
+        if launch.proc.poll() is None:
+            launch.proc.kill()
 
 
 def test_not_a_model_starts_nothing(tmp_path: Path) -> None:

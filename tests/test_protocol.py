@@ -7,8 +7,11 @@ a log line naming the problem, and the node still serving other clients.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -503,3 +506,23 @@ def test_a_spawned_worker_imports_its_nodes_tbrpc(nodes: Any, tmp_path: Path) ->
     w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=4))
     assert w.reply() == (0, b"abcd")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("env_value,expected", [(None, "shm "), ("tcp", "tcp: asked for"), ("auto", "shm "),
+                                                ("rdma", "TBRPC_TRANSPORT=rdma: choose one of auto, tcp")])
+def test_the_head_chooses_its_transport(env_value: str | None, expected: str, nodes: Any) -> None:
+    """A node on this host gets shared memory unless TBRPC_TRANSPORT=tcp; the
+    node info says what carries the bytes and why."""
+    (node,) = nodes(1)
+    code = ("import tbrpc\n"
+            "try:\n"
+            f"    tbrpc.connect([{node.endpoint!r}])\n"
+            "    print(tbrpc.cluster().nodes()[0].transport)\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TBRPC_TRANSPORT"}
+    if env_value is not None:
+        env["TBRPC_TRANSPORT"] = env_value
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(expected), proc.stdout

@@ -48,14 +48,22 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[
     return get  # type: ignore[return-value]
 
 
+# The head's connections: "shm" is what "auto" picks for nodes on this host.
+TRANSPORT_ASKED = {"shm": "auto", "tcp": "tcp"}
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("n_nodes", [1, 2, 4])
 @pytest.mark.parametrize("model_name", ["llama", "deepseek2", "gemma"])
-def test_split_matches_single_process(model_name: str, n_nodes: int, nodes: Any, baselines: Any, tmp_path: Path) -> None:
+def test_split_matches_single_process(model_name: str, n_nodes: int, transport: str, nodes: Any, baselines: Any,
+                                      tmp_path: Path) -> None:
     base, base_logits = baselines(model_name)
     started = nodes(n_nodes)
     result, logits = run_head(tmp_path, model=str(models.ensure(model_name)), prompt=PROMPT, n_predict=N_PREDICT,
-                              nodes=[n.endpoint for n in started])
+                              nodes=[n.endpoint for n in started], transport=TRANSPORT_ASKED[transport])
     assert result["error"] is None, result["error"]
+    assert [n["transport"].split(":")[0].split(" ")[0] for n in result["nodes"]] == [transport] * n_nodes, \
+        [n["transport"] for n in result["nodes"]]
     assert result["tokens"] == base["tokens"]
     assert logits is not None and logits.shape == base_logits.shape
     assert np.array_equal(logits, base_logits), f"max |diff| {np.max(np.abs(logits - base_logits))}"
