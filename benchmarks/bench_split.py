@@ -62,7 +62,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RPC_VENV = REPO / ".bench-venv-rpc"
 RESULT_TAG = "BENCH_RESULT "
-MODES = ("single", "single-norepack", "tbrpc", "rpc")
+MODES = ("single", "single-norepack", "tbrpc", "tbrpc-tcp", "rpc")
+TBRPC_MODES = ("tbrpc", "tbrpc-tcp")   # "tbrpc": the head's default transport (shared memory on one host)
 LOCAL_MODES = ("single", "single-norepack")
 MODELS = ("gemma", "deepseek2")
 
@@ -381,7 +382,8 @@ def _weight_repacking(enabled: bool) -> Iterator[None]:
 
 
 def run_worker(spec: RunSpec) -> RunResult:
-    proxies = [CountingProxy(ep, spec.mode) for ep in spec.endpoints] if spec.proxy else []
+    protocol = "tbrpc" if spec.mode in TBRPC_MODES else spec.mode
+    proxies = [CountingProxy(ep, protocol) for ep in spec.endpoints] if spec.proxy else []
     try:
         return _measure(spec, proxies)
     finally:
@@ -400,10 +402,11 @@ def _measure(spec: RunSpec, proxies: list[CountingProxy]) -> RunResult:
 
     t0 = time.perf_counter()
     devices: list[str] = []
-    if spec.mode == "tbrpc":
+    if spec.mode in TBRPC_MODES:
         import tbrpc
 
-        devices = tbrpc.connect(endpoints)
+        # through the counting proxy the bytes must cross TCP to be counted
+        devices = tbrpc.connect(endpoints, transport="tcp" if spec.mode == "tbrpc-tcp" or spec.proxy else "auto")
     elif spec.mode == "rpc":
         devices = _register_rpc_servers(endpoints)
     remote = spec.mode not in LOCAL_MODES
@@ -446,7 +449,7 @@ def _measure(spec: RunSpec, proxies: list[CountingProxy]) -> RunResult:
             prompt_tps.append(len(prompt_tokens) / (time.perf_counter() - t))
             generated = [tok]
             proxy_before = proxy_traffic()
-            tbrpc_before, messages_before = _tbrpc_traffic() if spec.mode == "tbrpc" else (Traffic(), 0)
+            tbrpc_before, messages_before = _tbrpc_traffic() if spec.mode in TBRPC_MODES else (Traffic(), 0)
             t = time.perf_counter()
             for step in range(spec.n_gen):
                 llm.eval([tok])
@@ -456,7 +459,7 @@ def _measure(spec: RunSpec, proxies: list[CountingProxy]) -> RunResult:
                     first_step_proxy += proxy_traffic() - proxy_before
             gen_tps.append(spec.n_gen / (time.perf_counter() - t))
             gen_proxy += proxy_traffic() - proxy_before
-            if spec.mode == "tbrpc":
+            if spec.mode in TBRPC_MODES:
                 tbrpc_after, messages_after = _tbrpc_traffic()
                 gen_tbrpc += tbrpc_after - tbrpc_before
                 gen_messages += messages_after - messages_before
@@ -472,8 +475,8 @@ def _measure(spec: RunSpec, proxies: list[CountingProxy]) -> RunResult:
         proxy_load=after_load if spec.proxy else None,
         proxy_gen=gen_proxy if spec.proxy else None,
         proxy_first_step=first_step_proxy if spec.proxy else None,
-        tbrpc_gen=gen_tbrpc if spec.mode == "tbrpc" else None,
-        tbrpc_gen_messages=gen_messages if spec.mode == "tbrpc" else None,
+        tbrpc_gen=gen_tbrpc if spec.mode in TBRPC_MODES else None,
+        tbrpc_gen_messages=gen_messages if spec.mode in TBRPC_MODES else None,
         devices=devices,
     )
 
@@ -586,7 +589,7 @@ class Runner:
         try:
             for i in range(config.n_nodes):
                 endpoint = f"127.0.0.1:{_free_port()}"
-                if config.mode == "tbrpc":
+                if config.mode in TBRPC_MODES:
                     cmd = [self.python, "-m", "tbrpc.cli", "node", "--port", endpoint.rsplit(":", 1)[1],
                            "--threads", "1", "--name", f"bench{i}"]
                 else:
@@ -643,8 +646,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _mode_label(config: Config) -> str:
-    return {"single": "one process", "single-norepack": "one process, no repack", "tbrpc": "tbrpc",
-            "rpc": "llama.cpp RPC"}[config.mode]
+    return {"single": "one process", "single-norepack": "one process, no repack", "tbrpc": "tbrpc (shm)",
+            "tbrpc-tcp": "tbrpc over TCP", "rpc": "llama.cpp RPC"}[config.mode]
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -745,18 +748,20 @@ def _round_order(rows: Sequence[Row], round_no: int) -> list[Row]:
 
 
 def paired(rows: Sequence[Row]) -> str:
-    """tbrpc's gen tok/s over llama.cpp RPC's, per round (runs adjacent in time): median and range."""
+    """tbrpc's gen tok/s over tbrpc-over-TCP's and over llama.cpp RPC's, per round
+    (runs adjacent in time): median and range."""
     lines = []
     for a in rows:
         if a.config.mode != "tbrpc":
             continue
-        b = next((r for r in rows if r.config.mode == "rpc" and r.config.model == a.config.model
-                  and r.config.n_nodes == a.config.n_nodes), None)
-        if b is None:
-            continue
-        ratios = [statistics.median(x.gen_tps) / statistics.median(y.gen_tps) for x, y in zip(a.timed, b.timed)]
-        lines.append(f"  {a.config.model} x{a.config.n_nodes}: {statistics.median(ratios):.3f} "
-                     f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+        for other in ("tbrpc-tcp", "rpc"):
+            b = next((r for r in rows if r.config.mode == other and r.config.model == a.config.model
+                      and r.config.n_nodes == a.config.n_nodes), None)
+            if b is None:
+                continue
+            ratios = [statistics.median(x.gen_tps) / statistics.median(y.gen_tps) for x, y in zip(a.timed, b.timed)]
+            lines.append(f"  {a.config.model} x{a.config.n_nodes}, tbrpc / {other}: {statistics.median(ratios):.3f} "
+                         f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
     return "\n".join(lines)
 
 
@@ -802,7 +807,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="use PATH for model NAME instead of models.ensure(NAME)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated: single (one process), single-norepack (one process without the CPU "
-                             "backend's weight repacking, i.e. the nodes' kernels), tbrpc, rpc")
+                             "backend's weight repacking, i.e. the nodes' kernels), tbrpc (the head's "
+                             "default transport: shared memory here), tbrpc-tcp, rpc")
     parser.add_argument("--nodes", default="1,2,4", help="node counts for tbrpc and rpc")
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens (single-token decode steps)")
     parser.add_argument("--n-ctx", type=int, default=512)
