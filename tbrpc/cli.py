@@ -85,6 +85,14 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
         raise SystemExit(1)
 
 
+def _kv_cache_type(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from tbrpc.plan import KV_CACHE_TYPES   # imported here: the planner pulls in gguf and numpy
+
+    if value is not None and value.lower() not in KV_CACHE_TYPES:
+        raise click.BadParameter(f"{value!r}: choose one of {', '.join(KV_CACHE_TYPES)}")
+    return value.lower() if value else None
+
+
 _cluster_option = click.option("--cluster", "cluster_file", default=None, type=click.Path(dir_okay=False),
                                help="Cluster file (default: ./tbrpc.toml, then the user config directory).")
 
@@ -105,14 +113,27 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
 @click.option("--api-key", default=None, envvar="TBRPC_API_KEY", help="Require this bearer token on the HTTP API.")
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="Where node logs go (default: a new temporary directory).")
 @click.option("--start-timeout", default=60.0, show_default=True, type=float, help="Seconds to wait for every node to answer.")
+@click.option("--cache-type-k", callback=_kv_cache_type, default=None, help="KV cache type for K (f16, q8_0, q4_0, ...) [default: f16].")
+@click.option("--cache-type-v", callback=_kv_cache_type, default=None,
+              help="KV cache type for V [default: f16]; a quantized V turns flash attention on.")
+@click.option("--flash-attn/--no-flash-attn", default=None, help="Flash attention [default: off, on for a quantized V cache].")
+@click.option("--ubatch", type=click.IntRange(min=1), default=None, help="Physical batch size (n_ubatch) [default: 512].")
+@click.option("--batch", type=click.IntRange(min=1), default=None, help="Logical batch size (n_batch) [default: 512].")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Compute threads of the head and of every node launch starts that names none "
+                   "[default: --local shares the cores; ggml's choice].")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | None, host: str, port: int,
            prompt: str | None, chat: bool, max_tokens: int, temperature: float, alias: str | None,
-           chat_format: str | None, api_key: str | None, log_dir: str | None, start_timeout: float, verbose: bool) -> None:
-    """Start the nodes, plan the split, load GGUF and serve it (or --prompt / --chat)."""
+           chat_format: str | None, api_key: str | None, log_dir: str | None, start_timeout: float,
+           cache_type_k: str | None, cache_type_v: str | None, flash_attn: bool | None, ubatch: int | None,
+           batch: int | None, threads: int | None, verbose: bool) -> None:
+    """Start the nodes, plan the split, load GGUF and serve it (or --prompt / --chat).
+    Memory options (cache types, flash attention, batch sizes) are planned as `tbrpc plan` plans them."""
     from pathlib import Path
 
     from tbrpc.cluster import ClusterError
+    from tbrpc.llama import context_kwargs
     from tbrpc.run import LaunchOptions, launch as run_launch
     from tbrpc.spec import choose_cluster
 
@@ -125,7 +146,9 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
     code = run_launch(LaunchOptions(
         gguf=gguf, cluster=cluster, ctx=ctx, host=host, port=port, prompt=prompt, chat=chat, max_tokens=max_tokens,
         temperature=temperature, alias=alias, api_key=api_key, log_dir=Path(log_dir) if log_dir else None,
-        start_timeout=start_timeout, verbose=verbose, llama_kwargs={"chat_format": chat_format} if chat_format else {}))
+        start_timeout=start_timeout, verbose=verbose, threads=threads,
+        llama_kwargs={**context_kwargs(cache_type_k, cache_type_v, flash_attn, ubatch, batch, threads),
+                      **({"chat_format": chat_format} if chat_format else {})}))
     raise SystemExit(code)
 
 

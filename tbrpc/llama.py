@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from tbrpc.cluster import Node, Report, size_nodes
 from tbrpc.gguf_model import GGUFError
 from tbrpc.launch import LaunchError, Nodes, start_nodes
 from tbrpc.native import TbrpcError
-from tbrpc.plan import Plan, PlanError, format_table, plan
+from tbrpc.plan import CACHE_TYPES, Plan, PlanError, cache_type_name, format_table, plan
 from tbrpc.spec import NodeSpec, endpoint_specs, load_specs, local_specs
 from tbrpc.units import format_size
 
@@ -50,17 +51,17 @@ class DoesNotFitError(TbrpcError):
         self.plan = the_plan
 
 
-def resolve_cluster(cluster: ClusterArg) -> list[NodeSpec]:
-    """A cluster file path, a list of "host:port", or N (N nodes on this machine)."""
+def resolve_cluster(cluster: ClusterArg, threads: int | None = None) -> list[NodeSpec]:
+    """A cluster file path, a list of "host:port", or N (N nodes on this machine).
+    `threads`: compute threads of the nodes to be started that name none."""
     if isinstance(cluster, bool):
         raise TypeError("cluster= takes a cluster file path, a list of \"host:port\" or a number of local nodes")
     if isinstance(cluster, int):
-        return local_specs(cluster)
-    if isinstance(cluster, (str, os.PathLike)):
-        return load_specs(os.fspath(cluster))
+        return local_specs(cluster, threads)
     if isinstance(cluster, Nodes):
         return list(cluster.specs)
-    return endpoint_specs(list(cluster))
+    specs = load_specs(os.fspath(cluster)) if isinstance(cluster, (str, os.PathLike)) else endpoint_specs(list(cluster))
+    return [replace(s, threads=s.threads or threads or 0) for s in specs]
 
 
 def plan_nodes(specs: Sequence[NodeSpec], nodes: Nodes) -> list[Node]:
@@ -84,6 +85,44 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
             f"step plan: the model does not fit on these {len(specs)} nodes: {why}\n"
             f"  try: a smaller --ctx, more nodes, or a smaller quantization\n\n{format_table(result)}", result)
     return result
+
+
+def context_kwargs(cache_type_k: str | None = None, cache_type_v: str | None = None, flash_attn: bool | None = None,
+                   ubatch: int | None = None, batch: int | None = None, threads: int | None = None) -> dict[str, Any]:
+    """``llama_cpp.Llama`` keyword arguments for llama-server style options (None: not given)."""
+    kwargs: dict[str, Any] = {}
+    if cache_type_k is not None:
+        kwargs["type_k"] = int(CACHE_TYPES[cache_type_name(cache_type_k)])
+    if cache_type_v is not None:
+        kwargs["type_v"] = int(CACHE_TYPES[cache_type_name(cache_type_v)])
+    if flash_attn is not None:
+        kwargs["flash_attn"] = flash_attn
+    if ubatch is not None:
+        kwargs["n_ubatch"] = ubatch
+    if batch is not None:
+        kwargs["n_batch"] = batch
+    if threads is not None:
+        kwargs["n_threads"] = kwargs["n_threads_batch"] = threads
+    return kwargs
+
+
+def planned_context(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The planner's context options for these ``llama_cpp.Llama`` keyword
+    arguments: what llama.cpp will allocate is what gets planned."""
+    options: dict[str, Any] = {"ubatch": kwargs.get("n_ubatch", 512), "batch": kwargs.get("n_batch", 512)}
+    for arg, option in (("type_k", "cache_type_k"), ("type_v", "cache_type_v")):
+        if kwargs.get(arg) is not None:
+            options[option] = kwargs[arg]
+    if kwargs.get("flash_attn") is not None:
+        options["flash_attn"] = bool(kwargs["flash_attn"])
+    if kwargs.get("swa_full") is not None:
+        options["swa_full"] = bool(kwargs["swa_full"])
+    return options
+
+
+def _cache_words(p: Plan) -> str:
+    c = p.context
+    return f"KV cache {c.cache_type_k}/{c.cache_type_v}" + (", flash attention" if c.flash_attn else "")
 
 
 def device_pointers(device_names: Sequence[str]) -> ctypes.Array[ctypes.c_void_p]:
@@ -193,11 +232,10 @@ class Llama(llama_cpp.Llama):
                     say: Say, kwargs: dict[str, Any]) -> None:
         n_ctx = kwargs.get("n_ctx", 512)
         self.tbrpc_plan = make_plan(model_path, nodes.specs, nodes, n_ctx or None,
-                                    ubatch=kwargs.get("n_ubatch", 512), batch=kwargs.get("n_batch", 512),
-                                    **plan_options)
+                                    **{**planned_context(kwargs), **plan_options})
         head = self.tbrpc_plan.head
         say("plan: " + ", ".join(f"{n.name} layers {n.layers[0]}-{n.layers[1]}" if n.layers else f"{n.name} -"
-                                 for n in self.tbrpc_plan.nodes) + f" (context {self.tbrpc_plan.ctx}"
+                                 for n in self.tbrpc_plan.nodes) + f" (context {self.tbrpc_plan.ctx}, {_cache_words(self.tbrpc_plan)}"
             + (f"; this process keeps {format_size(head.total_bytes)})" if head else ")"))
         try:
             self.tbrpc_devices = [connect([e], transport=s.transport)[0] for e, s in zip(nodes.endpoints, nodes.specs)]
@@ -207,7 +245,7 @@ class Llama(llama_cpp.Llama):
         say("connected: " + ", ".join(f"{d}={s.name} ({carriers.get(e, '?')})" for d, s, e
                                       in zip(self.tbrpc_devices, nodes.specs, nodes.endpoints)) + "; loading")
         for key, value in self.tbrpc_plan.llama_kwargs().items():
-            if key in ("n_gpu_layers", "tensor_split", "split_mode"):
+            if key != "n_ctx":   # what the plan chose where the caller did not (flash attention for a quantized V)
                 kwargs.setdefault(key, value)
         kwargs["n_ctx"] = n_ctx or self.tbrpc_plan.ctx
         self._tbrpc_devices_array = device_pointers(self.tbrpc_devices)
@@ -266,4 +304,4 @@ def _progress_callback(progress: bool | Progress) -> Any:
     return llama_lib.llama_progress_callback(on_progress)
 
 
-__all__ = ["DoesNotFitError", "LaunchError", "Llama", "make_plan", "resolve_cluster"]
+__all__ = ["DoesNotFitError", "LaunchError", "Llama", "context_kwargs", "make_plan", "resolve_cluster"]

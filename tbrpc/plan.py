@@ -45,6 +45,22 @@ DEFAULT_CTX = 32768
 DEFAULT_MARGIN = 2 * GiB
 
 CACHE_TYPES = {name.lower(): t for name, t in GGMLQuantizationType.__members__.items()}
+
+
+# The types llama.cpp accepts for its KV cache (llama-server's --cache-type-k/-v).
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def cache_type_name(value: int | str) -> str:
+    """A KV cache type as the planner names it ("q8_0"), from a name or llama_cpp's type_k/type_v number."""
+    if isinstance(value, str):
+        if value.lower() not in CACHE_TYPES:
+            raise PlanError(f"unknown cache type {value!r}; choose one of {', '.join(sorted(CACHE_TYPES))}")
+        return value.lower()
+    try:
+        return GGMLQuantizationType(value).name.lower()
+    except ValueError:
+        raise PlanError(f"unknown cache type number {value}") from None
 # "gpu": the head is node 0 and runs its layers on its own device (Metal's MTL0);
 # "cpu": the head is node 0 and runs its layers on its CPU backend;
 # "none": the head runs no layers, every node is a remote device (TBRPC0, TBRPC1, ...).
@@ -342,6 +358,9 @@ class Plan:
             "n_batch": self.context.batch,
             "n_ubatch": self.context.ubatch,
             "flash_attn": self.context.flash_attn,
+            "type_k": int(CACHE_TYPES[self.context.cache_type_k]),
+            "type_v": int(CACHE_TYPES[self.context.cache_type_v]),
+            "swa_full": self.context.swa_full,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -499,10 +518,7 @@ def _context(model: GGUFModel, params: ArchParams, ctx: int | None, **kwargs: An
     if ctx < 1:
         raise PlanError(f"context must be positive, got {ctx}")
     for key in ("cache_type_k", "cache_type_v"):
-        name = str(kwargs[key]).lower()
-        if name not in CACHE_TYPES:
-            raise PlanError(f"unknown cache type {kwargs[key]!r}")
-        kwargs[key] = name
+        kwargs[key] = cache_type_name(kwargs[key])
     if kwargs["flash_attn"] is None:
         # A quantized V cache needs flash attention in llama.cpp; otherwise follow llama-cpp-python's default (off).
         kwargs["flash_attn"] = kwargs["cache_type_v"] not in ("f16", "f32", "bf16")

@@ -47,7 +47,8 @@ class LaunchOptions:
     log_dir: Path | None = None
     start_timeout: float = 60.0
     verbose: bool = False
-    llama_kwargs: dict[str, Any] = field(default_factory=dict)
+    threads: int | None = None   # the head's, and those of started nodes that name none
+    llama_kwargs: dict[str, Any] = field(default_factory=dict)   # context options: llama.context_kwargs()
 
 
 class _Interrupted(Exception):
@@ -144,7 +145,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     step = "start"
     with _Signals() as signals, ExitStack() as records:
         try:
-            specs = resolve_cluster(opts.cluster)
+            specs = resolve_cluster(opts.cluster, opts.threads)
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything
                 load_gguf(opts.gguf)

@@ -131,12 +131,11 @@ def test_memory_is_optional(tmp_path: Path) -> None:
     assert capped.given is not None and capped.given.usable_bytes == 20 * GiB
     assert capped.given.limit_source == "cluster file (usable_memory set explicitly)"
     assert wired.given is not None and wired.given.usable_bytes == 400 * GiB
-    path.write_text('[[node]]\nname = "x"\nhost = "h"\nport = 1\nmetal_fraction = 0.9\n')
-    with pytest.raises(ClusterError, match="metal_fraction needs `memory`"):
-        read_cluster_file(path)
-    path.write_text('[[node]]\nname = "x"\nhost = "h"\nport = 1\nkind = "cpu"\nwired_limit = "8GiB"\n')
-    with pytest.raises(ClusterError, match="wired_limit needs `memory`"):
-        read_cluster_file(path)
+    for keys, message in [("metal_fraction = 0.9", "metal_fraction needs `memory`"),
+                          ('kind = "cpu"\nwired_limit = "8GiB"', "wired_limit needs `memory`")]:
+        path.write_text(f'[[node]]\nname = "x"\nhost = "h"\nport = 1\n{keys}\n')
+        with pytest.raises(ClusterError, match=message):
+            read_cluster_file(path)
 
 
 CPU_24 = Report("CPU", 24 * GiB, 24 * GiB)

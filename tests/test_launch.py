@@ -28,6 +28,7 @@ from launch_helpers import (
 
 from tbrpc.cluster import ClusterError
 from tbrpc.spec import NodeSpec, SshTarget, choose_cluster, load_specs, local_specs, spec_from_table
+from tbrpc.llama import resolve_cluster
 
 N_TOKENS = 12
 
@@ -93,12 +94,11 @@ kind = "cpu"
     assert mac1.transport is None   # the head's choice: TBRPC_TRANSPORT, else "auto"
 
     bad = tmp_path / "bad.toml"
-    bad.write_text('[[node]]\nname = "x"\nhost = "h"\nport = 1\nmemory = "1GiB"\nstart = "telnet"\n')
-    with pytest.raises(ClusterError, match="start must be one of"):
-        load_specs(bad)
-    bad.write_text('[[node]]\nname = "x"\nhost = "h"\nport = 1\ntransport = "rdma"\n')
-    with pytest.raises(ClusterError, match="transport must be one of auto, tcp, not 'rdma'"):
-        load_specs(bad)
+    for key, message in [('start = "telnet"', "start must be one of"),
+                         ('transport = "rdma"', "transport must be one of auto, tcp, not 'rdma'")]:
+        bad.write_text(f'[[node]]\nname = "x"\nhost = "h"\nport = 1\n{key}\n')
+        with pytest.raises(ClusterError, match=message):
+            load_specs(bad)
 
 
 def test_cluster_file_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,6 +242,32 @@ def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
     finally:
         if launch.proc.poll() is None:
             launch.proc.kill()
+
+
+def test_context_options_are_planned_and_applied(tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256",
+                          "--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "--threads", "1", "--ubatch", "64",
+                          "--prompt", PROMPT, "--max-tokens", "4")
+    assert launch.finish() == 0, launch.stderr
+    assert "(context 256, KV cache q8_0/q8_0, flash attention" in launch.stderr, launch.stderr
+    assert launch.stdout.strip()
+
+
+def test_threads_reach_the_nodes_that_name_none(tmp_path: Path) -> None:
+    assert [s.threads for s in resolve_cluster(3, threads=2)] == [2, 2, 2]
+    assert [s.threads for s in resolve_cluster(2)] == [max(1, (os.cpu_count() or 1) // 2)] * 2
+    path = tmp_path / "c.toml"
+    path.write_text('[[node]]\nname = "a"\nhost = "127.0.0.1"\nport = 0\nthreads = 4\n\n'
+                    '[[node]]\nname = "b"\nhost = "127.0.0.1"\nport = 0\n')
+    assert [s.threads for s in resolve_cluster(str(path), threads=1)] == [4, 1]
+    assert [s.threads for s in resolve_cluster(str(path))] == [4, 0]
+
+
+def test_an_unknown_cache_type_starts_nothing(tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--cache-type-v", "q9_9",
+                          "--prompt", "x")
+    assert launch.finish() == 2
+    assert "'q9_9': choose one of f32, f16" in launch.stderr and not launch.node_pids()
 
 
 def test_not_a_model_starts_nothing(tmp_path: Path) -> None:

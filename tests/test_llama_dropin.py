@@ -107,6 +107,43 @@ def test_cluster_file_with_gemma(tmp_path: Path) -> None:
     assert_gone(out["pids"], timeout=15)
 
 
+def test_cache_types_are_planned_as_applied(tmp_path: Path) -> None:
+    """KV cache types and flash attention: what the plan sized is what llama.cpp
+    allocates on each node, for three cache configurations (Gemma at 8192
+    tokens, where the KV cache is a quarter of a node's memory)."""
+    model = models.ensure("gemma")
+    configs = [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "f16")]
+    out = run_head(f"""
+        from tbrpc.client import cluster
+        from tbrpc.llama import context_kwargs
+        rows = []
+        for k, v in {configs!r}:
+            llm = Llama({str(model)!r}, cluster=2, n_ctx=8192, verbose=False, **context_kwargs(k, v, threads=1))
+            index = [cluster().endpoints.index(e) for e in llm.tbrpc_endpoints]
+            c = llm.context_params
+            rows.append({{"planned": [[n.kv_bytes, n.total_bytes] for n in llm.tbrpc_plan.nodes],
+                          "flash_planned": llm.tbrpc_plan.context.flash_attn,
+                          "allocated": [cluster().status(i).bytes_allocated for i in index],
+                          "applied": [c.type_k, c.type_v, int(getattr(c, "flash_attn_type", getattr(c, "flash_attn", -1)))]}})
+            llm.close()
+        print(json.dumps(rows))
+    """)
+    ggml_type = {"f16": 1, "q4_0": 2, "q8_0": 8}
+    for (k, v), row in zip(configs, out):
+        assert row["applied"][:2] == [ggml_type[k], ggml_type[v]], row
+        assert row["flash_planned"] == (v != "f16") and row["applied"][2] == int(row["flash_planned"]), row
+        for (kv, planned), allocated in zip(row["planned"], row["allocated"]):
+            # the calibration bound of tests/test_plan_split.py: at most 3 % low, 12 % high
+            assert -(0.03 * allocated + 2**19) <= planned - allocated <= 0.12 * allocated + 2**20, (k, v, row)
+    kv_f16, kv_q8, kv_q4k = (sum(kv for kv, _ in row["planned"]) for row in out)
+    assert kv_q8 < kv_q4k < kv_f16   # q8_0 K+V: 17/32 of f16; q4_0 K alone saves 23/64
+    # what the nodes hold moved with the cache type by what the plan said (the KV part is exact; flash
+    # attention also changes the compute buffers, which the planner sizes within the calibration bound)
+    saved = sum(out[0]["allocated"]) - sum(out[1]["allocated"])
+    planned_saving = sum(t for _, t in out[0]["planned"]) - sum(t for _, t in out[1]["planned"])
+    assert abs(saved - planned_saving) <= 0.05 * planned_saving + 2**20, (saved, planned_saving)
+
+
 def test_does_not_fit_raises_and_stops_nodes(tmp_path: Path) -> None:
     model = models.ensure("llama")
     cluster = tmp_path / "small.toml"
