@@ -68,7 +68,10 @@ def make_app(llm: llama_cpp.Llama, alias: str, api_key: str | None = None) -> An
     original = app_module.set_llama_proxy
     app_module.set_llama_proxy = lambda model_settings: setattr(app_module, "_llama_proxy", proxy)
     try:
-        return app_module.create_app(server_settings=ServerSettings(api_key=api_key), model_settings=[settings])
+        # Requests take turns on the one model (llama-cpp-python's lock); a new one waits for the
+        # running one instead of cutting it short (the server's default, interrupt_requests, would).
+        return app_module.create_app(server_settings=ServerSettings(api_key=api_key, interrupt_requests=False),
+                                     model_settings=[settings])
     finally:
         app_module.set_llama_proxy = original
 

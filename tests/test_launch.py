@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from functools import cache
 from pathlib import Path
@@ -153,6 +154,36 @@ def test_http_api_answers_like_one_process(model_name: str, n_nodes: int, tmp_pa
             assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == whole
         stop_and_check(launch, signal.SIGINT, 0)
         assert "stopping (SIGINT)" in launch.stderr
+    finally:
+        if launch.proc.poll() is None:
+            launch.proc.kill()
+
+
+def test_concurrent_requests_take_turns(tmp_path: Path) -> None:
+    """Three clients at once, streaming and not: each gets its whole answer, the
+    one a lone request gets; none is cut short or interleaved with another."""
+    want = expected("gemma", 16)["text"]   # Gemma: clean text, and slow enough that the requests overlap
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
+                          "--port", "0", "--alias", "m", "--chat-format", "gemma")
+    try:
+        base = launch.http_base()
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "repeat_penalty": 1.0}
+        texts: dict[str, str] = {}
+
+        def ask(name: str, stream: bool) -> None:
+            if stream:
+                chunks = http_stream(f"{base}/completions", {**body, "stream": True})
+                texts[name] = "".join(c["choices"][0]["text"] for c in chunks)
+            else:
+                texts[name] = http_json(f"{base}/completions", body)["choices"][0]["text"]
+
+        clients = [threading.Thread(target=ask, args=(f"c{i}", i != 1)) for i in range(3)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(timeout=120)
+        assert texts == {"c0": want, "c1": want, "c2": want}
+        stop_and_check(launch, signal.SIGINT, 0)
     finally:
         if launch.proc.poll() is None:
             launch.proc.kill()
