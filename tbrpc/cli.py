@@ -176,12 +176,15 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, endpoints
 @main.command()
 @_cluster_option
 @click.option("--timeout", default=5.0, show_default=True, type=float, help="Seconds per node.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list (sizes in bytes).")
 @click.argument("endpoints", nargs=-1)
-def status(cluster_file: str | None, timeout: float, endpoints: tuple[str, ...]) -> None:
+def status(cluster_file: str | None, timeout: float, as_json: bool, endpoints: tuple[str, ...]) -> None:
     """Nodes with their memory in use and clients (default: the launches running here, then ./tbrpc.toml)."""
     from tbrpc.cluster import ClusterError
     from tbrpc.spec import default_cluster_file, load_specs
-    from tbrpc.status import format_rows, query, targets
+    import json
+
+    from tbrpc.status import format_rows, query, rows_json, targets
 
     if endpoints:
         listed = [(e, e) for e in endpoints]
@@ -195,7 +198,7 @@ def status(cluster_file: str | None, timeout: float, endpoints: tuple[str, ...])
     if not nodes:
         raise click.UsageError("no nodes: pass --cluster FILE or host:port, or start `tbrpc launch` first")
     rows = query(nodes, timeout)
-    click.echo(format_rows(rows))
+    click.echo(json.dumps(rows_json(rows), indent=1) if as_json else format_rows(rows))
     raise SystemExit(1 if any(r.status is None for r in rows) else 0)
 
 

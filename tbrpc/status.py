@@ -15,7 +15,7 @@ import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +131,18 @@ def format_rows(rows: Sequence[Row]) -> str:
                       f"{format_size(s.mem_free)}/{format_size(s.mem_total)}", t.transport or "-", t.launch))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
+
+
+def rows_json(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """The rows as `tbrpc status --json` prints them: sizes in bytes, a node that
+    did not answer with "up": false and its error."""
+    out = []
+    for r in rows:
+        row: dict[str, Any] = {"name": r.target.name, "endpoint": r.target.endpoint, "up": r.status is not None,
+                               "launch": r.target.launch or None, "transport": r.target.transport or None}
+        if r.status is not None and r.info is not None:
+            row.update(node_name=r.info.node_name, description=r.info.description, **asdict(r.status))
+        else:
+            row["error"] = r.error
+        out.append(row)
+    return out

@@ -8,6 +8,7 @@ launch itself, or a node killed during load or generation (checked by PID).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -269,6 +270,11 @@ def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
         assert set(rows) == {"near", "far"}, status.stdout
         assert re.search(r"shm \d+x\d+K\s+launch \d+", rows["near"]), status.stdout
         assert "tcp: asked for" in rows["far"], status.stdout
+        as_json = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=env,
+                                 capture_output=True, text=True, timeout=60)
+        by_name = {r["name"]: r for r in json.loads(as_json.stdout)}
+        assert by_name["far"]["transport"] == "tcp: asked for" and by_name["near"]["transport"].startswith("shm ")
+        assert all(r["up"] and r["clients"] >= 1 and r["bytes_allocated"] > 0 for r in by_name.values()), by_name
         stop_and_check(launch, signal.SIGINT, 0)
     finally:
         if launch.proc.poll() is None:
