@@ -126,7 +126,8 @@ struct graph_encoder {
     struct client_node * node;
     struct tb_wire_tensor * tensors;
     uint32_t n, cap;
-    struct tensor_index ix;
+    struct tensor_index ix;      // tensor -> its position in the message
+    struct tensor_index nodes;   // the graph's nodes (value 1)
     char err[256];
 };
 
@@ -163,19 +164,33 @@ static int locate_tensor(struct graph_encoder * e, const struct ggml_tensor * t,
 }
 
 // Append t after its sources (depth-first), once. Returns its position.
+// A tensor that is not a node of this graph was made before it ran (a
+// weight, an input, the result of an earlier graph on this node): it goes as
+// data only, an op-less tensor at its buffer and offset, without the
+// tensors it was made from. A scheduler split or a meta backend's subgraph
+// would otherwise drag every earlier layer into each message.
 static int32_t encode_tensor(struct graph_encoder * e, const struct ggml_tensor * t) {
     if (t == NULL) return -1;
     int32_t have = index_get(&e->ix, t);
     if (have >= 0) return have;
+    const bool is_node = index_get(&e->nodes, t) >= 0;
     int32_t src[GGML_MAX_SRC];
-    for (int s = 0; s < GGML_MAX_SRC; s++) src[s] = encode_tensor(e, t->src[s]);
-    int32_t view_src = encode_tensor(e, t->view_src);
+    for (int s = 0; s < GGML_MAX_SRC; s++) src[s] = is_node ? encode_tensor(e, t->src[s]) : -1;
+    int32_t view_src = is_node ? encode_tensor(e, t->view_src) : -1;
     if (e->n == e->cap) {
         snprintf(e->err, sizeof e->err, "graph has more than %u tensors", e->cap);
         return -1;
     }
     struct tb_wire_tensor * w = &e->tensors[e->n];
     describe_tensor(t, w);
+    if (!is_node) {
+        if (t->data == NULL) {
+            snprintf(e->err, sizeof e->err, "tensor '%s' is an input of the graph but has no data", t->name);
+            return -1;
+        }
+        w->op = GGML_OP_NONE;
+        w->view_offs = 0;
+    }
     if (locate_tensor(e, t, w) != 0) return -1;
     memcpy(w->src, src, sizeof src);
     w->view_src = view_src;
@@ -192,13 +207,19 @@ size_t encode_graph(struct client_node * n, struct ggml_cgraph * g, char * err, 
     while (cap < 2 * max_tensors) cap <<= 1;
     const size_t bytes = sizeof(struct tb_graph_header) + max_tensors * sizeof(struct tb_wire_tensor) + (size_t) n_nodes * sizeof(uint32_t);
     struct graph_encoder e = { .node = n, .cap = (uint32_t) max_tensors };
-    e.ix.cap = cap;
+    e.ix.cap = e.nodes.cap = cap;
     e.ix.keys = calloc(cap, sizeof *e.ix.keys);
     e.ix.vals = calloc(cap, sizeof *e.ix.vals);
+    e.nodes.keys = calloc(cap, sizeof *e.nodes.keys);
+    e.nodes.vals = calloc(cap, sizeof *e.nodes.vals);
     size_t len = 0;
-    if (!e.ix.keys || !e.ix.vals || tb_reserve(&n->encode, &n->encode_cap, bytes) != 0) {
+    if (!e.ix.keys || !e.ix.vals || !e.nodes.keys || !e.nodes.vals ||
+        tb_reserve(&n->encode, &n->encode_cap, bytes) != 0) {
         snprintf(err, err_len, "out of memory encoding a graph of %d nodes", n_nodes);
         goto done;
+    }
+    for (int i = 0; i < n_nodes; i++) {
+        if (index_get(&e.nodes, ggml_graph_node(g, i)) < 0) index_put(&e.nodes, ggml_graph_node(g, i), 1);
     }
     e.tensors = (struct tb_wire_tensor *) (n->encode + sizeof(struct tb_graph_header));
     uint32_t * node_idx = malloc((size_t) n_nodes * sizeof *node_idx);
@@ -220,6 +241,8 @@ size_t encode_graph(struct client_node * n, struct ggml_cgraph * g, char * err, 
 done:
     free(e.ix.keys);
     free(e.ix.vals);
+    free(e.nodes.keys);
+    free(e.nodes.vals);
     return len;
 }
 

@@ -12,7 +12,7 @@ from tbrpc._build import build_program
 
 CASES = ["set_get_odd", "memset_clear", "copy_and_views", "ops", "many_nodes", "graph_reuse",
          "allocation_accounting", "supports_op", "asked_answers", "dead_node_answers_yes", "keepalive", "alloc_size",
-         "op_query_fields", "asked_about_foreign_sources", "supports_key_layouts"]
+         "op_query_fields", "asked_about_foreign_sources", "supports_key_layouts", "earlier_results_as_data"]
 
 
 @pytest.fixture(scope="module")

@@ -305,6 +305,47 @@ static void case_graph_reuse(struct env * e) {
     ggml_free(ctx);
 }
 
+// A graph whose inputs were computed by an earlier graph (a scheduler split,
+// a meta backend's subgraph) sends those inputs as data, not the chain of
+// ops that made them: the message stays the size of the graph, and the node
+// reads the earlier results instead of computing them again.
+static void case_earlier_results_as_data(struct env * e) {
+    enum { CHAIN = 20 };
+    struct ggml_context * ctx = no_alloc_ctx(CHAIN + 8);
+    struct ggml_tensor * x = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 8);
+    struct ggml_tensor * a = x;
+    for (int i = 0; i < CHAIN; i++) a = ggml_scale(ctx, a, 2.0f);
+    struct ggml_tensor * y = ggml_scale(ctx, a, 3.0f);
+    struct ggml_cgraph * whole = ggml_new_graph(ctx);
+    ggml_build_forward_expand(whole, y);
+    struct ggml_cgraph * last = ggml_new_graph(ctx);   // only y = 3a; a is an input here
+    ggml_graph_add_node(last, y);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, e->remote);
+    CHECK(buf, "alloc");
+    float in[8], out[8];
+    for (int i = 0; i < 8; i++) in[i] = (float) (i + 1);
+    ggml_backend_tensor_set(x, in, 0, sizeof in);
+    CHECK(ggml_backend_graph_compute(e->remote, whole) == GGML_STATUS_SUCCESS, "compute the whole chain");
+
+    for (int i = 0; i < 8; i++) in[i] = -1.0f;   // changes nothing below: a is not recomputed
+    ggml_backend_tensor_set(x, in, 0, sizeof in);
+    struct tbrpc_node_info before, after;
+    tbrpc_client_node_info(e->client, 0, &before);
+    CHECK(ggml_backend_graph_compute(e->remote, last) == GGML_STATUS_SUCCESS, "compute the last node");
+    tbrpc_client_node_info(e->client, 0, &after);
+    ggml_backend_tensor_get(y, out, 0, sizeof out);
+    for (int i = 0; i < 8; i++) {
+        const float want = 3.0f * (float) (1u << CHAIN) * (float) (i + 1);
+        CHECK(out[i] == want, "y[%d] = %g, want %g", i, out[i], want);
+    }
+    // y and a, and nothing of the chain behind a
+    const uint64_t sent = after.bytes_sent - before.bytes_sent;
+    CHECK(sent < 3 * sizeof(struct tb_wire_tensor), "the one-node graph took %llu bytes (a tensor is %zu)",
+          (unsigned long long) sent, sizeof(struct tb_wire_tensor));
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
 // A computation far longer than the client's timeout (300 ms here) is not
 // mistaken for a dead node: the node sends KEEPALIVE while it computes.
 static struct ggml_tensor * build_slow(struct ggml_context * ctx, struct ggml_tensor ** in, int * n) {
@@ -607,6 +648,7 @@ int main(int argc, char ** argv) {
         { "dead_node_answers_yes", case_dead_node_answers_yes }, { "keepalive", case_keepalive, 300 },
         { "alloc_size", case_alloc_size }, { "op_query_fields", case_op_query_fields },
         { "asked_about_foreign_sources", case_asked_about_foreign_sources }, { "supports_key_layouts", case_supports_key_layouts },
+        { "earlier_results_as_data", case_earlier_results_as_data },
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         if (strcmp(argv[1], cases[i].name) == 0) {
