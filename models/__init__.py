@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
-NAMES = ("llama", "deepseek2", "gemma")
+NAMES = ("llama", "deepseek2", "gemma", "llama-f32", "deepseek2-f32")
 
 
 class TinyModel(Protocol):
@@ -20,21 +20,24 @@ class TinyModel(Protocol):
 
     def file_name(self, seed: int = 0) -> str: ...
 
-    def write(self, path: Path, seed: int = 0) -> Path: ...
+    def write(self, path: Path, seed: int = 0, dequantized: bool = False) -> Path: ...
 
 
 def ensure(name: str, out_dir: Path | None = None) -> Path:
-    """Path to model `name` ("llama", "deepseek2" or "gemma"), created if missing."""
+    """Path to model `name` (one of NAMES), created if missing. A "-f32" name
+    is the tiny model with every quantized weight stored as the F32 values it
+    decodes to: the same model on float kernels."""
     out = Path(out_dir) if out_dir is not None else OUT_DIR
     if name == "gemma":
         from models import gemma
 
         return gemma.path(out)
-    module = _tiny_module(name)
-    target = out / module.file_name()
+    dequantized = name.endswith("-f32")
+    module = _tiny_module(name.removesuffix("-f32"))
+    target = out / module.file_name().replace(".gguf", "-f32.gguf" if dequantized else ".gguf")
     if not target.exists():
         out.mkdir(parents=True, exist_ok=True)
-        module.write(target)
+        module.write(target, dequantized=dequantized)
     return target
 
 
