@@ -875,7 +875,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pairs = paired(rows)
     if pairs:
         print()
-        print("gen tok/s, tbrpc / llama.cpp RPC, per round (the two ran back to back):")
+        print("gen tok/s ratios, per round (the two runs of a pair ran back to back):")
         print(pairs)
     print()
     print("requests by command, per generated token (counting proxy; the first step after a prompt also sets up "
