@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tbrpc._build import build_program
-from tbrpc.launch import running
+from tbrpc.node_processes import running
 from tbrpc.spec import local_specs
 
 HERE = Path(__file__).resolve().parent

@@ -25,7 +25,7 @@ _CASE = r"""
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-from tbrpc.cluster import nodes_from_flags
+from tbrpc.node_memory import nodes_from_flags
 from tbrpc.plan import plan
 t0 = time.perf_counter()
 p = plan(sys.argv[2], nodes_from_flags([], sys.argv[3]), ctx=int(sys.argv[4]))

@@ -26,8 +26,8 @@ def main() -> None:
 def node(host: str, port: int, device: str | None, threads: int, name: str | None, log_file: str | None,
          timeout: float, isolation: str, model_dirs: tuple[str, ...]) -> None:
     """Serve this machine's best ggml device to tbrpc heads."""
-    from tbrpc.node import NodeConfig, NodeServer
     from tbrpc.native import TbrpcError
+    from tbrpc.node import NodeConfig, NodeServer
 
     try:
         server = NodeServer(NodeConfig(host=host, port=port, device=device, threads=threads, name=name,
@@ -66,7 +66,7 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
     """Say whether a model fits a cluster, which layers go where, and the llama.cpp flags. Exit 1 if it does not fit."""
     import json
 
-    from tbrpc.cluster import load_cluster_file, nodes_from_flags
+    from tbrpc.node_memory import load_cluster_file, nodes_from_flags
     from tbrpc.plan import format_table, plan as make_plan
 
     try:
@@ -132,9 +132,9 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
     Memory options (cache types, flash attention, batch sizes) are planned as `tbrpc plan` plans them."""
     from pathlib import Path
 
-    from tbrpc.cluster import ClusterError
+    from tbrpc.launch import LaunchOptions, launch as run_launch
     from tbrpc.llama import context_kwargs
-    from tbrpc.run import LaunchOptions, launch as run_launch
+    from tbrpc.node_memory import ClusterError
     from tbrpc.spec import choose_cluster
 
     if prompt is not None and chat:
@@ -160,8 +160,8 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
 @click.argument("endpoints", nargs=-1)
 def doctor(cluster_file: str | None, gguf: str | None, timeout: float, endpoints: tuple[str, ...]) -> None:
     """Check every node: reachable, versions, device and memory, model file, ssh, RDMA/Thunderbolt on Macs."""
-    from tbrpc.cluster import ClusterError
     from tbrpc.doctor import diagnose, failed, format_checks
+    from tbrpc.node_memory import ClusterError
     from tbrpc.spec import choose_cluster, endpoint_specs, load_specs
 
     try:
@@ -180,10 +180,10 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, endpoints
 @click.argument("endpoints", nargs=-1)
 def status(cluster_file: str | None, timeout: float, as_json: bool, endpoints: tuple[str, ...]) -> None:
     """Nodes with their memory in use and clients (default: the launches running here, then ./tbrpc.toml)."""
-    from tbrpc.cluster import ClusterError
-    from tbrpc.spec import default_cluster_file, load_specs
     import json
 
+    from tbrpc.node_memory import ClusterError
+    from tbrpc.spec import default_cluster_file, load_specs
     from tbrpc.status import format_rows, query, rows_json, targets
 
     if endpoints:

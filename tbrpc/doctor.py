@@ -20,7 +20,7 @@ from typing import Any
 
 from tbrpc.client import NodeError, probe
 from tbrpc.facts import collect, model_identity, package_version, tbrpc_version
-from tbrpc.launch import _remote_word
+from tbrpc.node_processes import _remote_word
 from tbrpc.spec import NodeSpec
 from tbrpc.units import format_size
 

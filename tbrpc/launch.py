@@ -1,382 +1,201 @@
-"""Starting and stopping nodes: on this machine, or on others over ssh.
+"""``tbrpc launch`` as a library call: nodes up, plan, load, then serve, complete or chat.
 
-A node is started as ``python -m tbrpc._supervised <tbrpc node options>``
-with a pipe on its standard input (through ``ssh`` for remote nodes), so it
-stops by itself when its launcher goes away, however that happens. A node
-that already answers the handshake at its address is used as it is and left
-running at the end: ``launch`` stops exactly what it started.
-
-Every failure is a ``LaunchError`` naming the node, the step (start,
-handshake, ...) and what to try.
+Whatever happens -- success, a failed step, Ctrl-C, SIGTERM -- every node
+this call started is stopped before it returns; nodes that were already
+running are left as they were.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shlex
 import signal
-import socket
-import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+from typing import Any, Callable, TextIO
 
-from tbrpc.client import NodeError, NodeInfo, probe
+from tbrpc.client import cluster as client_cluster
+from tbrpc.gguf_model import GGUFError, load_gguf
+from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster
 from tbrpc.native import TbrpcError
-from tbrpc.spec import NodeSpec
+from tbrpc.node_processes import LaunchError, Nodes, start_nodes
+from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
+from tbrpc.status import launch_record, note_transports
+from tbrpc.units import format_size
 
-START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 10.0
-_LISTENING_RE = re.compile(r"tbrpc node listening on \S+?:(\d+)")
-_PID_RE = re.compile(r"tbrpc node pid (\d+)")
-
-
-class LaunchError(TbrpcError):
-    """A node could not be started, reached or stopped; the message names it, the step and a fix."""
-
-    def __init__(self, node: str, step: str, what: str, hint: str = "") -> None:
-        self.node, self.step, self.what, self.hint = node, step, what, hint
-        message = f"node {node}, step {step}: {what}"
-        if hint:
-            message += f"\n  try: {hint}"
-        super().__init__(message)
-
-
-def step_error(spec: NodeSpec, step: str, what: str, hint: str = "") -> LaunchError:
-    return LaunchError(f"{spec.name} ({spec.endpoint})", step, what, hint)
-
-
-def handshake_hint(spec: NodeSpec, message: str) -> str:
-    """What to try when the handshake with a node failed with `message`."""
-    if "mismatch" in message:
-        return ("install the same tbrpc and llama-cpp-python versions on the head and on this node "
-                "(`python -c 'import tbrpc, llama_cpp; print(llama_cpp.__version__)'` on both)")
-    if "refused" in message or "unreachable" in message or "timed out" in message:
-        how = {"local": "it is started by launch; see its log",
-               "ssh": f"check that {spec.ssh_destination()} can start it: see its log",
-               "manual": f"start it there by hand: tbrpc node --host {spec.listen_address} --port {spec.port}"}
-        return (f"is the node running and listening on {spec.endpoint}? {how[spec.start]}; "
-                "a firewall may also block the port")
-    return "see the node's log; run `tbrpc doctor` for a check of every node"
-
-
-def _tail(path: Path | None, lines: int = 12) -> str:
-    if path is None or not path.exists():
-        return ""
-    text = path.read_text(errors="replace").strip().splitlines()
-    return "\n    ".join(text[-lines:])
+EXIT_OK, EXIT_FAILED, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 @dataclass
-class RunningNode:
-    """A node this process started (``proc`` is the node itself, or the ssh client holding it)."""
-
-    spec: NodeSpec
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    port: int = 0
-    pid: int | None = None     # the node's own pid, on the machine it runs on
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.spec.host}:{self.port}"
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def read_log_facts(self) -> None:
-        text = self.log_text()
-        if self.pid is None and (m := _PID_RE.search(text)):
-            self.pid = int(m.group(1))
-        if not self.port and (m := _LISTENING_RE.search(text)):
-            self.port = int(m.group(1))
-
-    def begin_stop(self) -> None:
-        """Ask the node to stop: end of its stdin (over ssh too), and SIGTERM to a local node."""
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-        if self.proc.poll() is None and self.spec.start == "local":
-            self._signal(signal.SIGTERM)
-
-    def finish_stop(self, deadline: float) -> None:
-        """Wait until `deadline` (monotonic), then make sure: ssh kill by pid, SIGKILL."""
-        try:
-            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            if self.spec.start == "ssh":
-                self._remote_kill()
-            self._signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """Stop the node: end of its stdin, then SIGTERM, then SIGKILL. Idempotent."""
-        self.begin_stop()
-        self.finish_stop(time.monotonic() + timeout)
-
-    def _signal(self, sig: int) -> None:
-        try:
-            self.proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
-    def _remote_kill(self) -> None:
-        if self.pid is None:
-            return
-        cmd = f"kill -TERM {self.pid} 2>/dev/null; sleep 2; kill -KILL {self.pid} 2>/dev/null; true"
-        subprocess.run(self.spec.ssh_argv(cmd), stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+class LaunchOptions:
+    gguf: str
+    cluster: ClusterArg
+    ctx: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prompt: str | None = None
+    chat: bool = False
+    max_tokens: int = 128
+    temperature: float = 0.0
+    seed: int | None = None
+    alias: str | None = None
+    api_key: str | None = None
+    log_dir: Path | None = None
+    start_timeout: float = 60.0
+    verbose: bool = False
+    threads: int | None = None   # the head's, and those of started nodes that name none
+    llama_kwargs: dict[str, Any] = field(default_factory=dict)   # context options: llama.context_kwargs()
 
 
-def model_dir(spec: NodeSpec, head_model: str | None) -> str | None:
-    """The directory a node may load weights from: that of its `model`, else (local nodes) the head's."""
-    path = spec.model or (head_model if spec.start == "local" else None)
-    if not path:
-        return None
-    parent = os.path.dirname(path)
-    if spec.start == "local":
-        return os.path.abspath(os.path.expanduser(parent or "."))
-    return parent or "."
+class _Interrupted(Exception):
+    pass
 
 
-def _node_argv(spec: NodeSpec, port: int, head_model: str | None = None) -> list[str]:
-    args = ["--host", spec.listen_address, "--port", str(port), "--name", spec.name]
-    directory = model_dir(spec, head_model)
-    if directory:
-        args += ["--model-dir", directory]
-    if spec.device:
-        args += ["--device", spec.device]
-    if spec.threads:
-        args += ["--threads", str(spec.threads)]
-    if spec.node_log_file:
-        args += ["--log-file", spec.node_log_file]
-    return args
+class _Signals:
+    """SIGINT/SIGTERM: interrupt Python code, or abort a model load at its next progress report."""
 
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.loading = False
+        self._previous: dict[int, Any] = {}
 
-def _remote_word(word: str) -> str:
-    """Quote for the remote shell, keeping a leading ~/ expandable."""
-    if word.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(word[2:])
-    return shlex.quote(word)
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+        if not self.loading:
+            raise _Interrupted(signal.Signals(signum).name)
 
-
-def start_process(spec: NodeSpec, log_dir: Path, head_model: str | None = None) -> RunningNode:
-    """Start the node process (without waiting for it to answer).
-
-    The node may load weights from the directory of its `model` (local nodes:
-    of the head's model), so they need not cross the network.
-    """
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{spec.name}.log"
-    port = spec.port
-    if spec.start == "local":
-        python = spec.python or sys.executable
-        argv = [python, "-m", "tbrpc._supervised", *_node_argv(spec, port, head_model)]
-        env = dict(os.environ)
-        here = str(Path(__file__).resolve().parent.parent)
-        if not spec.python:  # the same tbrpc as this process, wherever it is imported from
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    elif spec.start == "ssh":
-        python = spec.python or "python3"
-        remote = " ".join(_remote_word(w) for w in [python, "-m", "tbrpc._supervised",
-                                                     *_node_argv(spec, port, head_model)])
-        argv = spec.ssh_argv("exec " + remote)
-        env = None
-    else:
-        raise ValueError(f"node {spec.name} is started by hand (start = \"manual\")")
-    with open(log_path, "wb") as log:
-        log.write(f"$ {shlex.join(argv)}\n".encode())
-        log.flush()
-        try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
-                                    start_new_session=True)
-        except OSError as exc:
-            raise step_error(spec, "start", f"cannot run {argv[0]}: {exc}",
-                             "install OpenSSH's client" if spec.start == "ssh" else "check `python` in the cluster file") from exc
-    return RunningNode(spec=spec, proc=proc, log_path=log_path, port=port)
-
-
-def _wait_listening(node: RunningNode, deadline: float) -> None:
-    spec = node.spec
-    while time.monotonic() < deadline:
-        node.read_log_facts()
-        if _LISTENING_RE.search(node.log_text()):
-            return
-        if not node.alive():
-            how = "ssh" if spec.start == "ssh" else "the node process"
-            raise step_error(spec, "start", f"{how} exited with code {node.proc.returncode} before listening; "
-                             f"its log ({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
-        time.sleep(0.05)
-    raise step_error(spec, "start", f"not listening after {START_TIMEOUT_S:.0f} s; its log ({node.log_path}):\n    "
-                     f"{_tail(node.log_path)}", _start_hint(spec, node.log_text()))
-
-
-def _start_hint(spec: NodeSpec, log: str) -> str:
-    if "Address already in use" in log or "address already in use" in log.lower():
-        return f"port {spec.port} is taken on {spec.host} by something that is not a tbrpc node: pick another port"
-    python = spec.python or (sys.executable if spec.start == "local" else "python3")
-    where = "this machine" if spec.start == "local" else spec.ssh_destination()
-    if "No module named 'tbrpc._native'" in log:
-        return (f"tbrpc's C library is not built for {python} on {where}: reinstall tbrpc there "
-                "(pip install tbrpc, or `make setup` in a checkout)")
-    if "No module named" in log:
-        return (f"tbrpc is not importable by {python} on {where}: install tbrpc there, "
-                "or set `python = \"/path/to/venv/bin/python\"` for this node in the cluster file")
-    if spec.start == "ssh" and ("Permission denied" in log or "Host key verification failed" in log
-                                or "Could not resolve" in log or "Connection refused" in log):
-        return (f"`{shlex.join(spec.ssh_argv('true'))}` must work by hand without a password "
-                "(key in the cluster file, host key accepted once)")
-    return "read the node's log above; `tbrpc doctor` checks every node"
-
-
-def wait_handshake(spec: NodeSpec, endpoint: str, deadline: float, node: RunningNode | None = None) -> NodeInfo:
-    """Probe `endpoint` until it answers the handshake; raise LaunchError naming the node otherwise."""
-    last = ""
-    while True:
-        try:
-            return probe(endpoint, timeout=max(0.5, min(5.0, deadline - time.monotonic())))[0]
-        except NodeError as exc:
-            last = str(exc)
-            if "mismatch" in last or "refused:" in last:
-                raise step_error(spec, "handshake", last, handshake_hint(spec, last)) from exc
-        if node is not None and not node.alive():
-            raise step_error(spec, "start", f"the node exited with code {node.proc.returncode}; its log "
-                             f"({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
-        if time.monotonic() >= deadline:
-            raise step_error(spec, "handshake", last, handshake_hint(spec, last))
-        time.sleep(0.1)
-
-
-def answers(endpoint: str, timeout: float = 1.0) -> tuple[NodeInfo | None, str]:
-    """(info, "") when a tbrpc node answers at `endpoint`, else (None, why)."""
-    host, _, port = endpoint.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            pass
-    except OSError as exc:
-        return None, f"unreachable: {exc}"
-    try:
-        return probe(endpoint, timeout=timeout * 5)[0], ""
-    except NodeError as exc:
-        return None, str(exc)
-
-
-@dataclass
-class Nodes:
-    """The nodes of one cluster, up and answering; ``stop()`` stops those started here."""
-
-    specs: list[NodeSpec]
-    endpoints: list[str]
-    infos: list[NodeInfo]
-    started: list[RunningNode] = field(default_factory=list)
-    _stopped: bool = False
-
-    def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        stop_all(self.started)
-
-    def failure(self) -> str | None:
-        """A message naming a node this process started that has died, else None."""
-        for node in self.started:
-            if not node.alive():
-                return f"node {node.spec.name} ({node.endpoint}): the node process exited with code {node.proc.returncode}"
-        return None
-
-    def explain(self, step: str, message: str) -> str:
-        """`message` (from the core or llama.cpp) as: node NAME (endpoint), step STEP: ... try: ..."""
-        running = {n.endpoint: n for n in self.started}
-        for spec, endpoint in zip(self.specs, self.endpoints):
-            if endpoint in message or f"node {spec.name} " in message:
-                node = running.get(endpoint)
-                if node is not None and not node.alive() and "exited with code" not in message:
-                    message += f" (the node process exited with code {node.proc.returncode})"
-                log = f"its log: {node.log_path}" if node else f"its log on {spec.host}"
-                hint = (f"{log}; `tbrpc status` shows its memory in use; "
-                        "`tbrpc doctor` checks every node; then launch again")
-                message = message.removeprefix(f"node {spec.name} ({endpoint}): ")
-                return f"node {spec.name} ({endpoint}), step {step}: {message}\n  try: {hint}"
-        return f"step {step}: {message}\n  try: `tbrpc doctor` checks every node"
-
-    def pids(self) -> list[int]:
-        """Pids of the node processes started here (on their own machines)."""
-        return [n.pid for n in self.started if n.pid is not None]
-
-    def __enter__(self) -> Nodes:
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():   # signals reach only the main thread
+            self._previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        for s, h in self._previous.items():
+            signal.signal(s, h)
 
 
-def stop_all(nodes: Sequence[RunningNode], timeout: float = STOP_TIMEOUT_S) -> None:
-    """Stop nodes in parallel, without threads (this also runs from __del__ at interpreter exit)."""
-    for node in nodes:
-        node.begin_stop()
-    deadline = time.monotonic() + timeout
-    for node in nodes:
-        node.finish_stop(deadline)
+def _cluster_failure(nodes: Nodes) -> str | None:
+    failure = nodes.failure()
+    if failure:
+        return failure
+    for info in client_cluster().nodes():
+        if info.failed and info.endpoint in nodes.endpoints:
+            return info.error
+    return None
 
 
-def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START_TIMEOUT_S,
-                on_event: object = None, head_model: str | None = None) -> Nodes:
-    """Start (or find already running) every node and wait until each answers the handshake.
+def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[str], None]) -> Llama:
+    """Plan, connect and load; a signal during the load aborts it at the next progress report."""
+    bar = ProgressBar("tbrpc: loading")
 
-    `head_model`: the model the head will load (local nodes read its weights
-    from disk). On any failure every node started here is stopped before the
-    LaunchError is raised.
-    """
-    say = on_event if callable(on_event) else (lambda message: None)
-    deadline = time.monotonic() + timeout
-    started: list[RunningNode] = []
-    slots: list[RunningNode | None] = []
+    def progress(fraction: float) -> bool:
+        bar(fraction)
+        return signals.received is None
+
+    kwargs = dict(opts.llama_kwargs)
+    kwargs.setdefault("verbose", opts.verbose)
+    kwargs["n_ctx"] = opts.ctx if opts.ctx is not None else kwargs.get("n_ctx", 0)   # 0: the plan's context
+    signals.loading = True
+    started = time.monotonic()
     try:
-        for spec in specs:
-            found = None
-            if spec.port:
-                found, why = answers(spec.endpoint)
-                if found is None and ("mismatch" in why or "refused:" in why):
-                    raise step_error(spec, "handshake", why, handshake_hint(spec, why))
-            if found is not None:
-                say(f"node {spec.name}: already running at {spec.endpoint}, using it")
-                slots.append(None)
-            elif spec.start == "manual":
-                slots.append(None)
-            else:
-                say(f"node {spec.name}: starting ({spec.describe_start()})")
-                new = start_process(spec, log_dir, head_model)
-                started.append(new)
-                slots.append(new)
-        endpoints, infos = [], []
-        for spec, slot in zip(specs, slots):
-            if slot is not None:
-                _wait_listening(slot, deadline)
-                endpoint = slot.endpoint
-            else:
-                endpoint = spec.endpoint
-            info = wait_handshake(spec, endpoint, deadline, slot)
-            say(f"node {spec.name}: {endpoint} answers ({info.node_device}, {info.mem_total / 2**30:.1f} GiB)")
-            endpoints.append(endpoint)
-            infos.append(info)
-        return Nodes(list(specs), endpoints, infos, started)
-    except BaseException:
-        stop_all(started)
+        llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, **kwargs)
+    except (ValueError, TbrpcError):
+        if signals.received is not None:
+            raise _Interrupted(signal.Signals(signals.received).name) from None
         raise
-
-
-@contextmanager
-def running(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START_TIMEOUT_S) -> Iterator[Nodes]:
-    nodes = start_nodes(specs, log_dir, timeout)
-    try:
-        yield nodes
     finally:
-        nodes.stop()
+        signals.loading = False
+    if signals.received is not None:
+        llm.close()
+        raise _Interrupted(signal.Signals(signals.received).name)
+    cluster = client_cluster()
+    from_files = sum(cluster.info(i).bytes_from_files for i, e in enumerate(cluster.endpoints) if e in nodes.endpoints)
+    say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"
+        + (f"; the nodes read {format_size(from_files)} of weights from their own model files" if from_files else ""))
+    return llm
+
+
+def _serve(opts: LaunchOptions, llm: Llama, nodes: Nodes, say: Callable[[str], None]) -> int:
+    sock = listen(opts.host, opts.port)
+    host, port = sock.getsockname()[:2]
+    alias = opts.alias or Path(opts.gguf).name.removesuffix(".gguf")
+    say(f"serving OpenAI-compatible API on http://{host}:{port}/v1 (model {alias!r}); Ctrl-C stops it")
+    failure = serve_http(llm, sock, alias, lambda: _cluster_failure(nodes), opts.api_key)
+    if failure:
+        say("stopped: " + nodes.explain("generate", failure))
+        return EXIT_FAILED
+    say("stopped")
+    return EXIT_OK
+
+
+def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Run `tbrpc launch`; returns the process exit code."""
+
+    def say(message: str) -> None:
+        err.write(f"tbrpc: {message}\n")
+        err.flush()
+
+    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="tbrpc-logs-"))
+    nodes: Nodes | None = None
+    llm: Llama | None = None
+    step = "start"
+    with _Signals() as signals, ExitStack() as records:
+        try:
+            specs = resolve_cluster(opts.cluster, opts.threads)
+            step = "plan"
+            try:   # a header read: refuse a file that is not a model before starting anything
+                load_gguf(opts.gguf)
+            except GGUFError as exc:
+                raise TbrpcError(f"step plan: {exc}\n  try: --gguf must be a GGUF model "
+                                 "(for a split set, its first shard)") from exc
+            if opts.prompt is None and not opts.chat:
+                require_server()
+            step = "start"
+            say(f"{len(specs)} node(s); node logs in {log_dir}")
+            nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say, head_model=opts.gguf)
+            record = records.enter_context(launch_record(opts.gguf, [s.name for s in nodes.specs], nodes.endpoints))
+            step = "load"
+            llm = _load(opts, nodes, signals, say)
+            note_transports(record, {info.endpoint: info.transport for info in client_cluster().nodes()})
+            step = "generate"
+            if opts.prompt is not None:
+                complete_once(llm, opts.prompt, out, opts.max_tokens, opts.temperature, opts.seed)
+                return EXIT_OK
+            if opts.chat:
+                chat(llm, opts.max_tokens, opts.temperature, out=out)
+                return EXIT_OK
+            step = "serve"
+            return _serve(opts, llm, nodes, say)
+        except (_Interrupted, KeyboardInterrupt) as exc:
+            if step == "serve":   # the normal way to stop a server
+                say(f"stopping ({exc or 'SIGINT'}): the model, then the nodes started here")
+                return EXIT_OK
+            say(f"interrupted ({exc or 'SIGINT'}) during step {step}; stopping the nodes")
+            return EXIT_INTERRUPTED
+        except DoesNotFitError as exc:
+            say(str(exc))
+            return EXIT_DOES_NOT_FIT
+        except (LaunchError, TbrpcError) as exc:
+            message = str(exc)
+            if not message.startswith(("node ", "step ")):
+                message = nodes.explain(step, message) if nodes else f"step {step}: {message}"
+            say(message)
+            return EXIT_FAILED
+        except ValueError as exc:  # llama-cpp-python's "Failed to load model" and friends
+            failure = _cluster_failure(nodes) if nodes else None
+            if failure and nodes:
+                say(nodes.explain(step, failure))
+            else:
+                say(f"step {step}: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
+                    f"and the node logs in {log_dir}")
+            return EXIT_FAILED
+        finally:
+            signals.loading = True   # a second Ctrl-C must not interrupt the cleanup
+            if llm is not None:
+                llm.close()
+            if nodes is not None:
+                nodes.stop()

@@ -30,10 +30,10 @@ import llama_cpp.llama_cpp as llama_lib
 
 from tbrpc.client import cluster as client_cluster
 from tbrpc.client import connect
-from tbrpc.cluster import Node, Report, size_nodes
 from tbrpc.gguf_model import GGUFError
-from tbrpc.launch import LaunchError, Nodes, start_nodes
 from tbrpc.native import TbrpcError
+from tbrpc.node_memory import Node, Report, size_nodes
+from tbrpc.node_processes import LaunchError, Nodes, start_nodes
 from tbrpc.plan import CACHE_TYPES, Plan, PlanError, cache_type_name, format_table, plan
 from tbrpc.spec import NodeSpec, endpoint_specs, load_specs, local_specs
 from tbrpc.units import format_size

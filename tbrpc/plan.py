@@ -35,8 +35,8 @@ from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from tbrpc.cluster import Node
 from tbrpc.gguf_model import ArchParams, GGUFModel, WeightLayout, arch_params, load_gguf, weight_layout
+from tbrpc.node_memory import Node
 from tbrpc.units import GiB, MiB, format_size, pad, parse_size
 
 KV_PAD = 256  # llama-context.cpp: n_ctx = GGML_PAD(n_ctx, 256)

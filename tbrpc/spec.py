@@ -1,6 +1,6 @@
 """How each node is reached and started: the launch keys of the cluster file.
 
-The cluster file is the planner's (``tbrpc.cluster``: ``[[node]]`` tables
+The cluster file is the planner's (``tbrpc.node_memory``: ``[[node]]`` tables
 with ``name``, ``host``, ``port`` and optionally ``memory``, ...). ``tbrpc launch`` and
 ``tbrpc doctor`` read these extra keys from the same tables::
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tbrpc.client import TRANSPORTS
-from tbrpc.cluster import ClusterError, ClusterNode, Node, read_cluster_file
+from tbrpc.node_memory import ClusterError, ClusterNode, Node, read_cluster_file
 
 DEFAULT_FILE_NAME = "tbrpc.toml"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tbrpc.cluster import (
+from tbrpc.node_memory import (
     FROM_FILE, ClusterError, ClusterNode, NoAnswer, Node, Report, load_cluster_file, make_node, nodes_from_flags,
     read_cluster_file, size_nodes, with_origin,
 )

@@ -28,9 +28,9 @@ from launch_helpers import (
     start_sshd, with_descendants,
 )
 
-from tbrpc.cluster import ClusterError
-from tbrpc.spec import NodeSpec, SshTarget, choose_cluster, load_specs, local_specs, spec_from_table
 from tbrpc.llama import resolve_cluster
+from tbrpc.node_memory import ClusterError
+from tbrpc.spec import NodeSpec, SshTarget, choose_cluster, load_specs, local_specs, spec_from_table
 
 N_TOKENS = 12
 

@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType as QT
 from launch_helpers import free_port
 
 from tbrpc.cli import main as cli_main
-from tbrpc.cluster import make_node, nodes_from_flags
 from tbrpc.gguf_model import GGUFError, arch_params, load_gguf, weight_layout
+from tbrpc.node_memory import make_node, nodes_from_flags
 from tbrpc.plan import ContextParams, Plan, PlanError, compute_bytes, plan
 from tbrpc.units import GiB, MiB, format_size
 from tests.fixtures_shapes import (

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tbrpc.cluster import make_node
 from tbrpc.gguf_model import arch_params, load_gguf
+from tbrpc.node_memory import make_node
 from tbrpc.plan import Plan, plan
 from tbrpc.units import MiB
 

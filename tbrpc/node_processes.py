@@ -1,0 +1,382 @@
+"""Starting and stopping nodes: on this machine, or on others over ssh.
+
+A node is started as ``python -m tbrpc._supervised <tbrpc node options>``
+with a pipe on its standard input (through ``ssh`` for remote nodes), so it
+stops by itself when its launcher goes away, however that happens. A node
+that already answers the handshake at its address is used as it is and left
+running at the end: ``launch`` stops exactly what it started.
+
+Every failure is a ``LaunchError`` naming the node, the step (start,
+handshake, ...) and what to try.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tbrpc.client import NodeError, NodeInfo, probe
+from tbrpc.native import TbrpcError
+from tbrpc.spec import NodeSpec
+
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+_LISTENING_RE = re.compile(r"tbrpc node listening on \S+?:(\d+)")
+_PID_RE = re.compile(r"tbrpc node pid (\d+)")
+
+
+class LaunchError(TbrpcError):
+    """A node could not be started, reached or stopped; the message names it, the step and a fix."""
+
+    def __init__(self, node: str, step: str, what: str, hint: str = "") -> None:
+        self.node, self.step, self.what, self.hint = node, step, what, hint
+        message = f"node {node}, step {step}: {what}"
+        if hint:
+            message += f"\n  try: {hint}"
+        super().__init__(message)
+
+
+def step_error(spec: NodeSpec, step: str, what: str, hint: str = "") -> LaunchError:
+    return LaunchError(f"{spec.name} ({spec.endpoint})", step, what, hint)
+
+
+def handshake_hint(spec: NodeSpec, message: str) -> str:
+    """What to try when the handshake with a node failed with `message`."""
+    if "mismatch" in message:
+        return ("install the same tbrpc and llama-cpp-python versions on the head and on this node "
+                "(`python -c 'import tbrpc, llama_cpp; print(llama_cpp.__version__)'` on both)")
+    if "refused" in message or "unreachable" in message or "timed out" in message:
+        how = {"local": "it is started by launch; see its log",
+               "ssh": f"check that {spec.ssh_destination()} can start it: see its log",
+               "manual": f"start it there by hand: tbrpc node --host {spec.listen_address} --port {spec.port}"}
+        return (f"is the node running and listening on {spec.endpoint}? {how[spec.start]}; "
+                "a firewall may also block the port")
+    return "see the node's log; run `tbrpc doctor` for a check of every node"
+
+
+def _tail(path: Path | None, lines: int = 12) -> str:
+    if path is None or not path.exists():
+        return ""
+    text = path.read_text(errors="replace").strip().splitlines()
+    return "\n    ".join(text[-lines:])
+
+
+@dataclass
+class RunningNode:
+    """A node this process started (``proc`` is the node itself, or the ssh client holding it)."""
+
+    spec: NodeSpec
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    port: int = 0
+    pid: int | None = None     # the node's own pid, on the machine it runs on
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.spec.host}:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def read_log_facts(self) -> None:
+        text = self.log_text()
+        if self.pid is None and (m := _PID_RE.search(text)):
+            self.pid = int(m.group(1))
+        if not self.port and (m := _LISTENING_RE.search(text)):
+            self.port = int(m.group(1))
+
+    def begin_stop(self) -> None:
+        """Ask the node to stop: end of its stdin (over ssh too), and SIGTERM to a local node."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        if self.proc.poll() is None and self.spec.start == "local":
+            self._signal(signal.SIGTERM)
+
+    def finish_stop(self, deadline: float) -> None:
+        """Wait until `deadline` (monotonic), then make sure: ssh kill by pid, SIGKILL."""
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            if self.spec.start == "ssh":
+                self._remote_kill()
+            self._signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the node: end of its stdin, then SIGTERM, then SIGKILL. Idempotent."""
+        self.begin_stop()
+        self.finish_stop(time.monotonic() + timeout)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def _remote_kill(self) -> None:
+        if self.pid is None:
+            return
+        cmd = f"kill -TERM {self.pid} 2>/dev/null; sleep 2; kill -KILL {self.pid} 2>/dev/null; true"
+        subprocess.run(self.spec.ssh_argv(cmd), stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+
+
+def model_dir(spec: NodeSpec, head_model: str | None) -> str | None:
+    """The directory a node may load weights from: that of its `model`, else (local nodes) the head's."""
+    path = spec.model or (head_model if spec.start == "local" else None)
+    if not path:
+        return None
+    parent = os.path.dirname(path)
+    if spec.start == "local":
+        return os.path.abspath(os.path.expanduser(parent or "."))
+    return parent or "."
+
+
+def _node_argv(spec: NodeSpec, port: int, head_model: str | None = None) -> list[str]:
+    args = ["--host", spec.listen_address, "--port", str(port), "--name", spec.name]
+    directory = model_dir(spec, head_model)
+    if directory:
+        args += ["--model-dir", directory]
+    if spec.device:
+        args += ["--device", spec.device]
+    if spec.threads:
+        args += ["--threads", str(spec.threads)]
+    if spec.node_log_file:
+        args += ["--log-file", spec.node_log_file]
+    return args
+
+
+def _remote_word(word: str) -> str:
+    """Quote for the remote shell, keeping a leading ~/ expandable."""
+    if word.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(word[2:])
+    return shlex.quote(word)
+
+
+def start_process(spec: NodeSpec, log_dir: Path, head_model: str | None = None) -> RunningNode:
+    """Start the node process (without waiting for it to answer).
+
+    The node may load weights from the directory of its `model` (local nodes:
+    of the head's model), so they need not cross the network.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.name}.log"
+    port = spec.port
+    if spec.start == "local":
+        python = spec.python or sys.executable
+        argv = [python, "-m", "tbrpc._supervised", *_node_argv(spec, port, head_model)]
+        env = dict(os.environ)
+        here = str(Path(__file__).resolve().parent.parent)
+        if not spec.python:  # the same tbrpc as this process, wherever it is imported from
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    elif spec.start == "ssh":
+        python = spec.python or "python3"
+        remote = " ".join(_remote_word(w) for w in [python, "-m", "tbrpc._supervised",
+                                                     *_node_argv(spec, port, head_model)])
+        argv = spec.ssh_argv("exec " + remote)
+        env = None
+    else:
+        raise ValueError(f"node {spec.name} is started by hand (start = \"manual\")")
+    with open(log_path, "wb") as log:
+        log.write(f"$ {shlex.join(argv)}\n".encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
+                                    start_new_session=True)
+        except OSError as exc:
+            raise step_error(spec, "start", f"cannot run {argv[0]}: {exc}",
+                             "install OpenSSH's client" if spec.start == "ssh" else "check `python` in the cluster file") from exc
+    return RunningNode(spec=spec, proc=proc, log_path=log_path, port=port)
+
+
+def _wait_listening(node: RunningNode, deadline: float) -> None:
+    spec = node.spec
+    while time.monotonic() < deadline:
+        node.read_log_facts()
+        if _LISTENING_RE.search(node.log_text()):
+            return
+        if not node.alive():
+            how = "ssh" if spec.start == "ssh" else "the node process"
+            raise step_error(spec, "start", f"{how} exited with code {node.proc.returncode} before listening; "
+                             f"its log ({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
+        time.sleep(0.05)
+    raise step_error(spec, "start", f"not listening after {START_TIMEOUT_S:.0f} s; its log ({node.log_path}):\n    "
+                     f"{_tail(node.log_path)}", _start_hint(spec, node.log_text()))
+
+
+def _start_hint(spec: NodeSpec, log: str) -> str:
+    if "Address already in use" in log or "address already in use" in log.lower():
+        return f"port {spec.port} is taken on {spec.host} by something that is not a tbrpc node: pick another port"
+    python = spec.python or (sys.executable if spec.start == "local" else "python3")
+    where = "this machine" if spec.start == "local" else spec.ssh_destination()
+    if "No module named 'tbrpc._native'" in log:
+        return (f"tbrpc's C library is not built for {python} on {where}: reinstall tbrpc there "
+                "(pip install tbrpc, or `make setup` in a checkout)")
+    if "No module named" in log:
+        return (f"tbrpc is not importable by {python} on {where}: install tbrpc there, "
+                "or set `python = \"/path/to/venv/bin/python\"` for this node in the cluster file")
+    if spec.start == "ssh" and ("Permission denied" in log or "Host key verification failed" in log
+                                or "Could not resolve" in log or "Connection refused" in log):
+        return (f"`{shlex.join(spec.ssh_argv('true'))}` must work by hand without a password "
+                "(key in the cluster file, host key accepted once)")
+    return "read the node's log above; `tbrpc doctor` checks every node"
+
+
+def wait_handshake(spec: NodeSpec, endpoint: str, deadline: float, node: RunningNode | None = None) -> NodeInfo:
+    """Probe `endpoint` until it answers the handshake; raise LaunchError naming the node otherwise."""
+    last = ""
+    while True:
+        try:
+            return probe(endpoint, timeout=max(0.5, min(5.0, deadline - time.monotonic())))[0]
+        except NodeError as exc:
+            last = str(exc)
+            if "mismatch" in last or "refused:" in last:
+                raise step_error(spec, "handshake", last, handshake_hint(spec, last)) from exc
+        if node is not None and not node.alive():
+            raise step_error(spec, "start", f"the node exited with code {node.proc.returncode}; its log "
+                             f"({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
+        if time.monotonic() >= deadline:
+            raise step_error(spec, "handshake", last, handshake_hint(spec, last))
+        time.sleep(0.1)
+
+
+def answers(endpoint: str, timeout: float = 1.0) -> tuple[NodeInfo | None, str]:
+    """(info, "") when a tbrpc node answers at `endpoint`, else (None, why)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        return None, f"unreachable: {exc}"
+    try:
+        return probe(endpoint, timeout=timeout * 5)[0], ""
+    except NodeError as exc:
+        return None, str(exc)
+
+
+@dataclass
+class Nodes:
+    """The nodes of one cluster, up and answering; ``stop()`` stops those started here."""
+
+    specs: list[NodeSpec]
+    endpoints: list[str]
+    infos: list[NodeInfo]
+    started: list[RunningNode] = field(default_factory=list)
+    _stopped: bool = False
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        stop_all(self.started)
+
+    def failure(self) -> str | None:
+        """A message naming a node this process started that has died, else None."""
+        for node in self.started:
+            if not node.alive():
+                return f"node {node.spec.name} ({node.endpoint}): the node process exited with code {node.proc.returncode}"
+        return None
+
+    def explain(self, step: str, message: str) -> str:
+        """`message` (from the core or llama.cpp) as: node NAME (endpoint), step STEP: ... try: ..."""
+        running = {n.endpoint: n for n in self.started}
+        for spec, endpoint in zip(self.specs, self.endpoints):
+            if endpoint in message or f"node {spec.name} " in message:
+                node = running.get(endpoint)
+                if node is not None and not node.alive() and "exited with code" not in message:
+                    message += f" (the node process exited with code {node.proc.returncode})"
+                log = f"its log: {node.log_path}" if node else f"its log on {spec.host}"
+                hint = (f"{log}; `tbrpc status` shows its memory in use; "
+                        "`tbrpc doctor` checks every node; then launch again")
+                message = message.removeprefix(f"node {spec.name} ({endpoint}): ")
+                return f"node {spec.name} ({endpoint}), step {step}: {message}\n  try: {hint}"
+        return f"step {step}: {message}\n  try: `tbrpc doctor` checks every node"
+
+    def pids(self) -> list[int]:
+        """Pids of the node processes started here (on their own machines)."""
+        return [n.pid for n in self.started if n.pid is not None]
+
+    def __enter__(self) -> Nodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def stop_all(nodes: Sequence[RunningNode], timeout: float = STOP_TIMEOUT_S) -> None:
+    """Stop nodes in parallel, without threads (this also runs from __del__ at interpreter exit)."""
+    for node in nodes:
+        node.begin_stop()
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        node.finish_stop(deadline)
+
+
+def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START_TIMEOUT_S,
+                on_event: object = None, head_model: str | None = None) -> Nodes:
+    """Start (or find already running) every node and wait until each answers the handshake.
+
+    `head_model`: the model the head will load (local nodes read its weights
+    from disk). On any failure every node started here is stopped before the
+    LaunchError is raised.
+    """
+    say = on_event if callable(on_event) else (lambda message: None)
+    deadline = time.monotonic() + timeout
+    started: list[RunningNode] = []
+    slots: list[RunningNode | None] = []
+    try:
+        for spec in specs:
+            found = None
+            if spec.port:
+                found, why = answers(spec.endpoint)
+                if found is None and ("mismatch" in why or "refused:" in why):
+                    raise step_error(spec, "handshake", why, handshake_hint(spec, why))
+            if found is not None:
+                say(f"node {spec.name}: already running at {spec.endpoint}, using it")
+                slots.append(None)
+            elif spec.start == "manual":
+                slots.append(None)
+            else:
+                say(f"node {spec.name}: starting ({spec.describe_start()})")
+                new = start_process(spec, log_dir, head_model)
+                started.append(new)
+                slots.append(new)
+        endpoints, infos = [], []
+        for spec, slot in zip(specs, slots):
+            if slot is not None:
+                _wait_listening(slot, deadline)
+                endpoint = slot.endpoint
+            else:
+                endpoint = spec.endpoint
+            info = wait_handshake(spec, endpoint, deadline, slot)
+            say(f"node {spec.name}: {endpoint} answers ({info.node_device}, {info.mem_total / 2**30:.1f} GiB)")
+            endpoints.append(endpoint)
+            infos.append(info)
+        return Nodes(list(specs), endpoints, infos, started)
+    except BaseException:
+        stop_all(started)
+        raise
+
+
+@contextmanager
+def running(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START_TIMEOUT_S) -> Iterator[Nodes]:
+    nodes = start_nodes(specs, log_dir, timeout)
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
