@@ -46,6 +46,8 @@ def make_app(llm: llama_cpp.Llama, alias: str, api_key: str | None = None) -> An
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
+    from tbrpc.dashboard import install
+
     settings = ModelSettings(model=str(llm.model_path), model_alias=alias)
 
     class LoadedProxy(LlamaProxy):
@@ -70,10 +72,12 @@ def make_app(llm: llama_cpp.Llama, alias: str, api_key: str | None = None) -> An
     try:
         # Requests take turns on the one model (llama-cpp-python's lock); a new one waits for the
         # running one instead of cutting it short (the server's default, interrupt_requests, would).
-        return app_module.create_app(server_settings=ServerSettings(api_key=api_key, interrupt_requests=False),
-                                     model_settings=[settings])
+        app = app_module.create_app(server_settings=ServerSettings(api_key=api_key, interrupt_requests=False),
+                                    model_settings=[settings])
     finally:
         app_module.set_llama_proxy = original
+    install(app, llm, alias, api_key)   # /tbrpc, /tbrpc/status.json, /metrics
+    return app
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -184,6 +186,49 @@ def test_concurrent_requests_take_turns(tmp_path: Path) -> None:
         for c in clients:
             c.join(timeout=120)
         assert texts == {"c0": want, "c1": want, "c2": want}
+
+        # what the server shows about itself
+        root = base.removesuffix("/v1")
+        status = http_json(f"{root}/tbrpc/status.json")
+        assert [n["name"] for n in status["nodes"]] == ["local0", "local1"], status["nodes"]
+        (a0, a1), (b0, b1) = (n["layers"] for n in status["nodes"])
+        assert (a0, b0, b1) == (0, a1 + 1, 17), status["nodes"]   # Gemma 3 270M: 18 layers, in plan order
+        assert all(n["transport"].startswith("shm ") and not n["failed"] for n in status["nodes"])
+        requests = status["requests"]
+        assert (requests["count"], requests["tokens"], requests["in_flight"]) == (3, 48, 0), requests
+        streams = [r for r in requests["recent"] if r["first_token_s"] is not None]
+        assert len(streams) == 2 and all(0 < r["first_token_s"] < r["seconds"] for r in streams), requests
+        # one round trip per generated token and node group: the head waits for the logits only
+        assert 0.9 <= sum(n["round_trips_per_token"] for n in status["nodes"]) <= 3, status["nodes"]
+        with urllib.request.urlopen(f"{root}/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        assert "tbrpc_generated_tokens_total 48" in metrics and 'tbrpc_node_up{node="local0"' in metrics, metrics
+        with urllib.request.urlopen(f"{root}/tbrpc", timeout=30) as r:
+            assert b"tbrpc/status.json" in r.read()
+        stop_and_check(launch, signal.SIGINT, 0)
+    finally:
+        if launch.proc.poll() is None:
+            launch.proc.kill()
+
+
+def test_api_key_guards_the_api_and_the_dashboard(tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "1", "--ctx", "256",
+                          "--port", "0", "--api-key", "s3cret")
+    try:
+        root = launch.http_base().removesuffix("/v1")
+
+        def code(path: str, key: str | None = None) -> int:
+            request = urllib.request.Request(root + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as r:
+                    return int(r.status)
+            except urllib.error.HTTPError as e:
+                return int(e.code)
+
+        assert [code("/v1/models"), code("/metrics"), code("/tbrpc/status.json"), code("/tbrpc")] == [401] * 4
+        assert [code("/v1/models", "wrong"), code("/metrics", "wrong")] == [401, 401]
+        assert [code("/v1/models", "s3cret"), code("/metrics", "s3cret"), code("/tbrpc?api_key=s3cret"),
+                code("/tbrpc/status.json?api_key=s3cret")] == [200] * 4
         stop_and_check(launch, signal.SIGINT, 0)
     finally:
         if launch.proc.poll() is None:
