@@ -51,9 +51,12 @@ class Request:
 
 
 class RequestLog:
-    """The recent requests and running totals; shared by the server's threads."""
+    """The recent requests and running totals; shared by the server's threads.
+    `baseline`: each node's (round trips, bytes) when serving began, so that
+    per-token figures leave out the load and the warm-up."""
 
     def __init__(self) -> None:
+        self.baseline = {i.endpoint: (i.round_trips, i.bytes_sent + i.bytes_received) for i in client_cluster().nodes()}
         self._lock = threading.Lock()
         self.recent: deque[Request] = deque(maxlen=RECENT)
         self.count = 0
@@ -138,6 +141,8 @@ def snapshot(llm: Any, alias: str, log: RequestLog) -> dict[str, Any]:
         if mine and info.endpoint not in mine:
             continue
         p = planned.get(info.device_name)
+        trips0, bytes0 = log.baseline.get(info.endpoint, (0, 0))
+        trips, moved = info.round_trips - trips0, info.bytes_sent + info.bytes_received - bytes0
         nodes.append({
             "name": info.node_name, "endpoint": info.endpoint, "device": info.device_name,
             "node_device": info.node_device, "memory_total": info.mem_total,
@@ -145,8 +150,8 @@ def snapshot(llm: Any, alias: str, log: RequestLog) -> dict[str, Any]:
             "layers": list(p.layers) if p and p.layers else None,
             "transport": info.transport, "failed": info.failed, "error": info.error or None,
             "round_trips": info.round_trips, "bytes": info.bytes_sent + info.bytes_received,
-            "round_trips_per_token": info.round_trips / tokens if log.tokens else None,
-            "bytes_per_token": (info.bytes_sent + info.bytes_received) / tokens if log.tokens else None,
+            "round_trips_per_token": trips / tokens if log.tokens else None,   # since serving began
+            "bytes_per_token": moved / tokens if log.tokens else None,
         })
     recent = [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in reversed(log.recent)]
     return {
@@ -209,7 +214,8 @@ PAGE = """<!doctype html>
 <p id="updated"></p>
 <script>
 const key = new URLSearchParams(location.search).get("api_key");
-const size = b => b == null ? "-" : b >= 2**30 ? (b / 2**30).toFixed(1) + " GiB" : (b / 2**20).toFixed(1) + " MiB";
+const size = b => b == null ? "-" : b >= 2**30 ? (b / 2**30).toFixed(1) + " GiB" :
+  b >= 2**20 ? (b / 2**20).toFixed(1) + " MiB" : (b / 2**10).toFixed(1) + " KiB";
 const num = (x, d) => x == null ? "-" : x.toFixed(d);
 function cell(row, text, cls) { const td = row.insertCell(); td.textContent = text; if (cls) td.className = cls; }
 async function refresh() {
