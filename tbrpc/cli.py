@@ -122,12 +122,18 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Compute threads of the head and of every node launch starts that names none "
                    "[default: --local shares the cores; ggml's choice].")
+@click.option("--draft", default=None, metavar="prompt-lookup[:N]",
+              help="Speculative decoding by prompt lookup: up to N tokens (10) copied from where the text repeats.")
+@click.option("--draft-model", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Speculative decoding with a small GGUF of the same vocabulary, run on this machine.")
+@click.option("--draft-tokens", type=click.IntRange(min=1), default=None, help="Tokens --draft-model guesses per step [default: 8].")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | None, host: str, port: int,
            prompt: str | None, chat: bool, max_tokens: int, temperature: float, alias: str | None,
            chat_format: str | None, api_key: str | None, log_dir: str | None, start_timeout: float,
            cache_type_k: str | None, cache_type_v: str | None, flash_attn: bool | None, ubatch: int | None,
-           batch: int | None, threads: int | None, verbose: bool) -> None:
+           batch: int | None, threads: int | None, draft: str | None, draft_model: str | None,
+           draft_tokens: int | None, verbose: bool) -> None:
     """Start the nodes, plan the split, load GGUF and serve it (or --prompt / --chat).
     Memory options (cache types, flash attention, batch sizes) are planned as `tbrpc plan` plans them."""
     from pathlib import Path
@@ -146,7 +152,8 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
     code = run_launch(LaunchOptions(
         gguf=gguf, cluster=cluster, ctx=ctx, host=host, port=port, prompt=prompt, chat=chat, max_tokens=max_tokens,
         temperature=temperature, alias=alias, api_key=api_key, log_dir=Path(log_dir) if log_dir else None,
-        start_timeout=start_timeout, verbose=verbose, threads=threads,
+        start_timeout=start_timeout, verbose=verbose, threads=threads, draft=draft, draft_model=draft_model,
+        draft_tokens=draft_tokens,
         llama_kwargs={**context_kwargs(cache_type_k, cache_type_v, flash_attn, ubatch, batch, threads),
                       **({"chat_format": chat_format} if chat_format else {})}))
     raise SystemExit(code)

@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any, Callable, TextIO
 
 from tbrpc.client import cluster as client_cluster
+from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster
 from tbrpc.native import TbrpcError
@@ -48,6 +49,9 @@ class LaunchOptions:
     start_timeout: float = 60.0
     verbose: bool = False
     threads: int | None = None   # the head's, and those of started nodes that name none
+    draft: str | None = None        # "prompt-lookup[:N]"
+    draft_model: str | None = None  # a small GGUF with the model's vocabulary, run on this machine
+    draft_tokens: int | None = None # tokens the draft model guesses per step
     llama_kwargs: dict[str, Any] = field(default_factory=dict)   # context options: llama.context_kwargs()
 
 
@@ -99,6 +103,9 @@ def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[s
     kwargs = dict(opts.llama_kwargs)
     kwargs.setdefault("verbose", opts.verbose)
     kwargs["n_ctx"] = opts.ctx if opts.ctx is not None else kwargs.get("n_ctx", 0)   # 0: the plan's context
+    draft = make_draft(opts.draft, opts.draft_model, opts.draft_tokens, kwargs["n_ctx"], opts.threads)
+    if draft is not None:
+        kwargs["draft_model"] = draft
     signals.loading = True
     started = time.monotonic()
     try:
@@ -116,6 +123,15 @@ def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[s
     from_files = sum(cluster.info(i).bytes_from_files for i, e in enumerate(cluster.endpoints) if e in nodes.endpoints)
     say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"
         + (f"; the nodes read {format_size(from_files)} of weights from their own model files" if from_files else ""))
+    if draft is not None:
+        if isinstance(draft, GGUFDraft):
+            try:
+                draft.check_vocabulary(llm)
+            except DraftError:
+                llm.close()
+                raise
+        say(f"speculative decoding: {opts.draft or Path(opts.draft_model or '').name} guesses, the nodes check; "
+            f"this process keeps every position's logits ({format_size(logits_bytes(llm.n_ctx(), llm.n_vocab()))})")
     return llm
 
 
@@ -154,6 +170,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                                  "(for a split set, its first shard)") from exc
             if opts.prompt is None and not opts.chat:
                 require_server()
+            check_draft(opts.draft, opts.draft_model, opts.gguf)
             step = "start"
             say(f"{len(specs)} node(s); node logs in {log_dir}")
             nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say, head_model=opts.gguf)

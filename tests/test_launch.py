@@ -385,6 +385,27 @@ def test_threads_reach_the_nodes_that_name_none(tmp_path: Path) -> None:
     assert [s.threads for s in resolve_cluster(str(path))] == [4, 0]
 
 
+@pytest.mark.parametrize("draft", [("--draft", "prompt-lookup:6"), ("--draft-model", "SELF", "--draft-tokens", "4")])
+def test_speculative_decoding_keeps_greedy_output(draft: tuple[str, ...], tmp_path: Path) -> None:
+    """Guessed tokens are checked by the split model: the text is exactly greedy decoding's."""
+    model = str(models.ensure("gemma"))
+    want = expected("gemma", 24)["text"]
+    args = [model if a == "SELF" else a for a in draft]
+    launch = start_launch(tmp_path, "--gguf", model, "--local", "2", "--ctx", "256", *args,
+                          "--prompt", PROMPT, "--max-tokens", "24")
+    assert launch.finish(timeout=180) == 0, launch.stderr
+    assert launch.stdout == want + "\n"
+    assert "speculative decoding:" in launch.stderr, launch.stderr
+
+
+def test_bad_draft_options_start_nothing(tmp_path: Path) -> None:
+    for args, message in [(("--draft", "lookahead"), "expected prompt-lookup or prompt-lookup:N"),
+                          (("--draft-model", str(models.ensure("llama"))), "a draft must share the model's vocabulary")]:
+        launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", *args, "--prompt", "x")
+        assert launch.finish() == 1 and message in launch.stderr, launch.stderr
+        assert "node(s); node logs" not in launch.stderr   # refused before any node started
+
+
 def test_an_unknown_cache_type_starts_nothing(tmp_path: Path) -> None:
     launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--cache-type-v", "q9_9",
                           "--prompt", "x")
