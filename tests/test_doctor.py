@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import models
-from launch_helpers import ENV, free_port
+from helpers import ENV, free_port
 
 from tbrpc.doctor import FAIL, OK, WARN, Check, _check_linux, _check_macos, _Node, diagnose, failed, format_checks
 from tbrpc.facts import file_fingerprint, linux_facts, model_identity, sampled_ranges

@@ -20,16 +20,10 @@ import pytest
 
 import models
 import tbrpc
-from conftest import ROOT, run_head
+from helpers import ROOT, free_port, run_head
 from tbrpc.native import load
 
 PROMPT = "Once upon a time"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_unreachable_node_is_named(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import models
-from conftest import run_head
+from helpers import run_head
 from tests import llama_alloc_probe
 
 PROMPT = "The capital of France is"

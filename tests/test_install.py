@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import models
-from launch_helpers import PROMPT, baseline
+from helpers import PROMPT, baseline
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 8

@@ -1,7 +1,7 @@
 """`tbrpc launch`: real node processes, the real HTTP API, real signals.
 
 Answers over HTTP and with --prompt must be the tokens of one plain process
-(greedy; see launch_helpers.baseline), and nothing launch started may be
+(greedy; see helpers.baseline), and nothing launch started may be
 left running afterwards -- after a normal stop, Ctrl-C, SIGTERM, SIGKILL of
 launch itself, or a node killed during load or generation (checked by PID).
 """
@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 import models
-from launch_helpers import (
+from helpers import (
     CHAT, ENV, PROMPT, Launch, assert_gone, baseline, free_port, http_json, http_stream, python_wrapper, start_launch,
     start_sshd, with_descendants,
 )

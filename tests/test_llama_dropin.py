@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import models
-from launch_helpers import ENV, PROMPT, alive, assert_gone, baseline, with_descendants
+from helpers import ENV, PROMPT, alive, assert_gone, baseline, with_descendants
 
 N_TOKENS = 12
 
@@ -25,10 +25,10 @@ def expected(model_name: str) -> dict[str, Any]:
     return baseline(models.ensure(model_name), PROMPT, N_TOKENS)
 
 
-def run_head(code: str) -> dict[str, Any]:
+def run_code(code: str) -> dict[str, Any]:
     """Run `code` (which ends by printing one JSON line) in a fresh process."""
     prelude = (f"import json, os, gc, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-               "from launch_helpers import with_descendants as tree\nfrom tbrpc import Llama\n")
+               "from helpers import with_descendants as tree\nfrom tbrpc import Llama\n")
     proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=ENV, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -38,7 +38,7 @@ def run_head(code: str) -> dict[str, Any]:
 def test_local_nodes_started_and_stopped(tmp_path: Path) -> None:
     """cluster=N: nodes started here, sharing what this machine reports; close() and garbage collection stop them."""
     model = models.ensure("llama")
-    out = run_head(f"""
+    out = run_code(f"""
         from tbrpc.client import cluster
         llm = Llama({str(model)!r}, cluster=2, n_ctx=256, verbose=False, log_dir={str(tmp_path / "a")!r})
         reported = [min(i.mem_free, i.mem_total) or i.mem_total for i in cluster().nodes()]
@@ -72,7 +72,7 @@ def test_endpoints_pick_exactly_their_nodes(nodes: Any) -> None:
     """cluster=["host:port", ...] with another tbrpc device already registered: only ours hold the model."""
     model = models.ensure("llama")
     extra, a, b = nodes(3)
-    out = run_head(f"""
+    out = run_code(f"""
         import tbrpc
         tbrpc.connect([{extra.endpoint!r}])
         llm = Llama({str(model)!r}, cluster=[{a.endpoint!r}, {b.endpoint!r}], n_ctx=256, verbose=False)
@@ -95,7 +95,7 @@ def test_cluster_file_with_gemma(tmp_path: Path) -> None:
     cluster = tmp_path / "tbrpc.toml"
     cluster.write_text("".join(f'[[node]]\nname = "n{i}"\nhost = "127.0.0.1"\nport = 0\nmemory = "8GiB"\nkind = "cpu"\n'
                                f"threads = 1\n" for i in range(2)))
-    out = run_head(f"""
+    out = run_code(f"""
         llm = Llama({str(model)!r}, cluster={str(cluster)!r}, n_ctx=256, verbose=False)
         text = llm({PROMPT!r}, max_tokens={N_TOKENS}, temperature=0)["choices"][0]["text"]
         pids = llm.tbrpc_node_pids
@@ -113,7 +113,7 @@ def test_cache_types_are_planned_as_applied(tmp_path: Path) -> None:
     tokens, where the KV cache is a quarter of a node's memory)."""
     model = models.ensure("gemma")
     configs = [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "f16")]
-    out = run_head(f"""
+    out = run_code(f"""
         from tbrpc.client import cluster
         from tbrpc.llama import context_kwargs
         rows = []
@@ -148,7 +148,7 @@ def test_does_not_fit_raises_and_stops_nodes(tmp_path: Path) -> None:
     model = models.ensure("llama")
     cluster = tmp_path / "small.toml"
     cluster.write_text('[[node]]\nname = "small"\nhost = "127.0.0.1"\nport = 0\nmemory = "1GiB"\nkind = "cpu"\n')
-    out = run_head(f"""
+    out = run_code(f"""
         import tbrpc.node_processes as launch
         started = []
         original = launch.start_process
@@ -170,7 +170,7 @@ def test_does_not_fit_raises_and_stops_nodes(tmp_path: Path) -> None:
 
 
 def test_tbrpc_exports() -> None:
-    out = run_head("""
+    out = run_code("""
         import importlib, pkgutil
         import tbrpc, llama_cpp
         from tbrpc import Llama

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import models
-from conftest import run_head
+from helpers import run_head
 from test_split import PROMPT, layer_weight_bytes
 
 N_PREDICT = 8

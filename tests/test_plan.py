@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as QT
-from launch_helpers import free_port
+from helpers import free_port
 
 from tbrpc.cli import main as cli_main
 from tbrpc.gguf_model import GGUFError, arch_params, load_gguf, weight_layout

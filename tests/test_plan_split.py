@@ -36,7 +36,7 @@ from tbrpc.units import MiB
 probe_mod = pytest.importorskip("tests.llama_alloc_probe")
 pytest.importorskip("llama_cpp")
 
-from conftest import NodeProcess, start_node, stop_nodes
+from helpers import NodeProcess, start_node, stop_nodes
 
 import tbrpc  # after the llama_cpp check: it loads llama.cpp's ggml
 from tests.fixtures_shapes import DEEPSEEK_V3, KIMI_K2, deepseek2_spec, write_shape_only

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import models
-from conftest import run_head
+from helpers import run_head
 
 PROMPT = "The capital of France is"
 N_PREDICT = 12
