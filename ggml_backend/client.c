@@ -272,14 +272,18 @@ static void endpoint_host(const struct client_node * n, char * host, size_t len)
     if (tb_parse_endpoint(n->endpoint, host, len, &port, err, sizeof err) != 0) host[0] = '\0';
 }
 
-// A link a -> b: b listens, a connects, b accepts. Three round trips, once
-// per pair. Returns the link, or NULL when the pair cannot talk directly
-// (the head then relays, as before). Takes each node's lock in turn, never both.
+// A link a -> b: b listens, then b accepts while a dials (the dialer sends
+// nothing until the listener has proven itself, so both must be at it at
+// once: b's PEER_ACCEPT is sent before a's PEER_CONNECT and answered after).
+// Three round trips, once per pair. Returns the link, or NULL when the pair
+// cannot talk directly (the head then relays, as before). ggml's scheduler
+// sets links up from one thread; b's lock is held across a's call, and no
+// caller holds a's while waiting for b's.
 static struct peer_link * peer_link(struct client_node * a, struct client_node * b) {
     for (size_t i = 0; i < a->n_links; i++) {
         if (a->links[i].to == b) return a->links[i].usable ? &a->links[i] : NULL;
     }
-    if (a->n_links == sizeof a->links / sizeof a->links[0] || getenv("TBRPC_NO_PEER_LINKS")) return NULL;
+    if (a == b || a->n_links == sizeof a->links / sizeof a->links[0] || getenv("TBRPC_NO_PEER_LINKS")) return NULL;
     struct peer_link * link = &a->links[a->n_links++];
     *link = (struct peer_link) { .to = b };
     struct tb_peer_listen_reply listen = { 0, 0 };
@@ -289,9 +293,12 @@ static struct peer_link * peer_link(struct client_node * a, struct client_node *
     endpoint_host(b, conn.host, sizeof conn.host);
     conn.port = listen.port;
     conn.token = listen.token;
-    if (node_call(a, TB_CMD_PEER_CONNECT, &conn, sizeof conn, &link->out_id, sizeof link->out_id) != 0 || !link->out_id) return NULL;
-    if (node_call(b, TB_CMD_PEER_ACCEPT, &listen.token, sizeof listen.token, &link->in_id, sizeof link->in_id) != 0 || !link->in_id)
-        return NULL;
+    pthread_mutex_lock(&b->lock);
+    const uint64_t accept_id = node_call_send_locked(b, TB_CMD_PEER_ACCEPT, &listen.token, sizeof listen.token);
+    const int connected = accept_id ? node_call(a, TB_CMD_PEER_CONNECT, &conn, sizeof conn, &link->out_id, sizeof link->out_id) : -1;
+    const int accepted = accept_id ? node_call_reply_locked(b, TB_CMD_PEER_ACCEPT, accept_id, &link->in_id, sizeof link->in_id) : -1;
+    pthread_mutex_unlock(&b->lock);
+    if (connected != 0 || accepted != 0 || !link->out_id || !link->in_id) return NULL;
     link->usable = true;
     return link;
 }
@@ -488,14 +495,15 @@ struct tbrpc_client * tbrpc_client_new(void) {
 }
 
 int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
-                          char * err, size_t err_len) {
+                          const uint8_t * secret, size_t secret_len, char * err, size_t err_len) {
     char name[32];
     pthread_mutex_lock(&c->lock);
     const size_t index = c->n_nodes;
     pthread_mutex_unlock(&c->lock);
     snprintf(name, sizeof name, "TBRPC%zu", index);
-    struct client_node * n = node_open(endpoint, name, timeout_ms, transport, err, err_len);
-    if (!n) return -1;
+    int kind = TBRPC_ERR_OTHER;
+    struct client_node * n = node_open(endpoint, name, timeout_ms, transport, secret, secret_len, &kind, err, err_len);
+    if (!n) return -kind;
     n->client = c;
     snprintf(n->description, sizeof n->description, "tbrpc node %s at %s: %s (%s)", n->info.node_name, endpoint,
              n->info.device_name, n->info.device_description);
@@ -506,7 +514,7 @@ int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int ti
     if (c->n_nodes == c->cap_nodes) {
         size_t cap = c->cap_nodes ? 2 * c->cap_nodes : 8;
         struct client_node ** p = realloc(c->nodes, cap * sizeof *p);
-        if (!p) { pthread_mutex_unlock(&c->lock); node_destroy(n); snprintf(err, err_len, "out of memory"); return -1; }
+        if (!p) { pthread_mutex_unlock(&c->lock); node_destroy(n); snprintf(err, err_len, "out of memory"); return -TBRPC_ERR_OTHER; }
         c->nodes = p;
         c->cap_nodes = cap;
     }
@@ -543,6 +551,7 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
     snprintf(out->device_name, sizeof out->device_name, "%s", n->name);
     out->hello = n->info;
     out->failed = n->failed;
+    out->error_kind = n->failed ? n->error_kind : 0;
     snprintf(out->error, sizeof out->error, "%s", n->error);
     snprintf(out->transport, sizeof out->transport, "%s", n->tp->describe);
     out->bytes_sent = n->tp->bytes_sent;
@@ -559,10 +568,13 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
 
 int tbrpc_client_node_status(struct tbrpc_client * c, size_t i, struct tb_status * out, char * err, size_t err_len) {
     struct client_node * n = node_at(c, i);
-    if (!n) { snprintf(err, err_len, "no node %zu", i); return -1; }
+    if (!n) { snprintf(err, err_len, "no node %zu", i); return -TBRPC_ERR_OTHER; }
     if (node_call(n, TB_CMD_STATUS, NULL, 0, out, sizeof *out) != 0) {
+        pthread_mutex_lock(&n->lock);
         snprintf(err, err_len, "%s", n->error);
-        return -1;
+        const int kind = n->error_kind;
+        pthread_mutex_unlock(&n->lock);
+        return -kind;
     }
     return 0;
 }
@@ -571,10 +583,10 @@ int tbrpc_client_failed(struct tbrpc_client * c, char * err, size_t err_len) {
     for (size_t i = 0; i < tbrpc_client_node_count(c); i++) {
         struct client_node * n = node_at(c, i);
         pthread_mutex_lock(&n->lock);
-        bool failed = n->failed;
-        if (failed) snprintf(err, err_len, "%s", n->error);
+        const int kind = n->failed ? n->error_kind : 0;
+        if (kind) snprintf(err, err_len, "%s", n->error);
         pthread_mutex_unlock(&n->lock);
-        if (failed) return 1;
+        if (kind) return kind;
     }
     return 0;
 }
@@ -597,12 +609,15 @@ void tbrpc_client_ask_node(struct tbrpc_client * c, size_t i, int always) {
     pthread_mutex_unlock(&n->lock);
 }
 
-int tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status, char * err, size_t err_len) {
-    struct client_node * n = node_open(endpoint, "probe", timeout_ms, "tcp", err, err_len);   // one question: no upgrade
-    if (!n) return -1;
+int tbrpc_probe(const char * endpoint, int timeout_ms, const uint8_t * secret, size_t secret_len,
+                struct tb_hello * hello, struct tb_status * status, char * err, size_t err_len) {
+    int kind = TBRPC_ERR_OTHER;
+    // one question: no upgrade to shared memory
+    struct client_node * n = node_open(endpoint, "probe", timeout_ms, "tcp", secret, secret_len, &kind, err, err_len);
+    if (!n) return -kind;
     *hello = n->info;
     int rc = node_call(n, TB_CMD_STATUS, NULL, 0, status, sizeof *status);
-    if (rc != 0) snprintf(err, err_len, "%s", n->error);
+    if (rc != 0) { snprintf(err, err_len, "%s", n->error); rc = -n->error_kind; }
     node_destroy(n);
     return rc;
 }

@@ -31,6 +31,8 @@ struct client_node {
     char   name[32];
     char   description[256];
     int    timeout_ms;
+    uint8_t secret[TB_SECRET_MAX];           // the cluster secret (secret_len 0: none); for the handshake only
+    size_t secret_len;
     struct tb_hello info;
     ggml_backend_dev_t cpu_twin;             // the head's CPU device, when it answers supports_op for this node
     bool   ask_always;                       // ignore what HELLO let the head answer itself
@@ -40,6 +42,8 @@ struct client_node {
     uint64_t next_id;
     bool   dirty;                            // posted requests not yet confirmed by a reply
     bool   failed;
+    bool   handshaking;                      // failures now are TBRPC_ERR_HANDSHAKE, later TBRPC_ERR_FAILED
+    int    error_kind;                       // enum tbrpc_error_kind of the failure
     char   error[512];
 
     uint8_t * encode;  size_t encode_cap;    // graph message being built
@@ -77,19 +81,28 @@ struct client_buffer {
 // ---- one node (client_node.c) ----------------------------------------------------
 
 // Connect to endpoint and handshake. Returns a node not yet in any
-// registry, or NULL with err.
+// registry, or NULL with err and *kind (enum tbrpc_error_kind).
 // transport: "tcp" keeps the connection on TCP; NULL or "auto" takes shared memory where it can.
+// secret: the cluster secret (NULL: none; then a node that asks for one is refused).
 struct client_node * node_open(const char * endpoint, const char * name, int timeout_ms, const char * transport,
-                               char * err, size_t err_len);
+                               const uint8_t * secret, size_t secret_len, int * kind, char * err, size_t err_len);
 void node_destroy(struct client_node * n);
 
-// Mark the node failed (once) with a message naming it, the step and why.
+// Mark the node failed (once) with a message naming it, the step and why;
+// the kind is TBRPC_ERR_HANDSHAKE during the handshake, else TBRPC_ERR_FAILED.
 void node_fail(struct client_node * n, const char * step, const char * why);
+// The same with a kind of the caller's choosing (enum tbrpc_error_kind).
+void node_fail_kind(struct client_node * n, int kind, const char * step, const char * why);
 // Send a request and wait for its reply; `out` receives exactly out_len
 // bytes. The _locked forms expect the caller to hold n->lock.
 int  node_call(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, void * out, size_t out_len);
 int  node_call_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len,
                       void * out, size_t out_len);
+// The two halves of node_call_locked, for a caller that must have two nodes
+// busy at once (a peer link: one accepts while the other dials). Send
+// returns the request id (0 on failure); caller holds n->lock across both.
+uint64_t node_call_send_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len);
+int  node_call_reply_locked(struct client_node * n, uint16_t cmd, uint64_t id, void * out, size_t out_len);
 // Queue a request that has no reply (a failure comes back with the next reply).
 int  node_post(struct client_node * n, uint16_t cmd, const void * a, size_t a_len);
 int  node_post_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len);

@@ -6,7 +6,8 @@
 // answer) or node_post (does not). A node that fails is marked failed; from
 // then on its operations are no-ops that report failure where ggml lets them
 // (graph_compute returns GGML_STATUS_FAILED, alloc returns NULL), and Python
-// turns that into an exception naming the node (tbrpc/_errors.py).
+// turns that into an exception naming the node, of the class its error kind
+// says (tbrpc/client.py).
 #include "client_internal.h"
 
 #include <stdio.h>
@@ -15,11 +16,81 @@
 
 // ---- talking to a node -------------------------------------------------------
 
-void node_fail(struct client_node * n, const char * step, const char * why) {
+void node_fail_kind(struct client_node * n, int kind, const char * step, const char * why) {
     if (n->failed) return;
     n->failed = true;
+    n->error_kind = kind;
     snprintf(n->error, sizeof n->error, "tbrpc node %s (%s) failed during %s: %s", n->endpoint, n->name, step, why);
     fprintf(stderr, "%s\n", n->error);
+}
+
+void node_fail(struct client_node * n, const char * step, const char * why) {
+    node_fail_kind(n, n->handshaking ? TBRPC_ERR_HANDSHAKE : TBRPC_ERR_FAILED, step, why);
+}
+
+// The kind of a node's error reply: a refused HELLO is a version mismatch
+// unless the node says otherwise (nodes of protocol <= 3 refuse a HELLO only
+// for that, with status 1).
+static int reply_kind(const struct client_node * n, uint16_t cmd, int32_t status) {
+    switch (status) {
+        case TB_STATUS_VERSION: return TBRPC_ERR_VERSION;
+        case TB_STATUS_AUTH:    return TBRPC_ERR_AUTH;
+        case TB_STATUS_FULL:    return TBRPC_ERR_FULL;
+    }
+    if (cmd == TB_CMD_HELLO) return TBRPC_ERR_VERSION;
+    return n->handshaking ? TBRPC_ERR_HANDSHAKE : TBRPC_ERR_FAILED;
+}
+
+// Send a request that will be answered. Caller holds n->lock. The request id, or 0.
+uint64_t node_call_send_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len) {
+    if (n->failed) return 0;
+    const uint64_t id = ++n->next_id;
+    n->messages++;
+    n->round_trips++;
+    if (tb_msg_send(n->tp, cmd, 0, id, a, a_len, NULL, 0) != 0 || tb_flush(n->tp) != 0) {
+        node_fail(n, tb_cmd_name(cmd), n->tp->error);
+        return 0;
+    }
+    return id;
+}
+
+// Wait for the reply to request `id`; `out` receives exactly out_len bytes.
+// Caller holds n->lock.
+int node_call_reply_locked(struct client_node * n, uint16_t cmd, uint64_t id, void * out, size_t out_len) {
+    if (n->failed) return -1;
+    const char * step = tb_cmd_name(cmd);
+    struct tb_header h;
+    char err[512];
+    do {   // a busy node sends keepalives; each one restarts the timeout
+        if (tb_msg_recv_header(n->tp, &h, err, sizeof err) != 0) { node_fail(n, step, err); return -1; }
+    } while (h.cmd == TB_CMD_KEEPALIVE && h.len == 0);
+    // A full node answers HELLO at once, before reading it: with id 0.
+    const bool refused_unread = cmd == TB_CMD_HELLO && h.id == 0;
+    if (!(h.flags & TB_FLAG_REPLY) || (h.id != id && !refused_unread) || h.cmd != cmd || h.len < sizeof(struct tb_reply_status)) {
+        snprintf(err, sizeof err, "out-of-order reply (%s #%llu to %s #%llu)", tb_cmd_name(h.cmd),
+                 (unsigned long long) h.id, step, (unsigned long long) id);
+        node_fail(n, step, err);
+        return -1;
+    }
+    struct tb_reply_status st;
+    if (tb_recv(n->tp, &st, sizeof st) != 0) { node_fail(n, step, n->tp->error); return -1; }
+    const uint64_t body = h.len - sizeof st;
+    if (st.status != 0) {
+        char msg[512];
+        size_t keep = body < sizeof msg - 1 ? (size_t) body : sizeof msg - 1;
+        if (tb_recv(n->tp, msg, keep) != 0) { node_fail(n, step, n->tp->error); return -1; }
+        msg[keep] = '\0';
+        node_fail_kind(n, reply_kind(n, cmd, st.status), step, msg);   // the stream is not resynchronised past an error: stop using it
+        return -1;
+    }
+    if (body != out_len) {
+        snprintf(err, sizeof err, "reply of %llu bytes, expected %zu", (unsigned long long) body, out_len);
+        node_fail(n, step, err);
+        return -1;
+    }
+    if (out_len && tb_recv(n->tp, out, out_len) != 0) { node_fail(n, step, n->tp->error); return -1; }
+    n->dirty = false;
+    return 0;
 }
 
 // Send a request and wait for its reply; `out` receives exactly out_len bytes.
@@ -35,36 +106,7 @@ int node_call_locked(struct client_node * n, uint16_t cmd, const void * a, size_
         node_fail(n, step, n->tp->error);
         return -1;
     }
-    struct tb_header h;
-    char err[512];
-    do {   // a busy node sends keepalives; each one restarts the timeout
-        if (tb_msg_recv_header(n->tp, &h, err, sizeof err) != 0) { node_fail(n, step, err); return -1; }
-    } while (h.cmd == TB_CMD_KEEPALIVE && h.len == 0);
-    if (!(h.flags & TB_FLAG_REPLY) || h.id != id || h.cmd != cmd || h.len < sizeof(struct tb_reply_status)) {
-        snprintf(err, sizeof err, "out-of-order reply (%s #%llu to %s #%llu)", tb_cmd_name(h.cmd),
-                 (unsigned long long) h.id, step, (unsigned long long) id);
-        node_fail(n, step, err);
-        return -1;
-    }
-    struct tb_reply_status st;
-    if (tb_recv(n->tp, &st, sizeof st) != 0) { node_fail(n, step, n->tp->error); return -1; }
-    const uint64_t body = h.len - sizeof st;
-    if (st.status != 0) {
-        char msg[512];
-        size_t keep = body < sizeof msg - 1 ? (size_t) body : sizeof msg - 1;
-        if (tb_recv(n->tp, msg, keep) != 0) { node_fail(n, step, n->tp->error); return -1; }
-        msg[keep] = '\0';
-        node_fail(n, step, msg);   // the stream is not resynchronised past an error: stop using it
-        return -1;
-    }
-    if (body != out_len) {
-        snprintf(err, sizeof err, "reply of %llu bytes, expected %zu", (unsigned long long) body, out_len);
-        node_fail(n, step, err);
-        return -1;
-    }
-    if (out_len && tb_recv(n->tp, out, out_len) != 0) { node_fail(n, step, n->tp->error); return -1; }
-    n->dirty = false;
-    return 0;
+    return node_call_reply_locked(n, cmd, id, out, out_len);
 }
 
 int node_call(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, void * out, size_t out_len) {
@@ -352,29 +394,74 @@ static ggml_backend_dev_t cpu_twin_of(const struct tb_hello * head, const struct
     return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
 }
 
-// Connect + HELLO. Both sides compare ABI; the node's refusal arrives as an
-// error reply that names both versions.
-static int handshake(struct client_node * n, char * err, size_t err_len) {
+// AUTH after HELLO: the head proves it knows the secret over both nonces,
+// the node proves it back and sends its real HELLO. 0, or -1 with err and *kind.
+static int authenticate(struct client_node * n, const struct tb_hello * req, int * kind, char * err, size_t err_len) {
+    *kind = TBRPC_ERR_AUTH;
+    const bool node_wants = (n->info.caps & TB_CAP_AUTH) != 0;
+    if (node_wants && !n->secret_len) {
+        snprintf(err, err_len, "tbrpc node %s: authentication failed: the node requires a cluster secret and this head "
+                 "has none (--secret-file, TBRPC_SECRET_FILE or `secret_file` in the cluster file)", n->endpoint);
+        return -1;
+    }
+    if (!node_wants && n->secret_len) {
+        snprintf(err, err_len, "tbrpc node %s: authentication failed: this head has a cluster secret but the node "
+                 "asks for none (start it with the same --secret-file)", n->endpoint);
+        return -1;
+    }
+    if (!node_wants) return 0;
+    struct tb_auth_req auth;
+    struct tb_auth_reply rep;
+    uint8_t want[TB_MAC_LEN];
+    uint8_t node_nonce[TB_NONCE_LEN];
+    memcpy(node_nonce, n->info.nonce, TB_NONCE_LEN);
+    tb_auth_mac(n->secret, n->secret_len, TB_AUTH_ROLE_HEAD, req->nonce, node_nonce, NULL, 0, auth.mac);
+    if (node_call(n, TB_CMD_AUTH, &auth, sizeof auth, &rep, sizeof rep) != 0) {
+        snprintf(err, err_len, "%s", n->error);
+        *kind = n->error_kind;
+        return -1;
+    }
+    tb_auth_mac(n->secret, n->secret_len, TB_AUTH_ROLE_NODE, req->nonce, node_nonce, NULL, 0, want);
+    if (!tb_equal_ct(want, rep.mac, TB_MAC_LEN)) {
+        snprintf(err, err_len, "tbrpc node %s: authentication failed: the node does not know this head's secret", n->endpoint);
+        return -1;
+    }
+    n->info = rep.hello;
+    return 0;
+}
+
+// Connect + HELLO (+ AUTH). Both sides compare ABI; the node's refusal
+// arrives as an error reply that names both versions. 0, or -1 with err and *kind.
+static int handshake(struct client_node * n, int * kind, char * err, size_t err_len) {
     struct tb_hello req;
     memset(&req, 0, sizeof req);
     tb_abi_fill(&req.abi);
     tb_ggml_build(req.ggml_build, sizeof req.ggml_build);
     req.keepalive_ms = n->timeout_ms > 0 ? (uint32_t) n->timeout_ms / 3 : 1000;
-    if (node_call(n, TB_CMD_HELLO, &req, sizeof req, &n->info, sizeof n->info) != 0) {
-        snprintf(err, err_len, "%s", n->error);
+    if (tb_random_bytes(req.nonce, sizeof req.nonce) != 0) {
+        snprintf(err, err_len, "tbrpc node %s: no random bytes for a nonce", n->endpoint);
+        *kind = TBRPC_ERR_OTHER;
         return -1;
     }
+    if (node_call(n, TB_CMD_HELLO, &req, sizeof req, &n->info, sizeof n->info) != 0) {
+        snprintf(err, err_len, "%s", n->error);
+        *kind = n->error_kind;
+        return -1;
+    }
+    char why[512];
+    if (tb_abi_compare(&req.abi, &n->info.abi, "node", why, sizeof why) != 0) {
+        snprintf(err, err_len, "tbrpc node %s: handshake refused: %s", n->endpoint, why);
+        *kind = TBRPC_ERR_VERSION;
+        return -1;
+    }
+    if (authenticate(n, &req, kind, err, err_len) != 0) return -1;
     n->info.device_name[sizeof n->info.device_name - 1] = '\0';
     n->info.device_description[sizeof n->info.device_description - 1] = '\0';
     n->info.node_name[sizeof n->info.node_name - 1] = '\0';
     n->info.ggml_build[sizeof n->info.ggml_build - 1] = '\0';
-    char why[512];
-    if (tb_abi_compare(&req.abi, &n->info.abi, "node", why, sizeof why) != 0) {
-        snprintf(err, err_len, "tbrpc node %s: handshake refused: %s", n->endpoint, why);
-        return -1;
-    }
     if (n->info.alignment == 0 || (n->info.alignment & (n->info.alignment - 1)) != 0) {
         snprintf(err, err_len, "tbrpc node %s: handshake: invalid alignment %llu", n->endpoint, (unsigned long long) n->info.alignment);
+        *kind = TBRPC_ERR_HANDSHAKE;
         return -1;
     }
     n->cpu_twin = cpu_twin_of(&req, &n->info);
@@ -420,6 +507,7 @@ static void choose_transport(struct client_node * n, const char * wanted) {
 
 void node_destroy(struct client_node * n) {
     if (!n) return;
+    memset(n->secret, 0, sizeof n->secret);
     tb_close(n->tp);
     pthread_mutex_destroy(&n->lock);
     free(n->encode);
@@ -429,14 +517,20 @@ void node_destroy(struct client_node * n) {
 }
 
 // Connect to endpoint and handshake. Returns a node not yet in any
-// registry, or NULL with err.
+// registry, or NULL with err and *kind.
 struct client_node * node_open(const char * endpoint, const char * name, int timeout_ms, const char * transport,
-                               char * err, size_t err_len) {
+                               const uint8_t * secret, size_t secret_len, int * kind, char * err, size_t err_len) {
     char host[256];
     int port = 0;
+    *kind = TBRPC_ERR_OTHER;
     if (tb_parse_endpoint(endpoint, host, sizeof host, &port, err, err_len) != 0) return NULL;
+    if (secret && (secret_len == 0 || secret_len > TB_SECRET_MAX)) {
+        snprintf(err, err_len, "a secret of %zu bytes: it must have 1 to %d", secret_len, TB_SECRET_MAX);
+        return NULL;
+    }
     struct client_node * n = calloc(1, sizeof *n);
     if (!n) { snprintf(err, err_len, "out of memory"); return NULL; }
+    if (secret) { memcpy(n->secret, secret, secret_len); n->secret_len = secret_len; }
     pthread_mutex_init(&n->lock, NULL);
     n->timeout_ms = timeout_ms;
     snprintf(n->endpoint, sizeof n->endpoint, "%s", endpoint);
@@ -445,11 +539,14 @@ struct client_node * node_open(const char * endpoint, const char * name, int tim
     n->tp = tb_tcp_connect(host, port, timeout_ms, why, sizeof why);
     if (!n->tp) {
         snprintf(err, err_len, "tbrpc node %s: unreachable: %s", endpoint, why);
+        *kind = TBRPC_ERR_UNREACHABLE;
         node_destroy(n);
         return NULL;
     }
-    if (handshake(n, err, err_len) != 0) { node_destroy(n); return NULL; }
+    n->handshaking = true;
+    if (handshake(n, kind, err, err_len) != 0) { node_destroy(n); return NULL; }
+    n->handshaking = false;
     choose_transport(n, transport);
-    if (n->failed) { snprintf(err, err_len, "%s", n->error); node_destroy(n); return NULL; }
+    if (n->failed) { snprintf(err, err_len, "%s", n->error); *kind = n->error_kind; node_destroy(n); return NULL; }
     return n;
 }

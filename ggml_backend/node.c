@@ -45,7 +45,9 @@ void node_log(struct tb_node * node, const char * fmt, ...) {
 static struct client_slot * slot_claim(struct tb_node * n) {
     struct client_slot * found = NULL;
     pthread_mutex_lock(&n->lock);
-    for (int i = 0; i < MAX_CLIENTS && !found; i++) {
+    int used = 0;
+    for (int i = 0; i < MAX_CLIENTS; i++) used += n->slots[i].in_use != 0;
+    for (int i = 0; i < MAX_CLIENTS && !found && used < n->max_clients; i++) {
         if (!n->slots[i].in_use) {
             found = &n->slots[i];
             memset(found, 0, sizeof *found);
@@ -127,6 +129,7 @@ static void start_worker(struct tb_node * n, int fd, struct client_slot * slot) 
     close(n->stop_pipe[1]);
     close(n->parent_pipe[0]);
     close(n->parent_pipe[1]);
+    for (int i = 0; i < MAX_REFUSING; i++) if (n->refusing[i].fd >= 0) close(n->refusing[i].fd);
     slot->pid = getpid();
     node_serve_client(n, fd, slot);
     _exit(0);
@@ -164,11 +167,51 @@ static void start_spawned_worker(struct tb_node * n, int fd, struct client_slot 
     slot->pid = pid;
 }
 
+// A client the node cannot serve hears why: a HELLO reply (id 0: its HELLO
+// is not read) with status FULL, so the head raises NodeFullError rather
+// than seeing a reset. The connection then stays in `refusing` until the
+// head closes it or a second passes, draining what it sent: closing a socket
+// with unread bytes would reset it and could lose the reply.
+static void refuse_full(struct tb_node * n, int fd) {
+    char text[96];
+    int len = snprintf(text, sizeof text, "node %s is full (%d clients)", n->name, n->max_clients);
+    struct tb_header h = { TB_MAGIC, TB_CMD_HELLO, TB_FLAG_REPLY, 0, sizeof(struct tb_reply_status) + (uint64_t) len };
+    struct tb_reply_status st = { TB_STATUS_FULL, 0 };
+    uint8_t msg[sizeof h + sizeof st + sizeof text];
+    memcpy(msg, &h, sizeof h);
+    memcpy(msg + sizeof h, &st, sizeof st);
+    memcpy(msg + sizeof h + sizeof st, text, (size_t) len);
+    fcntl(fd, F_SETFL, O_NONBLOCK);
+    ssize_t sent = send(fd, msg, sizeof h + sizeof st + (size_t) len, MSG_NOSIGNAL);
+    (void) sent;
+    shutdown(fd, SHUT_WR);
+    node_log(n, "refusing a client: %d clients are connected already", n->max_clients);
+    for (int i = 0; i < MAX_REFUSING; i++) {
+        if (n->refusing[i].fd < 0) { n->refusing[i].fd = fd; n->refusing[i].until = tb_now_ms() + 1000; return; }
+    }
+    close(fd);   // too many at once: no drain
+}
+
+// Read and drop what refused clients send; close each at end of file or its deadline.
+static void drain_refused(struct tb_node * n) {
+    const int64_t now = tb_now_ms();
+    for (int i = 0; i < MAX_REFUSING; i++) {
+        const int fd = n->refusing[i].fd;
+        if (fd < 0) continue;
+        char sink[4096];
+        ssize_t got;
+        while ((got = recv(fd, sink, sizeof sink, 0)) > 0) {}
+        if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) || now >= n->refusing[i].until) {
+            close(fd);
+            n->refusing[i].fd = -1;
+        }
+    }
+}
+
 static void start_connection(struct tb_node * n, int fd) {
     struct client_slot * slot = slot_claim(n);
     if (!slot) {
-        node_log(n, "refusing a client: %d clients are connected already", MAX_CLIENTS);
-        close(fd);
+        refuse_full(n, fd);
         return;
     }
     switch (n->serve_mode) {
@@ -253,6 +296,8 @@ static int node_init(struct tb_node * n, const struct tb_node_config * cfg, char
     n->cfg = *cfg;
     n->listen_fd = n->status_fd = -1;
     n->stop_pipe[0] = n->stop_pipe[1] = n->parent_pipe[0] = n->parent_pipe[1] = -1;
+    for (int i = 0; i < MAX_REFUSING; i++) n->refusing[i].fd = -1;
+    n->max_clients = cfg->max_clients > 0 && cfg->max_clients < MAX_CLIENTS ? cfg->max_clients : MAX_CLIENTS;
     pthread_mutex_init(&n->lock, NULL);
     pthread_cond_init(&n->conn_done, NULL);
     n->log = stderr;
@@ -260,6 +305,11 @@ static int node_init(struct tb_node * n, const struct tb_node_config * cfg, char
         n->log = fopen(cfg->log_path, "a");
         if (!n->log) { snprintf(err, err_len, "cannot open log file %s: %s", cfg->log_path, strerror(errno)); n->log = stderr; return -1; }
     }
+    if (cfg->secret && (cfg->secret_len == 0 || cfg->secret_len > TB_SECRET_MAX)) {
+        snprintf(err, err_len, "a secret of %zu bytes: it must have 1 to %d", cfg->secret_len, TB_SECRET_MAX);
+        return -1;
+    }
+    if (cfg->secret) { memcpy(n->secret, cfg->secret, cfg->secret_len); n->secret_len = cfg->secret_len; }
     n->dev = pick_device(cfg->device, err, err_len);
     if (!n->dev) return -1;
     if (cfg->name && *cfg->name) snprintf(n->name, sizeof n->name, "%s", cfg->name);
@@ -267,6 +317,7 @@ static int node_init(struct tb_node * n, const struct tb_node_config * cfg, char
     snprintf(n->host, sizeof n->host, "%s", cfg->host ? cfg->host : "");
     n->cfg.host = n->cfg.device = n->cfg.name = n->cfg.log_path = n->cfg.model_dirs = NULL;   // not owned; do not keep
     n->cfg.worker_argv = NULL;
+    n->cfg.secret = NULL;   // copied into n->secret
     return 0;
 }
 
@@ -391,6 +442,7 @@ int tb_node_serve(struct tb_node * n) {
     while (!n->stopping) {
         int rc = poll(p, 2, IDLE_POLL_MS);
         reap_workers(n);
+        drain_refused(n);
         if (rc < 0 && errno == EINTR) continue;
         if (rc < 0 || (p[1].revents & POLLIN)) break;
         if (p[0].revents & POLLIN) {
@@ -437,6 +489,8 @@ void tb_node_get_status(struct tb_node * n, struct tb_status * s) {
 void tb_node_free(struct tb_node * n) {
     if (!n) return;
     if (n->listen_fd >= 0) close(n->listen_fd);
+    for (int i = 0; i < MAX_REFUSING; i++) if (n->refusing[i].fd > 0) close(n->refusing[i].fd);
+    memset(n->secret, 0, sizeof n->secret);
     if (n->stop_pipe[0] >= 0) close(n->stop_pipe[0]);
     if (n->stop_pipe[1] >= 0) close(n->stop_pipe[1]);
     if (n->parent_pipe[0] >= 0) close(n->parent_pipe[0]);

@@ -36,6 +36,10 @@ struct tb_node_config {
     const char * const * worker_argv;  // NULL-terminated command that runs tb_node_worker_serve
                               // (isolation 2); the node appends --client-fd N --status-fd N
                               // --parent-fd N --slot N --name NAME
+    const uint8_t * secret;   // the cluster secret: clients and peers must prove they know it
+                              // (AUTH, docs/protocol.md); NULL: anyone who reaches the port is served
+    size_t       secret_len;  // 1..TB_SECRET_MAX bytes
+    int          max_clients; // clients served at once (<= 0 or above 64: 64); one more is told "node is full"
 };
 
 struct tb_node;

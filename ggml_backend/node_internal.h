@@ -12,6 +12,7 @@
 
 #define IDLE_POLL_MS 250
 #define MAX_CLIENTS  64
+#define MAX_REFUSING 16            // connections told "node is full" at once, each until its HELLO is drained
 
 // Per-client counters. They live in memory shared with worker processes, so
 // the node can report totals whether a client is served by a thread or by
@@ -37,6 +38,10 @@ struct tb_node {
     int      parent_pipe[2];      // spawned workers hold the read end: end of file = the node is gone
     char     model_dirs[4096];    // ':'-separated; empty: clients cannot ask for files
     struct client_slot * slots;   // MAX_CLIENTS, MAP_SHARED over status_fd
+    int      max_clients;         // <= MAX_CLIENTS
+    uint8_t  secret[TB_SECRET_MAX];   // the cluster secret (secret_len 0: none)
+    size_t   secret_len;
+    struct { int fd; int64_t until; } refusing[MAX_REFUSING];   // told "full"; closed at end of file or `until`
     ggml_backend_dev_t dev;
     FILE *   log;                 // owned when it is not stderr
 

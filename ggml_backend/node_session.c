@@ -49,8 +49,11 @@ struct node_conn {
     pthread_mutex_t send_lock;      // replies and keepalives share the transport
     pthread_mutex_t busy_lock;
     pthread_cond_t  busy_changed;
-    bool      computing, closing;
+    enum { IDLE, COMPUTING, WAITING_FOR_PEER } busy;   // what the watchdog tells whom (watchdog_thread)
+    bool      closing;
     uint32_t  keepalive_ms;         // asked for by the client at HELLO
+    enum { NO_HELLO, WANT_AUTH, READY } stage;   // the handshake: HELLO, then AUTH when the node has a secret
+    uint8_t   head_nonce[TB_NONCE_LEN], node_nonce[TB_NONCE_LEN];   // the two HELLO nonces AUTH proves over
 
     struct { int fd; uint64_t size; char name[TB_FILE_NAME_LEN]; } files[MAX_FILES];  // id = index + 1
     size_t    n_files;
@@ -132,7 +135,12 @@ static struct ggml_tensor byte_view(struct node_buffer * b, uint64_t offset, uin
 // Each returns 0 or -1 with err filled; `reply`/`reply_len` point at the body
 // for requests that have one.
 
-struct reply { const void * data; size_t len; uint8_t small[sizeof(struct tb_hello)]; };
+struct reply {
+    const void * data;
+    size_t   len;
+    int32_t  refusal;                       // enum tb_reply_code of a failure (0: TB_STATUS_ERROR)
+    uint8_t  small[sizeof(struct tb_auth_reply)];
+};
 
 static int expect_len(uint64_t got, size_t want, const char * what, char * err, size_t err_len) {
     if (got == want) return 0;
@@ -162,6 +170,7 @@ static int handle_hello(struct node_conn * c, const struct tb_header * h, struct
     // The ABI leads every version's HELLO: compare it before the length, so a
     // client of another protocol version (whose HELLO may differ in size)
     // hears which versions differ, not just that the size does.
+    r->refusal = TB_STATUS_VERSION;   // every refusal here means the two sides speak different versions
     if (h->len < sizeof(struct tb_abi)) return expect_len(h->len, sizeof(struct tb_hello), "HELLO", err, err_len);
     struct tb_hello * rep = (struct tb_hello *) r->small;
     memset(rep, 0, sizeof *rep);
@@ -169,10 +178,49 @@ static int handle_hello(struct node_conn * c, const struct tb_header * h, struct
     if (tb_abi_compare(&rep->abi, (const struct tb_abi *) c->payload, "client", err, err_len) != 0) return -1;
     if (expect_len(h->len, sizeof(struct tb_hello), "HELLO", err, err_len) != 0) return -1;
     const struct tb_hello * req = (const struct tb_hello *) c->payload;
+    uint32_t keepalive = req->keepalive_ms;
+    if (keepalive < TB_KEEPALIVE_MIN_MS) keepalive = TB_KEEPALIVE_MIN_MS;
+    if (keepalive > TB_KEEPALIVE_MAX_MS) keepalive = TB_KEEPALIVE_MAX_MS;
     pthread_mutex_lock(&c->busy_lock);
-    c->keepalive_ms = req->keepalive_ms > TB_KEEPALIVE_MIN_MS ? req->keepalive_ms : TB_KEEPALIVE_MIN_MS;
+    c->keepalive_ms = keepalive;
     pthread_mutex_unlock(&c->busy_lock);
-    fill_device_info(c->node, rep);
+    memcpy(c->head_nonce, req->nonce, TB_NONCE_LEN);
+    r->refusal = 0;
+    if (tb_random_bytes(c->node_nonce, TB_NONCE_LEN) != 0) { snprintf(err, err_len, "no random bytes for a nonce"); return -1; }
+    memcpy(rep->nonce, c->node_nonce, TB_NONCE_LEN);
+    if (c->node->secret_len) {
+        rep->caps = TB_CAP_AUTH;   // nothing about the device before AUTH
+    } else {
+        fill_device_info(c->node, rep);
+    }
+    r->data = rep;
+    r->len = sizeof *rep;
+    return 0;
+}
+
+// The head proves it knows the secret over both nonces; then the node proves
+// it back and tells what it serves.
+static int handle_auth(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    r->refusal = TB_STATUS_AUTH;
+    if (!c->node->secret_len) { snprintf(err, err_len, "AUTH: this node has no secret"); return -1; }
+    if (expect_len(h->len, sizeof(struct tb_auth_req), "AUTH", err, err_len) != 0) return -1;
+    const struct tb_auth_req * req = (const struct tb_auth_req *) c->payload;
+    uint8_t want[TB_MAC_LEN];
+    tb_auth_mac(c->node->secret, c->node->secret_len, TB_AUTH_ROLE_HEAD, c->head_nonce, c->node_nonce, NULL, 0, want);
+    const int ok = tb_equal_ct(want, req->mac, TB_MAC_LEN);
+    memset(want, 0, sizeof want);
+    if (!ok) {
+        snprintf(err, err_len, "authentication failed: the head does not know this node's secret");
+        return -1;
+    }
+    struct tb_auth_reply * rep = (struct tb_auth_reply *) r->small;
+    memset(rep, 0, sizeof *rep);
+    tb_auth_mac(c->node->secret, c->node->secret_len, TB_AUTH_ROLE_NODE, c->head_nonce, c->node_nonce, NULL, 0, rep->mac);
+    tb_abi_fill(&rep->hello.abi);
+    fill_device_info(c->node, &rep->hello);
+    rep->hello.caps |= TB_CAP_AUTH;
+    memcpy(rep->hello.nonce, c->node_nonce, TB_NONCE_LEN);
+    r->refusal = 0;
     r->data = rep;
     r->len = sizeof *rep;
     return 0;
@@ -352,9 +400,9 @@ fail:
     return NULL;
 }
 
-static void set_computing(struct node_conn * c, bool on) {
+static void set_busy(struct node_conn * c, int busy) {
     pthread_mutex_lock(&c->busy_lock);
-    c->computing = on;
+    c->busy = busy;
     pthread_cond_signal(&c->busy_changed);
     pthread_mutex_unlock(&c->busy_lock);
 }
@@ -363,16 +411,20 @@ static void * watchdog_thread(void * arg) {
     struct node_conn * c = arg;
     pthread_mutex_lock(&c->busy_lock);
     while (!c->closing) {
-        if (!c->computing) { pthread_cond_wait(&c->busy_changed, &c->busy_lock); continue; }
+        if (c->busy == IDLE) { pthread_cond_wait(&c->busy_changed, &c->busy_lock); continue; }
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
         const uint64_t ns = (uint64_t) until.tv_nsec + (uint64_t) c->keepalive_ms * 1000000u;
         until.tv_sec += (time_t) (ns / 1000000000u);
         until.tv_nsec = (long) (ns % 1000000000u);
-        if (pthread_cond_timedwait(&c->busy_changed, &c->busy_lock, &until) == 0 || !c->computing || c->closing) continue;
+        if (pthread_cond_timedwait(&c->busy_changed, &c->busy_lock, &until) == 0 || c->busy == IDLE || c->closing) continue;
         pthread_mutex_lock(&c->send_lock);
         if (tb_msg_send(c->tp, TB_CMD_KEEPALIVE, TB_FLAG_REPLY, 0, NULL, 0, NULL, 0) == 0) tb_flush(c->tp);
-        for (size_t i = 0; i < c->n_peers; i++) {   // a peer waiting for our output must not give up on us either
+        // A peer waiting for our output must not give up on us either, but
+        // only while we compute: a session that merely waits for a peer must
+        // not keep alive a peer that waits for it (two sessions, or one
+        // linked to itself, would otherwise wait on each other forever).
+        for (size_t i = 0; c->busy == COMPUTING && i < c->n_peers; i++) {
             if (c->peers[i].outgoing && tb_msg_send(c->peers[i].tp, TB_CMD_KEEPALIVE, 0, 0, NULL, 0, NULL, 0) == 0)
                 tb_flush(c->peers[i].tp);
         }
@@ -383,9 +435,9 @@ static void * watchdog_thread(void * arg) {
 }
 
 static int run_graph(struct node_conn * c, char * err, size_t err_len) {
-    set_computing(c, true);
+    set_busy(c, COMPUTING);
     enum ggml_status st = ggml_backend_graph_compute(c->backend, c->graph);
-    set_computing(c, false);
+    set_busy(c, IDLE);
     count(&c->slot->graphs_computed, 1);
     if (st != GGML_STATUS_SUCCESS) {
         snprintf(err, err_len, "graph compute on %s failed with status %d", ggml_backend_dev_name(c->node->dev), (int) st);
@@ -561,8 +613,9 @@ static uint64_t random_token(void) {
 
 static uint64_t add_peer(struct node_conn * c, struct tb_transport * tp, bool outgoing, const char * name) {
     if (c->n_peers == MAX_PEERS) { tb_close(tp); return 0; }
-    // The head's own timeout (three keepalive periods) bounds a silent peer too.
-    tp->timeout_ms = (int) c->keepalive_ms * 3;
+    // The head's own timeout (three keepalive periods) bounds a silent peer
+    // too; HELLO keeps keepalive_ms under TB_KEEPALIVE_MAX_MS, so this cannot overflow.
+    tp->timeout_ms = (int) (c->keepalive_ms * 3u);
     pthread_mutex_lock(&c->send_lock);     // the watchdog walks this list
     c->peers[c->n_peers].tp = tp;
     c->peers[c->n_peers].outgoing = outgoing;
@@ -591,47 +644,107 @@ static int handle_peer_listen(struct node_conn * c, const struct tb_header * h, 
     return 0;
 }
 
+// Dial a peer session's listener. Nothing is sent before the listener has
+// proven it knows the link key (the cluster secret and the listener's token,
+// which only the head and that listener have): a port that is not a tbrpc
+// listener of this cluster receives not a byte, and the reply (0) does not
+// say whether anything answered. Bounded by the head's timeout.
 static int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     if (expect_len(h->len, sizeof(struct tb_peer_connect), "PEER_CONNECT", err, err_len) != 0) return -1;
     struct tb_peer_connect * req = (struct tb_peer_connect *) c->payload;
     req->host[sizeof req->host - 1] = '\0';
-    char why[256];
+    char why[256] = "bad port";
+    const int timeout_ms = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
     struct tb_transport * tp = req->port > 0 && req->port < 65536
-        ? tb_tcp_connect(req->host, (int) req->port, c->node->cfg.timeout_ms, why, sizeof why) : NULL;
-    if (!tp) {
-        node_log(c->node, "client %s: cannot reach peer %s:%llu (%s); activations will go through the head",
-                 c->tp->peer, req->host, (unsigned long long) req->port, req->port ? why : "bad port");
-        return reply_u64(r, 0);
+        ? tb_tcp_connect(req->host, (int) req->port, timeout_ms, why, sizeof why) : NULL;
+    uint8_t key[TB_MAC_LEN], mac[TB_MAC_LEN];
+    tb_peer_key(c->node->secret, c->node->secret_len, req->token, key);
+    struct tb_peer_greeting greeting;
+    struct tb_peer_answer answer;
+    struct tb_peer_confirm confirm;
+    static const uint8_t zeros[TB_NONCE_LEN];
+    bool ok = false;
+    if (tp) {
+        tp->deadline_ms = tb_now_ms() + timeout_ms;   // the whole exchange, not each read
+        snprintf(why, sizeof why, "it did not prove it is a tbrpc node of this cluster");
+        if (tb_recv(tp, &greeting, sizeof greeting) == 0 && memcmp(greeting.magic, TB_PEER_MAGIC, sizeof TB_PEER_MAGIC) == 0) {
+            tb_auth_mac(key, sizeof key, TB_PEER_ROLE_GREET, greeting.nonce, zeros, NULL, 0, mac);
+            if (tb_equal_ct(mac, greeting.mac, TB_MAC_LEN) && tb_random_bytes(answer.nonce, TB_NONCE_LEN) == 0) {
+                memset(answer.name, 0, sizeof answer.name);   // our name, so the peer can say who went silent
+                snprintf(answer.name, sizeof answer.name, "%s", c->node->name);
+                tb_auth_mac(key, sizeof key, TB_PEER_ROLE_DIALER, greeting.nonce, answer.nonce, answer.name,
+                            sizeof answer.name, answer.mac);
+                if (tb_send(tp, &answer, sizeof answer) == 0 && tb_flush(tp) == 0 &&
+                    tb_recv(tp, &confirm, sizeof confirm) == 0) {
+                    tb_auth_mac(key, sizeof key, TB_PEER_ROLE_LISTENER, greeting.nonce, answer.nonce, NULL, 0, mac);
+                    ok = tb_equal_ct(mac, confirm.mac, TB_MAC_LEN);
+                }
+            }
+        }
     }
-    char me[TB_NAME_LEN] = { 0 };     // our name, so the peer can say who went silent
-    snprintf(me, sizeof me, "%s", c->node->name);
-    if (tb_send(tp, &req->token, sizeof req->token) != 0 || tb_send(tp, me, sizeof me) != 0 || tb_flush(tp) != 0) {
+    memset(key, 0, sizeof key);
+    if (!ok) {
+        node_log(c->node, "client %s: no link to peer %s:%llu (%s); activations will go through the head",
+                 c->tp->peer, req->host, (unsigned long long) req->port, why);
         tb_close(tp);
         return reply_u64(r, 0);
     }
+    tp->deadline_ms = 0;
     char them[TB_NAME_LEN + 32];
     snprintf(them, sizeof them, "%s:%llu", req->host, (unsigned long long) req->port);
     return reply_u64(r, add_peer(c, tp, true, them));
 }
 
+// One dialer on our listener: greet it with proof that we know the link key,
+// then it proves the same over both nonces, then we confirm. 0 when it did.
+static int greet_dialer(struct node_conn * c, struct tb_transport * tp, char name[TB_NAME_LEN]) {
+    uint8_t key[TB_MAC_LEN], mac[TB_MAC_LEN];
+    static const uint8_t zeros[TB_NONCE_LEN];
+    struct tb_peer_greeting greeting;
+    struct tb_peer_answer answer;
+    struct tb_peer_confirm confirm;
+    memset(&greeting, 0, sizeof greeting);
+    memcpy(greeting.magic, TB_PEER_MAGIC, sizeof TB_PEER_MAGIC);
+    if (tb_random_bytes(greeting.nonce, TB_NONCE_LEN) != 0) return -1;
+    tb_peer_key(c->node->secret, c->node->secret_len, c->peer_token, key);
+    tb_auth_mac(key, sizeof key, TB_PEER_ROLE_GREET, greeting.nonce, zeros, NULL, 0, greeting.mac);
+    int rc = -1;
+    if (tb_send(tp, &greeting, sizeof greeting) == 0 && tb_flush(tp) == 0 && tb_recv(tp, &answer, sizeof answer) == 0) {
+        tb_auth_mac(key, sizeof key, TB_PEER_ROLE_DIALER, greeting.nonce, answer.nonce, answer.name, sizeof answer.name, mac);
+        if (tb_equal_ct(mac, answer.mac, TB_MAC_LEN)) {
+            tb_auth_mac(key, sizeof key, TB_PEER_ROLE_LISTENER, greeting.nonce, answer.nonce, NULL, 0, confirm.mac);
+            if (tb_send(tp, &confirm, sizeof confirm) == 0 && tb_flush(tp) == 0) rc = 0;
+            memcpy(name, answer.name, TB_NAME_LEN);
+            name[TB_NAME_LEN - 1] = '\0';
+        }
+    }
+    memset(key, 0, sizeof key);
+    return rc;
+}
+
+// Wait (the head's timeout) for the dialer the head sent our way; anyone
+// else who connects meanwhile is refused and the wait goes on.
 static int handle_peer_accept(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     if (expect_len(h->len, sizeof(uint64_t), "PEER_ACCEPT", err, err_len) != 0) return -1;
     uint64_t token;
     memcpy(&token, c->payload, sizeof token);
     if (c->peer_listen_fd < 0 || token != c->peer_token) return reply_u64(r, 0);
+    const int timeout_ms = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
+    const int64_t deadline = tb_now_ms() + timeout_ms;
     struct pollfd p = { .fd = c->peer_listen_fd, .events = POLLIN };
-    while (poll(&p, 1, c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000) > 0) {
+    for (int64_t left = timeout_ms; left > 0 && poll(&p, 1, (int) left) > 0; left = deadline - tb_now_ms()) {
         int fd = accept(c->peer_listen_fd, NULL, NULL);
         if (fd < 0) continue;
-        struct tb_transport * tp = tb_tcp_from_fd(fd, c->node->cfg.timeout_ms);
-        uint64_t presented = 0;
+        struct tb_transport * tp = tb_tcp_from_fd(fd, timeout_ms);
+        if (!tp) continue;
+        tp->deadline_ms = deadline;
         char name[TB_NAME_LEN] = { 0 };
-        if (tp && tb_recv(tp, &presented, sizeof presented) == 0 && presented == c->peer_token &&
-            tb_recv(tp, name, sizeof name) == 0) {
-            name[sizeof name - 1] = '\0';
+        if (greet_dialer(c, tp, name) == 0) {
+            tp->deadline_ms = 0;
             return reply_u64(r, add_peer(c, tp, false, name));
         }
-        node_log(c->node, "client %s: a peer link attempt without the right token was refused", c->tp->peer);
+        node_log(c->node, "client %s: a peer link attempt from %s did not prove it knows the link key; refused",
+                 c->tp->peer, tp->peer);
         tb_close(tp);
     }
     return reply_u64(r, 0);
@@ -679,7 +792,7 @@ static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, ch
     struct tb_transport * tp = NULL;
     struct node_buffer * b = peer_range(c, &req, false, &tp, err, err_len);
     if (!b) return -1;
-    set_computing(c, true);   // waiting for the peer's compute: keep the head informed
+    set_busy(c, WAITING_FOR_PEER);   // waiting for the peer's compute: keep the head informed
     struct tb_header ph;
     int rc;
     do {   // the sending node's keepalives reset our timeout while it computes
@@ -699,7 +812,7 @@ static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, ch
             ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
         }
     }
-    set_computing(c, false);
+    set_busy(c, IDLE);
     if (rc != 0) {
         char why[256];
         snprintf(why, sizeof why, "%s", err[0] ? err : tp->error);
@@ -813,6 +926,7 @@ static int handle_transport_switch(struct node_conn * c, const struct tb_header 
 static int dispatch(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     switch (h->cmd) {
         case TB_CMD_HELLO:           return handle_hello(c, h, r, err, err_len);
+        case TB_CMD_AUTH:            return handle_auth(c, h, r, err, err_len);
         case TB_CMD_GET_MEMORY:      return handle_memory(c, h, r, err, err_len);
         case TB_CMD_ALLOC_BUFFER:    return handle_alloc(c, h, r, err, err_len);
         case TB_CMD_FREE_BUFFER:     return handle_free(c, h, err, err_len);
@@ -841,11 +955,11 @@ static int dispatch(struct node_conn * c, const struct tb_header * h, struct rep
 }
 
 static int send_reply(struct node_conn * c, const struct tb_header * h, int rc, const struct reply * r, const char * err) {
-    struct tb_reply_status st = { .status = rc == 0 ? 0 : 1 };
+    struct tb_reply_status st = { .status = rc == 0 ? TB_STATUS_OK : (r->refusal ? r->refusal : TB_STATUS_ERROR) };
     const void * body = r->data;
     size_t body_len = r->len;
     if (rc == 0 && c->sticky[0]) {       // an earlier posted request failed: report that instead
-        st.status = 1;
+        st.status = TB_STATUS_ERROR;
         err = c->sticky;
     }
     if (st.status != 0) { body = err; body_len = strlen(err); }
@@ -857,18 +971,47 @@ static int send_reply(struct node_conn * c, const struct tb_header * h, int rc, 
     return io;
 }
 
+// Refuse a request with an error reply of status `code` (the connection is dropped after).
+static void refuse(struct node_conn * c, const struct tb_header * h, int32_t code, const char * why) {
+    struct reply r = { .refusal = code };
+    send_reply(c, h, -1, &r, why);
+}
+
+// Before the handshake is done only HELLO, then AUTH (when the node has a
+// secret), are served, each at most TB_HANDSHAKE_MAX_LEN bytes long and
+// refused before their payload is read: an unauthenticated client cannot
+// make the node allocate, read or run anything. 0 when h may go on.
+static int handshake_gate(struct node_conn * c, const struct tb_header * h) {
+    if (c->stage == READY) return 0;
+    if (c->stage == NO_HELLO && h->cmd != TB_CMD_HELLO) {
+        node_log(c->node, "client %s: sent %s before HELLO; dropping it", c->tp->peer, tb_cmd_name(h->cmd));
+        return -1;
+    }
+    if (c->stage == WANT_AUTH && h->cmd != TB_CMD_AUTH) {
+        char why[160];
+        snprintf(why, sizeof why, "node %s requires authentication: AUTH must follow HELLO, not %s",
+                 c->node->name, tb_cmd_name(h->cmd));
+        node_log(c->node, "client %s: sent %s without authenticating; refused", c->tp->peer, tb_cmd_name(h->cmd));
+        refuse(c, h, TB_STATUS_AUTH, why);
+        return -1;
+    }
+    if (h->len > TB_HANDSHAKE_MAX_LEN) {
+        node_log(c->node, "client %s: a %s of %llu bytes; dropping it", c->tp->peer, tb_cmd_name(h->cmd),
+                 (unsigned long long) h->len);
+        return -1;
+    }
+    return 0;
+}
+
 // Serve one request. Returns -1 when the connection must be dropped.
-static int serve_one(struct node_conn * c, bool * said_hello) {
+static int serve_one(struct node_conn * c) {
     struct tb_header h;
     char err[512] = "";
     if (tb_msg_recv_header(c->tp, &h, err, sizeof err) != 0) {
         if (c->tp->error_kind != TB_IO_CLOSED) node_log(c->node, "client %s: %s; dropping it", c->tp->peer, err);
         return -1;
     }
-    if (!*said_hello && h.cmd != TB_CMD_HELLO) {
-        node_log(c->node, "client %s: sent %s before HELLO; dropping it", c->tp->peer, tb_cmd_name(h.cmd));
-        return -1;
-    }
+    if (handshake_gate(c, &h) != 0) return -1;
     count(&c->slot->bytes_received, (int64_t) h.len);
 
     struct reply r = { 0 };
@@ -881,6 +1024,9 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
         rc = -1;
     } else if (h.cmd == TB_CMD_TRANSPORT_SWITCH) {
         rc = handle_transport_switch(c, &h, err, sizeof err, &io_failed);
+    } else if (h.cmd == TB_CMD_HELLO && c->stage != NO_HELLO) {
+        snprintf(err, sizeof err, "HELLO: the handshake is done already");
+        rc = -1;
     } else {
         rc = dispatch(c, &h, &r, err, sizeof err);
     }
@@ -889,9 +1035,10 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
         return -1;
     }
     if (rc != 0) node_log(c->node, "client %s: request %llu %s rejected: %s", c->tp->peer, (unsigned long long) h.id, tb_cmd_name(h.cmd), err);
-    if (h.cmd == TB_CMD_HELLO) {
+    if (c->stage != READY) {   // a refused HELLO or AUTH ends the connection
         if (rc != 0) { send_reply(c, &h, rc, &r, err); return -1; }
-        *said_hello = true;
+        c->stage = h.cmd == TB_CMD_HELLO && c->node->secret_len ? WANT_AUTH : READY;
+        if (h.cmd == TB_CMD_AUTH) node_log(c->node, "client %s: authenticated", c->tp->peer);
     }
     if (tb_cmd_posted(h.cmd)) {
         if (rc != 0 && !c->sticky[0]) snprintf(c->sticky, sizeof c->sticky, "earlier %s (request %llu) failed: %s",
@@ -931,18 +1078,21 @@ static void serve_connection(struct node_conn * c) {
     char peer[sizeof c->tp->peer];
     snprintf(peer, sizeof peer, "%s", c->tp->peer);
     node_log(n, "client %s connected%s", peer, c->slot->pid ? " (own worker process)" : "");
-    bool said_hello = false;
-    // A peer that never says HELLO (a port scanner, a stuck client) must not
-    // hold one of the MAX_CLIENTS slots forever.
-    int hello_wait_ms = n->cfg.timeout_ms > 0 ? n->cfg.timeout_ms : 10000;
+    // A peer that does not complete the handshake in time (a port scanner, a
+    // stuck client, one that trickles a byte at a time) must not hold one of
+    // the node's client slots: HELLO and AUTH together have one deadline.
+    const int handshake_ms = n->cfg.timeout_ms > 0 && n->cfg.timeout_ms < TB_HANDSHAKE_MS ? n->cfg.timeout_ms : TB_HANDSHAKE_MS;
+    const int64_t deadline = tb_now_ms() + handshake_ms;
+    c->tp->deadline_ms = deadline;
     while (!n->stopping) {
         int ready = tb_poll(c->tp, IDLE_POLL_MS);
-        if (ready == 0 && !said_hello && (hello_wait_ms -= IDLE_POLL_MS) <= 0) {
-            node_log(n, "client %s: no HELLO within %d ms; dropping it", peer, n->cfg.timeout_ms);
+        if (c->stage != READY && tb_now_ms() >= deadline) {
+            node_log(n, "client %s: no %s within %d ms; dropping it", peer, c->stage == NO_HELLO ? "HELLO" : "AUTH", handshake_ms);
             break;
         }
         if (ready == 0) continue;
-        if (ready < 0 || serve_one(c, &said_hello) != 0) break;
+        if (ready < 0 || serve_one(c) != 0) break;
+        if (c->stage == READY) c->tp->deadline_ms = 0;
     }
     conn_free(c);
     node_log(n, "client %s disconnected; its buffers are freed", peer);

@@ -22,6 +22,7 @@ static const char * const cmd_names[TB_CMD_COUNT_] = {
     [TB_CMD_PEER_LISTEN] = "PEER_LISTEN", [TB_CMD_PEER_CONNECT] = "PEER_CONNECT", [TB_CMD_PEER_ACCEPT] = "PEER_ACCEPT",
     [TB_CMD_PEER_SEND] = "PEER_SEND", [TB_CMD_PEER_RECV] = "PEER_RECV",
     [TB_CMD_TRANSPORT_OFFER] = "TRANSPORT_OFFER", [TB_CMD_TRANSPORT_SWITCH] = "TRANSPORT_SWITCH",
+    [TB_CMD_AUTH] = "AUTH",
 };
 
 bool tb_cmd_posted(uint16_t cmd) {
@@ -33,6 +34,11 @@ bool tb_cmd_posted(uint16_t cmd) {
         default:
             return false;
     }
+}
+
+void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint8_t out[TB_MAC_LEN]) {
+    static const char label[] = "tbrpc 4 peer link";
+    tb_hmac_sha256(secret, secret_len, label, sizeof label, &token, sizeof token, NULL, 0, NULL, 0, out);
 }
 
 const char * tb_cmd_name(uint16_t cmd) {

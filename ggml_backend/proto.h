@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "auth.h"
 #include "ggml.h"
 #include "model_file.h"
 #include "transport.h"
@@ -29,13 +30,16 @@ extern "C" {
 #endif
 
 #define TB_MAGIC            0x43504254u   // "TBPC" on the wire
-#define TB_PROTO_VERSION    3u
+#define TB_PROTO_VERSION    4u
 #define TB_MAX_PAYLOAD      (256ull << 20) // one message; larger tensor writes are split by the client
 #define TB_MAX_GRAPH_TENSORS (1u << 20)
 #define TB_MAX_GRAPH_NODES   (1u << 20)
 #define TB_MAX_DIM_ELEMENTS  (1ll << 48)   // per dimension; keeps size arithmetic far from overflow
 #define TB_NAME_LEN          64
 #define TB_KEEPALIVE_MIN_MS  20            // floor for the keepalive period a client may ask for
+#define TB_KEEPALIVE_MAX_MS  60000         // and its ceiling (a silent peer times out after three periods)
+#define TB_HANDSHAKE_MS      5000          // HELLO and AUTH, together, must be done within this
+#define TB_HANDSHAKE_MAX_LEN 4096          // no handshake message is longer; a longer one is refused unread
 
 enum tb_cmd {
     TB_CMD_HELLO = 1,        // reply: tb_hello
@@ -63,6 +67,7 @@ enum tb_cmd {
     TB_CMD_PEER_RECV,        // tb_peer_range       posted: receive the peer's next range into a buffer range
     TB_CMD_TRANSPORT_OFFER,  // tb_transport_req    reply: tb_transport_reply (a segment for this connection, or why not)
     TB_CMD_TRANSPORT_SWITCH, // u32 1: attached, switch now; 0: could not, stay  posted, always over TCP
+    TB_CMD_AUTH,             // tb_auth_req         reply: tb_auth_reply (right after HELLO when the node has a secret)
     TB_CMD_COUNT_,
 };
 
@@ -79,7 +84,16 @@ struct tb_header {
 };
 
 // A reply payload starts with this. status 0: the command's reply body
-// follows. Otherwise the rest of the payload is an error message (text).
+// follows. Otherwise the rest of the payload is an error message (text), and
+// the status says what kind of refusal it is (a head acts on the kind, a
+// person reads the text).
+enum tb_reply_code {
+    TB_STATUS_OK = 0,
+    TB_STATUS_ERROR = 1,     // the request failed (protocol <= 3 also refused a HELLO of another version with it)
+    TB_STATUS_VERSION = 2,   // HELLO: protocol or ggml ABI differ
+    TB_STATUS_AUTH = 3,      // HELLO/AUTH: authentication failed or is required
+    TB_STATUS_FULL = 4,      // HELLO: the node serves as many clients as it may
+};
 struct tb_reply_status {
     int32_t  status;
     uint32_t reserved;
@@ -108,6 +122,7 @@ struct tb_hello {            // request and reply share it; the node fills the d
     char     device_description[128];
     char     node_name[TB_NAME_LEN];
     char     ggml_build[TB_NAME_LEN];  // ggml_version() and ggml_commit() of the side that sent it
+    uint8_t  nonce[TB_NONCE_LEN];      // fresh random bytes of the side that sent it (the AUTH challenge)
 };
 
 // The device sizes every tensor as ggml_nbytes (the CPU does; Metal does not):
@@ -118,6 +133,33 @@ struct tb_hello {            // request and reply share it; the node fills the d
 #define TB_CAP_SUPPORTS_OP_IS_CPU   2u
 // The node offers shared memory (TRANSPORT_OFFER) to a head on its own host.
 #define TB_CAP_SHM                  4u
+// The node has a cluster secret: it serves nothing before AUTH. Its HELLO
+// reply then carries only abi, caps and nonce; the device facts come in the
+// AUTH reply.
+#define TB_CAP_AUTH                 8u
+
+// AUTH: each side proves it knows the cluster secret K with an HMAC-SHA256
+// over both HELLO nonces (auth.h), the head first. The secret never crosses
+// the wire; fresh nonces make a recorded AUTH useless on another connection.
+#define TB_AUTH_ROLE_HEAD "tbrpc 4 head"   // HMAC(K, role || head nonce || node nonce)
+#define TB_AUTH_ROLE_NODE "tbrpc 4 node"
+struct tb_auth_req   { uint8_t mac[TB_MAC_LEN]; };
+struct tb_auth_reply { uint8_t mac[TB_MAC_LEN]; struct tb_hello hello; };
+
+// Node-to-node links: the dialing node sends nothing until the listening
+// session has proven it knows the link key, derived from the cluster secret
+// (none: empty) and the token the listener drew; then both prove it over
+// both nonces. So a node dials only a tbrpc node of its own cluster that the
+// head set up, and its first bytes go nowhere else.
+#define TB_PEER_MAGIC "TBPEER4"
+#define TB_PEER_ROLE_GREET    "tbrpc 4 peer greets"      // listener: HMAC(Kp, role || listener nonce || zeros)
+#define TB_PEER_ROLE_DIALER   "tbrpc 4 peer dialer"      // dialer:   HMAC(Kp, role || listener nonce || dialer nonce || name)
+#define TB_PEER_ROLE_LISTENER "tbrpc 4 peer listener"    // listener: HMAC(Kp, role || listener nonce || dialer nonce)
+struct tb_peer_greeting { char magic[8]; uint8_t nonce[TB_NONCE_LEN]; uint8_t mac[TB_MAC_LEN]; };
+struct tb_peer_answer   { uint8_t nonce[TB_NONCE_LEN]; uint8_t mac[TB_MAC_LEN]; char name[TB_NAME_LEN]; };
+struct tb_peer_confirm  { uint8_t mac[TB_MAC_LEN]; };
+// The link key: HMAC(K, "tbrpc 4 peer link" || token).
+void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint8_t out[TB_MAC_LEN]);
 
 // TRANSPORT_OFFER: the ring the head asks for. The node may answer another
 // geometry (tb_shm_offer says which); kind 1 is shared memory, the only one yet.

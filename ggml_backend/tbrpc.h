@@ -16,12 +16,27 @@ extern "C" {
 
 struct tbrpc_client;
 
+// What went wrong, for callers that must act on it (Python raises one
+// NodeError subclass per kind); the text beside it is for people. The calls
+// below that can fail return -kind (tbrpc_client_failed: +kind).
+enum tbrpc_error_kind {
+    TBRPC_OK = 0,
+    TBRPC_ERR_UNREACHABLE = 1,   // nothing to connect to: refused, unknown host, no answer to connect
+    TBRPC_ERR_HANDSHAKE   = 2,   // connected, but the handshake did not complete (not a tbrpc node, closed, silent)
+    TBRPC_ERR_VERSION     = 3,   // protocol, ggml ABI or ggml build mismatch
+    TBRPC_ERR_FAILED      = 4,   // the node failed after the handshake: closed, timed out, broken, error reply
+    TBRPC_ERR_AUTH        = 5,   // the shared secret did not match, or one side has none
+    TBRPC_ERR_FULL        = 6,   // the node serves as many clients as it may
+    TBRPC_ERR_OTHER       = 7,   // a bad argument, out of memory
+};
+
 // What the head knows about one node (device), for Python and tests.
 struct tbrpc_node_info {
     char     endpoint[96];
     char     device_name[32];        // the ggml device name on the head: TBRPC0, TBRPC1, ...
     struct tb_hello hello;           // what the node said at the handshake
     int      failed;
+    int      error_kind;             // enum tbrpc_error_kind of the failure (0 while it works)
     char     error[512];
     char     transport[96];          // what carries the bytes and why: "shm 16x64K", "tcp: the node is on another host"
     uint64_t bytes_sent;
@@ -35,18 +50,21 @@ struct tbrpc_node_info {
 };
 
 struct tbrpc_client * tbrpc_client_new(void);
-// Connect and handshake. Returns the node's index, or -1 with err.
+// Connect and handshake. Returns the node's index, or -kind with err.
 // transport: "tcp" forces TCP; NULL or "auto": shared memory with a node on this host, else TCP.
+// secret: the cluster secret, proven in the handshake and never sent (NULL:
+// none; a node that has one then refuses us, and we refuse a node without
+// one when we have one).
 int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
-                             char * err, size_t err_len);
+                             const uint8_t * secret, size_t secret_len, char * err, size_t err_len);
 // Register the registry and its devices with the ggml this library is
 // linked against (once; later nodes are registered as they are added).
 int    tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len);
 size_t tbrpc_client_node_count(struct tbrpc_client * c);
 int    tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out);
-// Ask node i for its live status (one round trip).
+// Ask node i for its live status (one round trip). 0, or -kind with err.
 int    tbrpc_client_node_status(struct tbrpc_client * c, size_t i, struct tb_status * out, char * err, size_t err_len);
-// Non-zero when any node failed; err receives the first failure.
+// The kind (> 0) of the first node that failed, with its message in err; 0 when none did.
 int    tbrpc_client_failed(struct tbrpc_client * c, char * err, size_t err_len);
 void   tbrpc_client_reset_stats(struct tbrpc_client * c);
 // Ask node i every supports_op and allocation-size question (once per op
@@ -54,9 +72,9 @@ void   tbrpc_client_reset_stats(struct tbrpc_client * c);
 // whose answers the head cannot know, and for tests of the asking path.
 void   tbrpc_client_ask_node(struct tbrpc_client * c, size_t i, int always);
 
-// One-shot: connect, handshake, read status, close (for doctor and launch).
-int tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status,
-                char * err, size_t err_len);
+// One-shot: connect, handshake, read status, close (for doctor and launch). 0, or -kind with err.
+int tbrpc_probe(const char * endpoint, int timeout_ms, const uint8_t * secret, size_t secret_len,
+                struct tb_hello * hello, struct tb_status * status, char * err, size_t err_len);
 
 // Size and fingerprint of a model file, as nodes compare them (doctor too).
 int tbrpc_file_identity(const char * path, struct tb_file_identity * out, char * err, size_t err_len);

@@ -7,11 +7,26 @@
 
 from __future__ import annotations
 
-from tbrpc.client import Cluster, NodeError, NodeInfo, NodeStatus, cluster, connect, probe
+from tbrpc.client import (
+    AuthenticationError,
+    Cluster,
+    HandshakeRefused,
+    NodeError,
+    NodeFailed,
+    NodeFullError,
+    NodeInfo,
+    NodeStatus,
+    NodeUnreachable,
+    NodeVersionMismatch,
+    cluster,
+    connect,
+    probe,
+)
 from tbrpc.native import TbrpcError, VersionMismatchError
 
 __all__ = [
-    "Cluster", "Llama", "NodeError", "NodeInfo", "NodeStatus", "TbrpcError", "VersionMismatchError",
+    "AuthenticationError", "Cluster", "HandshakeRefused", "Llama", "NodeError", "NodeFailed", "NodeFullError",
+    "NodeInfo", "NodeStatus", "NodeUnreachable", "NodeVersionMismatch", "TbrpcError", "VersionMismatchError",
     "cluster", "connect", "probe",
 ]
 

@@ -30,14 +30,16 @@ C_DIR = ROOT / "ggml_backend"
 TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "transport/shm.c"]
 # shm_open lives in librt on C libraries older than glibc 2.34
 SYSTEM_LIBS = ["-pthread"] + (["-lrt"] if sys.platform.startswith("linux") else [])
-C_SOURCES = ["proto.c", "client.c", "client_node.c", "node.c", "node_session.c", "model_file.c", *TRANSPORT_SOURCES]
+# what needs no ggml: the transports and the shared-secret proofs (C tests build them alone)
+PLAIN_SOURCES = [*TRANSPORT_SOURCES, "auth.c"]
+C_SOURCES = ["proto.c", "client.c", "client_node.c", "node.c", "node_session.c", "model_file.c", *PLAIN_SOURCES]
 
 CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;
                 uint32_t ggml_type_count; uint64_t type_table_hash; ...; };
 struct tb_hello { struct tb_abi abi; uint64_t mem_free; uint64_t mem_total; uint64_t alignment;
-                  uint64_t max_size; uint32_t device_type; uint64_t caps; char device_name[...];
-                  char device_description[...]; char node_name[...]; char ggml_build[...]; ...; };
+                  uint64_t max_size; uint32_t device_type; uint32_t keepalive_ms; uint64_t caps; char device_name[...];
+                  char device_description[...]; char node_name[...]; char ggml_build[...]; uint8_t nonce[32]; ...; };
 struct tb_status { uint64_t buffers; uint64_t bytes_allocated; uint64_t clients; uint64_t graphs_computed;
                    uint64_t bytes_received; uint64_t bytes_from_files; uint64_t mem_free; uint64_t mem_total; char device_name[...]; ...; };
 struct tb_header { uint32_t magic; uint16_t cmd; uint16_t flags; uint64_t id; uint64_t len; };
@@ -53,10 +55,24 @@ struct tb_wire_tensor { uint64_t buffer; uint64_t offset; int64_t ne[4]; uint64_
 #define TB_PROTO_VERSION ...
 #define TB_MAX_PAYLOAD ...
 #define TB_CAP_SUPPORTS_OP_IS_CPU ...
+#define TB_CAP_AUTH ...
+#define TB_HANDSHAKE_MS ...
+enum tb_reply_code { TB_STATUS_OK, TB_STATUS_ERROR, TB_STATUS_VERSION, TB_STATUS_AUTH, TB_STATUS_FULL, ... };
 enum tb_cmd { TB_CMD_HELLO, TB_CMD_GET_MEMORY, TB_CMD_ALLOC_BUFFER, TB_CMD_FREE_BUFFER, TB_CMD_BUFFER_CLEAR,
               TB_CMD_SET_TENSOR, TB_CMD_GET_TENSOR, TB_CMD_MEMSET_TENSOR, TB_CMD_COPY_TENSOR,
               TB_CMD_GRAPH_COMPUTE, TB_CMD_GRAPH_RECOMPUTE, TB_CMD_SUPPORTS_OP, TB_CMD_SYNC, TB_CMD_STATUS,
-              TB_CMD_KEEPALIVE, TB_CMD_GET_ALLOC_SIZE, TB_CMD_OPEN_FILE, TB_CMD_LOAD_FROM_FILE, ... };
+              TB_CMD_KEEPALIVE, TB_CMD_GET_ALLOC_SIZE, TB_CMD_OPEN_FILE, TB_CMD_LOAD_FROM_FILE,
+              TB_CMD_PEER_LISTEN, TB_CMD_PEER_CONNECT, TB_CMD_PEER_ACCEPT, TB_CMD_PEER_SEND, TB_CMD_PEER_RECV,
+              TB_CMD_TRANSPORT_OFFER, TB_CMD_TRANSPORT_SWITCH, TB_CMD_AUTH, ... };
+struct tb_auth_req { uint8_t mac[32]; };
+struct tb_auth_reply { uint8_t mac[32]; struct tb_hello hello; };
+struct tb_peer_listen_reply { uint64_t token, port; };
+struct tb_peer_connect { char host[256]; uint64_t port, token; };
+struct tb_peer_greeting { char magic[8]; uint8_t nonce[32]; uint8_t mac[32]; };
+struct tb_peer_answer { uint8_t nonce[32]; uint8_t mac[32]; char name[64]; };
+void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint8_t out[32]);
+void tb_auth_mac(const uint8_t * secret, size_t secret_len, const char * role, const uint8_t nonce_a[32],
+                 const uint8_t nonce_b[32], const void * extra, size_t extra_len, uint8_t out[32]);
 struct tb_open_file { uint64_t size; uint8_t fingerprint[16]; char name[256]; };
 struct tb_file_range { uint64_t handle, offset, size, file_id, file_offset; };
 void tb_abi_fill(struct tb_abi * abi);
@@ -64,7 +80,8 @@ void tb_ggml_build(char * out, size_t len);
 
 struct tb_node_config { const char * host; int port; const char * device; int threads; const char * name;
                         const char * log_path; int timeout_ms; const char * model_dirs; int isolation;
-                        const char * const * worker_argv; };
+                        const char * const * worker_argv; const uint8_t * secret; size_t secret_len;
+                        int max_clients; };
 struct tb_node;
 struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, size_t err_len);
 int  tb_node_port(const struct tb_node * node);
@@ -76,23 +93,25 @@ int  tb_node_worker_serve(const struct tb_node_config * cfg, int client_fd, int 
                           char * err, size_t err_len);
 
 struct tbrpc_node_info { char endpoint[...]; char device_name[...]; struct tb_hello hello; int failed;
-                         char error[...]; char transport[...]; uint64_t bytes_sent; uint64_t bytes_received; uint64_t round_trips;
+                         int error_kind; char error[...]; char transport[...]; uint64_t bytes_sent; uint64_t bytes_received; uint64_t round_trips;
                          uint64_t messages; uint64_t graphs_sent; uint64_t graphs_reused;
                          uint64_t bytes_from_files; uint64_t peer_copies; ...; };
 struct tb_file_identity { uint64_t size; uint8_t fingerprint[16]; };
 int tbrpc_file_identity(const char * path, struct tb_file_identity * out, char * err, size_t err_len);
 struct tbrpc_client;
+enum tbrpc_error_kind { TBRPC_OK, TBRPC_ERR_UNREACHABLE, TBRPC_ERR_HANDSHAKE, TBRPC_ERR_VERSION, TBRPC_ERR_FAILED,
+                        TBRPC_ERR_AUTH, TBRPC_ERR_FULL, TBRPC_ERR_OTHER, ... };
 struct tbrpc_client * tbrpc_client_new(void);
 int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
-                             char * err, size_t err_len);
+                             const uint8_t * secret, size_t secret_len, char * err, size_t err_len);
 int    tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len);
 size_t tbrpc_client_node_count(struct tbrpc_client * c);
 int    tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out);
 int    tbrpc_client_node_status(struct tbrpc_client * c, size_t i, struct tb_status * out, char * err, size_t err_len);
 int    tbrpc_client_failed(struct tbrpc_client * c, char * err, size_t err_len);
 void   tbrpc_client_reset_stats(struct tbrpc_client * c);
-int    tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status,
-                   char * err, size_t err_len);
+int    tbrpc_probe(const char * endpoint, int timeout_ms, const uint8_t * secret, size_t secret_len,
+                   struct tb_hello * hello, struct tb_status * status, char * err, size_t err_len);
 const char * tbrpc_runtime_ggml_version(void);
 """
 
@@ -124,8 +143,8 @@ def ggml_link(lib: Path) -> list[str]:
 
 def build_program(source: Path, exe: Path, with_ggml: bool = True) -> Path:
     """Compile a C test or benchmark program with tbrpc's C sources: all of
-    them against llama-cpp-python's ggml, or (with_ggml=False) the transports
-    alone. Warnings are errors."""
+    them against llama-cpp-python's ggml, or (with_ggml=False) those that need
+    no ggml (transports, auth). Warnings are errors."""
     import subprocess
 
     cmd = ["cc", "-std=gnu11", "-O2", *WARNINGS, "-Werror", f"-I{C_DIR}", str(source)]
@@ -133,7 +152,7 @@ def build_program(source: Path, exe: Path, with_ggml: bool = True) -> Path:
         include, lib, _ = llama_cpp_paths()
         cmd += [f"-I{include}", *[str(C_DIR / s) for s in C_SOURCES], *ggml_link(lib), f"-Wl,-rpath,{lib}"]
     else:
-        cmd += [str(C_DIR / s) for s in TRANSPORT_SOURCES]
+        cmd += [str(C_DIR / s) for s in PLAIN_SOURCES]
     subprocess.run([*cmd, *SYSTEM_LIBS, "-o", str(exe)], check=True)
     return exe
 

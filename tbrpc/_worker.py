@@ -16,6 +16,7 @@ import os
 import sys
 
 from tbrpc.native import error_buffer, load, text
+from tbrpc.secret import read as read_secret
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-file", default="")
     parser.add_argument("--timeout-ms", type=int, default=10000)
     parser.add_argument("--model-dirs", default="")
+    parser.add_argument("--secret-file", default="")
     parser.add_argument("--name", required=True)
     parser.add_argument("--client-fd", type=int, required=True)
     parser.add_argument("--status-fd", type=int, required=True)
@@ -34,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ffi, lib = load()
     keep = [ffi.new("char[]", s.encode()) for s in (args.host, args.device, args.name, args.log_file, args.model_dirs)]
+    secret = read_secret(args.secret_file) if args.secret_file else b""   # the node checked it as it started
+    key = ffi.new("uint8_t[]", secret) if secret else ffi.NULL
     cfg = ffi.new("struct tb_node_config *", {
         "host": keep[0], "device": keep[1], "threads": args.threads, "name": keep[2], "log_path": keep[3],
-        "timeout_ms": args.timeout_ms, "model_dirs": keep[4], "isolation": 2,
+        "timeout_ms": args.timeout_ms, "model_dirs": keep[4], "isolation": 2, "secret": key, "secret_len": len(secret),
     })
     err = error_buffer()
     rc = lib.tb_node_worker_serve(cfg, args.client_fd, args.status_fd, args.slot, args.parent_fd, err, len(err))

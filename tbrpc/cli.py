@@ -10,6 +10,43 @@ def main() -> None:
     """tbrpc: split big GGUF models across machines with llama-cpp-python."""
 
 
+_secret_option = click.option(
+    "--secret-file", default=None, type=click.Path(dir_okay=False),
+    help="The cluster secret (`tbrpc secret new`); default: $TBRPC_SECRET_FILE, else none.")
+
+
+def _use_secret(secret_file: str | None) -> None:
+    """Make --secret-file this process's secret (checked now: a clear error, not a failed handshake later)."""
+    if secret_file is None:
+        return
+    from tbrpc import secret
+    from tbrpc.native import TbrpcError
+
+    try:
+        secret.use(secret_file)
+    except TbrpcError as e:
+        raise click.UsageError(str(e)) from e
+
+
+@main.group(name="secret")
+def secret_group() -> None:
+    """The cluster secret that heads and nodes prove to each other."""
+
+
+@secret_group.command(name="new")
+@click.argument("path", required=False, default="~/.config/tbrpc/secret")
+def secret_new(path: str) -> None:
+    """Write a new random secret to PATH (mode 0600; never overwrites). Copy it to every machine."""
+    from tbrpc import secret
+    from tbrpc.native import TbrpcError
+
+    try:
+        written = secret.new(path)
+    except TbrpcError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(str(written))
+
+
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 for all).")
 @click.option("--port", default=50052, show_default=True, type=int, help="TCP port (0 picks a free one).")
@@ -23,8 +60,13 @@ def main() -> None:
                    "client), or in a thread. auto: forked; spawned on macOS, where Metal does not survive fork().")
 @click.option("--model-dir", "model_dirs", multiple=True, type=click.Path(file_okay=False, exists=True),
               help="Directory of *.gguf files this node holds: heads load weights from them instead of sending them.")
+@_secret_option
+@click.option("--insecure", is_flag=True, help="Listen on a non-loopback address without a secret (a network you trust).")
+@click.option("--max-clients", default=0, type=click.IntRange(min=0, max=64),
+              help="Clients served at once (default and most: 64); one more is told the node is full.")
 def node(host: str, port: int, device: str | None, threads: int, name: str | None, log_file: str | None,
-         timeout: float, isolation: str, model_dirs: tuple[str, ...]) -> None:
+         timeout: float, isolation: str, model_dirs: tuple[str, ...], secret_file: str | None, insecure: bool,
+         max_clients: int) -> None:
     """Serve this machine's best ggml device to tbrpc heads."""
     from tbrpc.native import TbrpcError
     from tbrpc.node import NodeConfig, NodeServer
@@ -32,9 +74,12 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
     try:
         server = NodeServer(NodeConfig(host=host, port=port, device=device, threads=threads, name=name,
                                        log_path=log_file, timeout=timeout, isolation=isolation,
-                                       model_dirs=list(model_dirs)))
+                                       model_dirs=list(model_dirs), secret_file=secret_file, insecure=insecure,
+                                       max_clients=max_clients))
     except TbrpcError as e:
         raise click.ClickException(str(e)) from e
+    if server.authenticated:
+        click.echo("tbrpc node: heads and peers must prove the cluster secret", err=True)
     click.echo(f"tbrpc node listening on {host}:{server.port}", err=True)
     server.serve_forever()
 
@@ -128,12 +173,13 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
               help="Speculative decoding with a small GGUF of the same vocabulary, run on this machine.")
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=None, help="Tokens --draft-model guesses per step [default: 8].")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
+@_secret_option
 def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | None, host: str, port: int,
            prompt: str | None, chat: bool, max_tokens: int, temperature: float, alias: str | None,
            chat_format: str | None, api_key: str | None, log_dir: str | None, start_timeout: float,
            cache_type_k: str | None, cache_type_v: str | None, flash_attn: bool | None, ubatch: int | None,
            batch: int | None, threads: int | None, draft: str | None, draft_model: str | None,
-           draft_tokens: int | None, verbose: bool) -> None:
+           draft_tokens: int | None, verbose: bool, secret_file: str | None = None) -> None:
     """Start the nodes, plan the split, load GGUF and serve it (or --prompt / --chat).
     Memory options (cache types, flash attention, batch sizes) are planned as `tbrpc plan` plans them."""
     from pathlib import Path
@@ -145,6 +191,7 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
 
     if prompt is not None and chat:
         raise click.UsageError("use either --prompt or --chat")
+    _use_secret(secret_file)
     try:
         cluster = choose_cluster(cluster_file, local)
     except ClusterError as e:
@@ -164,9 +211,12 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
 @_cluster_option
 @click.option("--gguf", default=None, type=click.Path(dir_okay=False), help="The head's model file, to compare each node's copy with.")
 @click.option("--timeout", default=5.0, show_default=True, type=float, help="Seconds per network check.")
+@_secret_option
 @click.argument("endpoints", nargs=-1)
-def doctor(cluster_file: str | None, gguf: str | None, timeout: float, endpoints: tuple[str, ...]) -> None:
-    """Check every node: reachable, versions, device and memory, model file, ssh, RDMA/Thunderbolt on Macs."""
+def doctor(cluster_file: str | None, gguf: str | None, timeout: float, secret_file: str | None,
+           endpoints: tuple[str, ...]) -> None:
+    """Check every node: reachable, versions, secret, device and memory, model file, ssh, RDMA/Thunderbolt on Macs."""
+    _use_secret(secret_file)
     from tbrpc.doctor import diagnose, failed, format_checks
     from tbrpc.node_memory import ClusterError
     from tbrpc.spec import choose_cluster, endpoint_specs, load_specs
@@ -184,9 +234,12 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, endpoints
 @_cluster_option
 @click.option("--timeout", default=5.0, show_default=True, type=float, help="Seconds per node.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON list (sizes in bytes).")
+@_secret_option
 @click.argument("endpoints", nargs=-1)
-def status(cluster_file: str | None, timeout: float, as_json: bool, endpoints: tuple[str, ...]) -> None:
+def status(cluster_file: str | None, timeout: float, as_json: bool, secret_file: str | None,
+           endpoints: tuple[str, ...]) -> None:
     """Nodes with their memory in use and clients (default: the launches running here, then ./tbrpc.toml)."""
+    _use_secret(secret_file)
     import json
 
     from tbrpc.node_memory import ClusterError

@@ -15,14 +15,67 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from tbrpc.native import TbrpcError, error_buffer, load, text
+from tbrpc.native import TbrpcError, VersionMismatchError, error_buffer, load, text
 
 DEFAULT_TIMEOUT_S = 10.0
 TRANSPORTS = ("auto", "tcp")
 
 
 class NodeError(TbrpcError):
-    """A node is unreachable, refused the handshake, died or stopped answering."""
+    """A node is unreachable, refused the handshake, died or stopped answering.
+
+    Each kind of failure is a subclass (``kind`` names it too); the message
+    names the node and says what happened. Callers branch on the class."""
+
+    kind = "error"
+
+
+class NodeUnreachable(NodeError):
+    """Nothing answers at the node's address: refused, unknown host, no answer to connect."""
+
+    kind = "unreachable"
+
+
+class HandshakeRefused(NodeError):
+    """Something answered but the handshake did not complete (not a tbrpc node, closed, silent)."""
+
+    kind = "handshake"
+
+
+class NodeVersionMismatch(NodeError, VersionMismatchError):
+    """The node speaks another tbrpc protocol or ggml ABI than this head."""
+
+    kind = "version"
+
+
+class NodeFailed(NodeError):
+    """The node failed after the handshake: it closed, stopped answering, or reported an error."""
+
+    kind = "failed"
+
+
+class AuthenticationError(NodeError):
+    """The node and this head do not share the same secret (or one side has none)."""
+
+    kind = "auth"
+
+
+class NodeFullError(NodeError):
+    """The node already serves as many clients as it may."""
+
+    kind = "full"
+
+
+# enum tbrpc_error_kind (ggml_backend/tbrpc.h) -> the class raised for it
+_ERROR_CLASSES: dict[int, type[NodeError]] = {
+    1: NodeUnreachable, 2: HandshakeRefused, 3: NodeVersionMismatch, 4: NodeFailed,
+    5: AuthenticationError, 6: NodeFullError,
+}
+
+
+def node_error(kind: int, message: str) -> NodeError:
+    """The NodeError subclass for a C error kind (positive or negative), with `message`."""
+    return _ERROR_CLASSES.get(abs(kind), NodeError)(message)
 
 
 @dataclass(frozen=True)
@@ -45,6 +98,11 @@ class NodeInfo:
     bytes_from_files: int     # weights the node read from its own copy of the model
     peer_copies: int = 0      # activations it sent straight to the next node
     transport: str = ""       # what carries the bytes, and why: "shm 16x64K", "tcp: the node is on another host"
+    error_kind: int = 0       # enum tbrpc_error_kind of the failure (tbrpc.h); node_error() makes its exception
+
+    def exception(self) -> NodeError:
+        """The NodeError of this node's failure (its class says the kind)."""
+        return node_error(self.error_kind, self.error)
 
 
 @dataclass(frozen=True)
@@ -80,23 +138,25 @@ class Cluster:
         self._endpoints: list[str] = []
         self._lock = threading.Lock()
 
-    def add(self, endpoint: str, timeout: float, transport: str = "auto") -> str:
+    def add(self, endpoint: str, timeout: float, transport: str = "auto", secret: bytes | None = None) -> str:
         """Connect to `endpoint` (once) and return its ggml device name.
 
-        transport: "auto" (shared memory with a node on this host, else TCP) or "tcp"."""
+        transport: "auto" (shared memory with a node on this host, else TCP) or "tcp".
+        secret: the cluster secret proven in the handshake (None: none)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
         with self._lock:
             if endpoint in self._endpoints:
                 info = self.info(self._endpoints.index(endpoint))
                 if info.failed:
-                    raise NodeError(f"{info.error}; restart this process to reconnect to {endpoint}")
+                    raise node_error(info.error_kind, f"{info.error}; restart this process to reconnect to {endpoint}")
                 return info.device_name
             err = error_buffer()
+            key = self._ffi.NULL if secret is None else self._ffi.new("uint8_t[]", secret)
             index = self._lib.tbrpc_client_add_node(self._client, endpoint.encode(), int(timeout * 1000),
-                                                    transport.encode(), err, len(err))
+                                                    transport.encode(), key, len(secret or b""), err, len(err))
             if index < 0:
-                raise NodeError(text(err))
+                raise node_error(index, text(err))
             self._endpoints.append(endpoint)
             self._lib.tbrpc_client_register(self._client, err, len(err))
             name = self.info(index).device_name
@@ -122,6 +182,7 @@ class Cluster:
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, round_trips=out.round_trips,
             messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
             bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies, transport=text(out.transport),
+            error_kind=out.error_kind,
         )
 
     def device_names(self) -> list[str]:
@@ -135,21 +196,23 @@ class Cluster:
         """Ask node `index` for its live status (buffers, bytes allocated, clients)."""
         out = self._ffi.new("struct tb_status *")
         err = error_buffer()
-        if self._lib.tbrpc_client_node_status(self._client, index, out, err, len(err)) != 0:
-            raise NodeError(text(err))
+        rc = self._lib.tbrpc_client_node_status(self._client, index, out, err, len(err))
+        if rc != 0:
+            raise node_error(rc, text(err))
         return _status_from_c(out)
 
     def reset_stats(self) -> None:
         self._lib.tbrpc_client_reset_stats(self._client)
 
-    def failures(self) -> dict[str, str]:
-        """endpoint -> error of every node that has failed."""
-        return {n.endpoint: n.error for n in self.nodes() if n.failed}
+    def failures(self) -> dict[str, NodeInfo]:
+        """endpoint -> info of every node that has failed (``info.exception()`` is its NodeError)."""
+        return {n.endpoint: n for n in self.nodes() if n.failed}
 
     def raise_if_failed(self) -> None:
         err = error_buffer()
-        if self._lib.tbrpc_client_failed(self._client, err, len(err)):
-            raise NodeError(text(err))
+        kind = self._lib.tbrpc_client_failed(self._client, err, len(err))
+        if kind:
+            raise node_error(kind, text(err))
 
 
 def _check_visible_to_libllama(device_name: str, endpoint: str) -> None:
@@ -188,11 +251,15 @@ def default_transport() -> str:
     return chosen
 
 
-def connect(nodes: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, transport: str | None = None) -> list[str]:
+def connect(nodes: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, transport: str | None = None,
+            secret_file: str | os.PathLike[str] | None = None) -> list[str]:
     """Connect to each "host:port" node; return their ggml device names, in order.
 
     `transport` ("auto" or "tcp"; default: TBRPC_TRANSPORT, else "auto")
     applies to connections made now; ``nodes()`` says what each one got.
+    `secret_file`: the cluster secret the nodes were started with (default:
+    TBRPC_SECRET_FILE; tbrpc/secret.py); a wrong or missing one raises
+    AuthenticationError naming the node.
 
     After this, a plain ``llama_cpp.Llama(..., n_gpu_layers=-1, tensor_split=[...])``
     places layers on the nodes. Raises NodeError naming the first node that is
@@ -200,8 +267,11 @@ def connect(nodes: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, transport:
     """
     if isinstance(nodes, str):
         raise TypeError('connect() takes a list of "host:port" strings')
+    from tbrpc import secret as cluster_secret
+
+    key = cluster_secret.load(secret_file)
     c = cluster()
-    return [c.add(endpoint, timeout, transport or default_transport()) for endpoint in nodes]
+    return [c.add(endpoint, timeout, transport or default_transport(), key) for endpoint in nodes]
 
 
 def _install_error_hooks(c: Cluster) -> None:
@@ -230,11 +300,12 @@ def _install_error_hooks(c: Cluster) -> None:
             # earlier model must not fail a later one that does not use it.
             before = c.failures()
             result = original(*args)
-            new = {e: m for e, m in c.failures().items() if e not in before}
+            new = [info for e, info in c.failures().items() if e not in before]
             if new:
-                raise NodeError(next(iter(new.values())))
+                raise new[0].exception()
             if before and _call_failed(name, result):   # it may have run on a node that failed earlier
-                raise NodeError("; ".join(before.values()))
+                first = next(iter(before.values()))
+                raise node_error(first.error_kind, "; ".join(info.error for info in before.values()))
             return result
 
         checked._tbrpc_wrapped = True  # type: ignore[attr-defined]
@@ -250,14 +321,22 @@ def _call_failed(name: str, result: Any) -> bool:
     return result < 0 if name == "llama_decode" else not result
 
 
-def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[NodeInfo, NodeStatus]:
-    """Connect, handshake, read status and disconnect (for doctor and launch)."""
+def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT_S,
+          secret_file: str | os.PathLike[str] | None = None) -> tuple[NodeInfo, NodeStatus]:
+    """Connect, handshake, read status and disconnect (for doctor and launch).
+
+    `secret_file`: as for connect() (default: this process's, tbrpc/secret.py)."""
+    from tbrpc import secret as cluster_secret
+
+    key = cluster_secret.load(secret_file)
     ffi, lib = load()
     hello = ffi.new("struct tb_hello *")
     status = ffi.new("struct tb_status *")
     err = error_buffer()
-    if lib.tbrpc_probe(endpoint.encode(), int(timeout * 1000), hello, status, err, len(err)) != 0:
-        raise NodeError(text(err))
+    c_key = ffi.NULL if key is None else ffi.new("uint8_t[]", key)
+    rc = lib.tbrpc_probe(endpoint.encode(), int(timeout * 1000), c_key, len(key or b""), hello, status, err, len(err))
+    if rc != 0:
+        raise node_error(rc, text(err))
     info = NodeInfo(
         endpoint=endpoint, device_name="", node_name=text(hello.node_name), node_device=text(hello.device_name),
         description=text(hello.device_description), mem_free=hello.mem_free, mem_total=hello.mem_total,

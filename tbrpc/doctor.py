@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tbrpc.client import NodeError, probe
+from tbrpc.client import NodeError, NodeVersionMismatch, probe
 from tbrpc.facts import collect, model_identity, package_version, tbrpc_version
 from tbrpc.node_processes import _remote_word
 from tbrpc.spec import NodeSpec
@@ -109,9 +109,10 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
         info, status = probe(spec.endpoint, timeout=timeout)
     except NodeError as exc:
         message = str(exc)
-        fix = ("install the same tbrpc and llama-cpp-python on the head and this node, then restart the node"
-               if "mismatch" in message else
-               "is this port a tbrpc node? restart it: " + _start_command(spec))
+        if isinstance(exc, NodeVersionMismatch):
+            fix = "install the same tbrpc and llama-cpp-python on the head and this node, then restart the node"
+        else:
+            fix = "is this port a tbrpc node? restart it: " + _start_command(spec)
         n.add("handshake", FAIL, message, fix)
         return False, None
     others = max(0, status.clients - 1)   # this probe is a client too

@@ -21,7 +21,7 @@ from typing import Any, Callable, TextIO
 from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
-from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster
+from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster, with_secret
 from tbrpc.native import TbrpcError
 from tbrpc.node_processes import LaunchError, Nodes, start_nodes
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
@@ -161,7 +161,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     step = "start"
     with _Signals() as signals, ExitStack() as records:
         try:
-            specs = resolve_cluster(opts.cluster, opts.threads)
+            specs = with_secret(opts.cluster, resolve_cluster(opts.cluster, opts.threads), log_dir)
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything
                 load_gguf(opts.gguf)

@@ -28,14 +28,15 @@ from typing import Any
 import llama_cpp
 import llama_cpp.llama_cpp as llama_lib
 
+from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.client import connect
 from tbrpc.gguf_model import GGUFError
 from tbrpc.native import TbrpcError
 from tbrpc.node_memory import Node, Report, size_nodes
-from tbrpc.node_processes import LaunchError, Nodes, start_nodes
+from tbrpc.node_processes import LaunchError, Nodes, head_secret_file, start_nodes
 from tbrpc.plan import CACHE_TYPES, Plan, PlanError, cache_type_name, format_table, plan
-from tbrpc.spec import NodeSpec, endpoint_specs, load_specs, local_specs
+from tbrpc.spec import NodeSpec, cluster_secret_file, endpoint_specs, load_specs, local_specs
 from tbrpc.units import format_size
 
 ClusterArg = str | os.PathLike[str] | Sequence[str] | int | Nodes
@@ -62,6 +63,20 @@ def resolve_cluster(cluster: ClusterArg, threads: int | None = None) -> list[Nod
         return list(cluster.specs)
     specs = load_specs(os.fspath(cluster)) if isinstance(cluster, (str, os.PathLike)) else endpoint_specs(list(cluster))
     return [replace(s, threads=s.threads or threads or 0) for s in specs]
+
+
+def with_secret(cluster: ClusterArg, specs: list[NodeSpec], log_dir: Path) -> list[NodeSpec]:
+    """The cluster secret for this run: a cluster file's top-level `secret_file` becomes this process's
+    (unless --secret-file / TBRPC_SECRET_FILE chose one); N local nodes with none get a fresh one, in
+    `log_dir`, that only they and this process know."""
+    if isinstance(cluster, (str, os.PathLike)) and cluster_secret.file_for() is None:
+        path = cluster_secret_file(os.fspath(cluster))
+        if path:
+            cluster_secret.use(path)
+    if isinstance(cluster, int) and cluster_secret.file_for() is None:
+        path = str(cluster_secret.new(log_dir / "secret"))
+        return [replace(s, secret_file=path) for s in specs]
+    return specs
 
 
 def plan_nodes(specs: Sequence[NodeSpec], nodes: Nodes) -> list[Node]:
@@ -207,20 +222,25 @@ class Llama(llama_cpp.Llama):
     nodes on this machine. ``ctx`` defaults to ``n_ctx``. ``progress``: True
     for a bar on stderr, or a callable taking the loaded fraction.
     ``log_dir``: where node logs go (default: a fresh temporary directory).
+    ``secret_file``: the cluster secret (default: the cluster file's, else
+    TBRPC_SECRET_FILE; N local nodes without one get a fresh one for the run).
     Unless given, ``n_gpu_layers`` and ``tensor_split`` come from the plan.
     """
 
     def __init__(self, model_path: str, *, cluster: ClusterArg, progress: bool | Progress = False,
                  log_dir: str | os.PathLike[str] | None = None, start_timeout: float = 60.0,
-                 plan_options: dict[str, Any] | None = None, on_event: Say | None = None, **kwargs: Any) -> None:
+                 plan_options: dict[str, Any] | None = None, on_event: Say | None = None,
+                 secret_file: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         self._tbrpc_nodes: Nodes | None = None
         say: Say = on_event or (lambda message: None)
         if isinstance(cluster, Nodes):
             nodes = cluster
         else:
+            if secret_file is not None:
+                cluster_secret.use(secret_file)
             logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="tbrpc-logs-"))
-            nodes = start_nodes(resolve_cluster(cluster), logs, timeout=start_timeout, on_event=say,
-                                head_model=str(model_path))
+            nodes = start_nodes(with_secret(cluster, resolve_cluster(cluster), logs), logs, timeout=start_timeout,
+                                on_event=say, head_model=str(model_path))
         self._tbrpc_nodes = nodes
         try:
             self._tbrpc_load(model_path, nodes, progress, plan_options or {}, say, kwargs)
@@ -238,7 +258,8 @@ class Llama(llama_cpp.Llama):
                                  for n in self.tbrpc_plan.nodes) + f" (context {self.tbrpc_plan.ctx}, {_cache_words(self.tbrpc_plan)}"
             + (f"; this process keeps {format_size(head.total_bytes)})" if head else ")"))
         try:
-            self.tbrpc_devices = [connect([e], transport=s.transport)[0] for e, s in zip(nodes.endpoints, nodes.specs)]
+            self.tbrpc_devices = [connect([e], transport=s.transport, secret_file=head_secret_file(s))[0]
+                                  for e, s in zip(nodes.endpoints, nodes.specs)]
         except TbrpcError as exc:
             raise type(exc)(nodes.explain("connect", str(exc))) from exc
         carriers = {info.endpoint: info.transport for info in client_cluster().nodes()}

@@ -6,8 +6,10 @@ in Python so SIGINT/SIGTERM handlers can run and stop the server cleanly.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tbrpc import secret as cluster_secret
 from tbrpc.client import NodeStatus, _status_from_c
 from tbrpc.native import TbrpcError, error_buffer, load, text
 
@@ -38,6 +41,35 @@ class NodeConfig:
     isolation: str = "auto"       # a worker per client: "process" (forked), "spawn" (a fresh process), "thread";
                                   # "auto": process, spawn on macOS (Metal does not survive fork)
     model_dirs: list[str] = field(default_factory=list)  # clients may load weights from *.gguf files here
+    secret_file: str | None = None   # the cluster secret heads and peers must prove (None: $TBRPC_SECRET_FILE, else none)
+    insecure: bool = False        # serve a non-loopback address without a secret
+    max_clients: int = 0          # clients served at once; 0: the most the node allows (64)
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` can only be reached from this machine."""
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+def node_secret(config: NodeConfig) -> bytes | None:
+    """The node's secret; refuses to serve beyond this machine without one unless told `insecure`."""
+    path = cluster_secret.file_for(config.secret_file)
+    secret = cluster_secret.read(path) if path else None
+    if secret is None and not config.insecure and not is_loopback(config.host):
+        raise TbrpcError(
+            f"tbrpc node: refusing to listen on {config.host} without a cluster secret: anyone who reaches that "
+            "address could use this machine. Give every node and head the same secret (`tbrpc secret new PATH`, "
+            "then --secret-file PATH or TBRPC_SECRET_FILE; docs/cluster.md), or pass --insecure on a network "
+            "you trust")
+    return secret
 
 
 def worker_command(config: NodeConfig, model_dirs: str) -> list[str]:
@@ -49,10 +81,12 @@ def worker_command(config: NodeConfig, model_dirs: str) -> list[str]:
     extension) would win. So the interpreter runs isolated (``-I``: no working
     directory, no PYTHONPATH, no user site) and is told where this tbrpc is.
     """
+    secret_file = cluster_secret.file_for(config.secret_file)
     return [sys.executable, "-I", "-c", WORKER_BOOTSTRAP, PACKAGE_PARENT,
             "--host", config.host, "--device", config.device or "",
             "--threads", str(config.threads), "--log-file", os.path.abspath(config.log_path) if config.log_path else "",
-            "--timeout-ms", str(int(config.timeout * 1000)), "--model-dirs", model_dirs]
+            "--timeout-ms", str(int(config.timeout * 1000)), "--model-dirs", model_dirs,
+            "--secret-file", os.path.abspath(secret_file) if secret_file else ""]
 
 
 class NodeServer:
@@ -62,17 +96,21 @@ class NodeServer:
         ffi, lib = load()
         self._ffi, self._lib = ffi, lib
         self.config = config
+        secret = node_secret(config)
+        self.authenticated = secret is not None
         dirs = os.pathsep.join(os.path.abspath(d) for d in config.model_dirs)
         keep = [ffi.new("char[]", (s or "").encode())
                 for s in (config.host, config.device, config.name, config.log_path, dirs)]
         worker = [ffi.new("char[]", arg.encode()) for arg in worker_command(config, dirs)]
-        self._keep = keep + worker   # the C side copies what it keeps, but only when tb_node_create runs
+        key = ffi.new("uint8_t[]", secret) if secret else ffi.NULL
+        self._keep = keep + worker + [key]   # the C side copies what it keeps, but only when tb_node_create runs
         worker_argv = ffi.new("const char *[]", worker + [ffi.NULL])
         c_cfg = ffi.new("struct tb_node_config *", {
             "host": keep[0], "port": config.port, "device": keep[1], "threads": config.threads,
             "name": keep[2],
             "log_path": keep[3], "timeout_ms": int(config.timeout * 1000),
             "model_dirs": keep[4], "isolation": ISOLATION[config.isolation], "worker_argv": worker_argv,
+            "secret": key, "secret_len": len(secret or b""), "max_clients": config.max_clients,
         })
         err = error_buffer()
         self._node = lib.tb_node_create(c_cfg, err, len(err))

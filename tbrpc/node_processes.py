@@ -25,7 +25,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tbrpc.client import NodeError, NodeInfo, probe
+from tbrpc.client import (
+    AuthenticationError,
+    NodeError,
+    NodeInfo,
+    NodeUnreachable,
+    NodeVersionMismatch,
+    probe,
+)
+from tbrpc import secret as cluster_secret
 from tbrpc.native import TbrpcError
 from tbrpc.spec import NodeSpec
 
@@ -50,18 +58,31 @@ def step_error(spec: NodeSpec, step: str, what: str, hint: str = "") -> LaunchEr
     return LaunchError(f"{spec.name} ({spec.endpoint})", step, what, hint)
 
 
-def handshake_hint(spec: NodeSpec, message: str) -> str:
-    """What to try when the handshake with a node failed with `message`."""
-    if "mismatch" in message:
+# Handshake failures that waiting will not cure: launch stops at once.
+FINAL = (NodeVersionMismatch, AuthenticationError)
+
+
+def handshake_hint(spec: NodeSpec, error: NodeError) -> str:
+    """What to try when the handshake with a node failed with `error`."""
+    if isinstance(error, NodeVersionMismatch):
         return ("install the same tbrpc and llama-cpp-python versions on the head and on this node "
                 "(`python -c 'import tbrpc, llama_cpp; print(llama_cpp.__version__)'` on both)")
-    if "refused" in message or "unreachable" in message or "timed out" in message:
+    if isinstance(error, AuthenticationError):
+        return ("give the head and this node the same secret file: `--secret-file PATH` (or TBRPC_SECRET_FILE, "
+                "or `secret_file` in the cluster file); `tbrpc secret new PATH` makes one (docs/cluster.md)")
+    if isinstance(error, NodeUnreachable):
         how = {"local": "it is started by launch; see its log",
                "ssh": f"check that {spec.ssh_destination()} can start it: see its log",
                "manual": f"start it there by hand: tbrpc node --host {spec.listen_address} --port {spec.port}"}
         return (f"is the node running and listening on {spec.endpoint}? {how[spec.start]}; "
                 "a firewall may also block the port")
     return "see the node's log; run `tbrpc doctor` for a check of every node"
+
+
+def head_secret_file(spec: NodeSpec) -> str | None:
+    """The secret file this process proves to `spec`'s node: the node's own for a node on this
+    machine that has one, else None (this process's: tbrpc/secret.py)."""
+    return spec.secret_file if spec.start == "local" and spec.secret_file else None
 
 
 def _tail(path: Path | None, lines: int = 12) -> str:
@@ -158,6 +179,9 @@ def _node_argv(spec: NodeSpec, port: int, head_model: str | None = None) -> list
         args += ["--threads", str(spec.threads)]
     if spec.node_log_file:
         args += ["--log-file", spec.node_log_file]
+    secret_file = spec.secret_file or (cluster_secret.file_for() if spec.start == "local" else None)
+    if secret_file:
+        args += ["--secret-file", secret_file]
     return args
 
 
@@ -239,34 +263,35 @@ def _start_hint(spec: NodeSpec, log: str) -> str:
 
 def wait_handshake(spec: NodeSpec, endpoint: str, deadline: float, node: RunningNode | None = None) -> NodeInfo:
     """Probe `endpoint` until it answers the handshake; raise LaunchError naming the node otherwise."""
-    last = ""
+    last: NodeError = NodeUnreachable(f"tbrpc node {endpoint}: no answer yet")
     while True:
         try:
-            return probe(endpoint, timeout=max(0.5, min(5.0, deadline - time.monotonic())))[0]
+            return probe(endpoint, timeout=max(0.5, min(5.0, deadline - time.monotonic())),
+                         secret_file=head_secret_file(spec))[0]
         except NodeError as exc:
-            last = str(exc)
-            if "mismatch" in last or "refused:" in last:
-                raise step_error(spec, "handshake", last, handshake_hint(spec, last)) from exc
+            last = exc
+            if isinstance(exc, FINAL):
+                raise step_error(spec, "handshake", str(exc), handshake_hint(spec, exc)) from exc
         if node is not None and not node.alive():
             raise step_error(spec, "start", f"the node exited with code {node.proc.returncode}; its log "
                              f"({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
         if time.monotonic() >= deadline:
-            raise step_error(spec, "handshake", last, handshake_hint(spec, last))
+            raise step_error(spec, "handshake", str(last), handshake_hint(spec, last))
         time.sleep(0.1)
 
 
-def answers(endpoint: str, timeout: float = 1.0) -> tuple[NodeInfo | None, str]:
-    """(info, "") when a tbrpc node answers at `endpoint`, else (None, why)."""
+def answers(endpoint: str, timeout: float = 1.0, secret_file: str | None = None) -> tuple[NodeInfo | None, NodeError | None]:
+    """(info, None) when a tbrpc node answers at `endpoint`, else (None, why)."""
     host, _, port = endpoint.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
             pass
     except OSError as exc:
-        return None, f"unreachable: {exc}"
+        return None, NodeUnreachable(f"unreachable: {exc}")
     try:
-        return probe(endpoint, timeout=timeout * 5)[0], ""
+        return probe(endpoint, timeout=timeout * 5, secret_file=secret_file)[0], None
     except NodeError as exc:
-        return None, str(exc)
+        return None, exc
 
 
 @dataclass
@@ -343,9 +368,9 @@ def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START
         for spec in specs:
             found = None
             if spec.port:
-                found, why = answers(spec.endpoint)
-                if found is None and ("mismatch" in why or "refused:" in why):
-                    raise step_error(spec, "handshake", why, handshake_hint(spec, why))
+                found, why = answers(spec.endpoint, secret_file=head_secret_file(spec))
+                if found is None and isinstance(why, FINAL):
+                    raise step_error(spec, "handshake", str(why), handshake_hint(spec, why))
             if found is not None:
                 say(f"node {spec.name}: already running at {spec.endpoint}, using it")
                 slots.append(None)

@@ -14,6 +14,13 @@ with ``name``, ``host``, ``port`` and optionally ``memory``, ...). ``tbrpc launc
     threads = 8
     listen  = "0.0.0.0"        # address the node binds (default: `host`)
     log_file = "/tmp/tbrpc-node.log"        # node log on that machine (default: sent to the head)
+    secret_file = "~/.config/tbrpc/secret"  # the cluster secret's path on that machine
+                                            # (default: the file's top-level `secret_file`)
+
+and one top-level key::
+
+    secret_file = "~/.config/tbrpc/secret"  # the head's copy of the cluster secret (tbrpc/secret.py);
+                                            # also where launch tells ssh-started nodes to find theirs
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class NodeSpec:
     listen: str | None = None
     node_log_file: str | None = None
     transport: str | None = None     # "tcp" keeps the head's connection on TCP; None: TBRPC_TRANSPORT, else "auto"
+    secret_file: str | None = None   # the cluster secret's path on that node, for launch to pass it on
     plan_node: Node | None = field(default=None, compare=False)   # the cluster file's memory figure, a cap;
                                                                    # None: the planner uses what the node reports
 
@@ -124,7 +132,8 @@ def _ssh_from(value: Any, host: str, where: str) -> SshTarget:
     raise ClusterError(f'{where}: ssh must be "user@host" or a table {{ user, host, key }}')
 
 
-def spec_from_table(table: dict[str, Any], plan_node: Node | None, where: str) -> NodeSpec:
+def spec_from_table(table: dict[str, Any], plan_node: Node | None, where: str,
+                    secret_file: str | None = None) -> NodeSpec:
     host = str(table.get("host", ""))
     ssh = _ssh_from(table["ssh"], host, where) if "ssh" in table else None
     default_start = "ssh" if ssh else ("local" if host in _LOOPBACK else "manual")
@@ -140,7 +149,7 @@ def spec_from_table(table: dict[str, Any], plan_node: Node | None, where: str) -
         name=str(table["name"]), host=host, port=int(table.get("port", 0)), start=start, ssh=ssh,
         python=table.get("python"), model=table.get("model"), device=table.get("device"),
         threads=int(table.get("threads", 0)), listen=table.get("listen"), node_log_file=table.get("log_file"),
-        transport=transport, plan_node=plan_node,
+        transport=transport, plan_node=plan_node, secret_file=table.get("secret_file", secret_file),
     )
 
 
@@ -148,7 +157,16 @@ def load_specs(path: str | Path) -> list[NodeSpec]:
     """The nodes of a cluster file, with the memory figure the file gives (if any) attached."""
     entries = read_cluster_file(path)
     tables = tomllib.loads(Path(path).read_text())["node"]
-    return [spec_from_table(t, e.given, f"{path}: node {e.name}") for t, e in zip(tables, entries)]
+    secret_file = cluster_secret_file(path)
+    return [spec_from_table(t, e.given, f"{path}: node {e.name}", secret_file) for t, e in zip(tables, entries)]
+
+
+def cluster_secret_file(path: str | Path) -> str | None:
+    """The cluster file's top-level `secret_file` (the head's copy of the secret), or None."""
+    value = tomllib.loads(Path(path).read_text()).get("secret_file")
+    if value is not None and not isinstance(value, str):
+        raise ClusterError(f"{path}: secret_file must be a path")
+    return value
 
 
 def local_specs(n: int, threads: int | None = None) -> list[NodeSpec]:

@@ -29,9 +29,11 @@ PROMPT = "Once upon a time"
 def test_unreachable_node_is_named(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     started = time.time()
-    with pytest.raises(tbrpc.NodeError, match=f"{endpoint}.*unreachable"):
+    with pytest.raises(tbrpc.NodeUnreachable, match=f"{endpoint}.*unreachable"):
         tbrpc.connect([endpoint], timeout=2)
     assert time.time() - started < 5
+    with pytest.raises(tbrpc.NodeUnreachable):
+        tbrpc.probe(endpoint, timeout=2)
 
 
 def test_malformed_endpoint_is_a_clear_error() -> None:
@@ -46,9 +48,10 @@ def test_node_killed_mid_generation(model_name: str, transport: str, nodes: Any,
     result, _ = run_head(tmp_path, model=str(models.ensure(model_name)), prompt=PROMPT, n_predict=12,
                          nodes=[a.endpoint, b.endpoint], kill={"pid": b.proc.pid, "after_tokens": 3},
                          transport=transport)
-    # the head process survived (run_head checks its exit code) and raised NodeError naming node b
+    # the head process survived (run_head checks its exit code) and raised NodeError naming node b,
+    # of the class that says it failed mid-run
     assert result["error"] is not None
-    assert result["error"]["type"] == "NodeError"
+    assert result["error"]["type"] == "NodeFailed"
     assert b.endpoint in result["error"]["message"]
     assert b.proc.wait(timeout=10) == -9
     # the other node is still usable, through the same head
@@ -64,7 +67,7 @@ def test_node_dead_before_the_first_decode(nodes: Any, tmp_path: Path) -> None:
     a, b = nodes(2)
     result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt=PROMPT, n_predict=4,
                          nodes=[a.endpoint, b.endpoint], kill={"pid": b.proc.pid, "after_tokens": -1})
-    assert result["error"]["type"] == "NodeError" and b.endpoint in result["error"]["message"]
+    assert result["error"]["type"] == "NodeFailed" and b.endpoint in result["error"]["message"]
 
 
 def test_an_old_failure_does_not_fail_a_new_model(tmp_path: Path) -> None:
@@ -93,7 +96,7 @@ def test_stalled_node_times_out(transport: str, nodes: Any, tmp_path: Path) -> N
         result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt=PROMPT, n_predict=12,
                              nodes=[a.endpoint, b.endpoint], timeout=2.0, transport=transport,
                              kill={"pid": b.proc.pid, "after_tokens": 2, "signal": int(signal.SIGSTOP)})
-        assert result["error"]["type"] == "NodeError"
+        assert result["error"]["type"] == "NodeFailed"
         assert b.endpoint in result["error"]["message"] and "no answer within 2000 ms" in result["error"]["message"]
         assert time.time() - started < 60
     finally:
@@ -108,7 +111,7 @@ def test_stalled_upstream_node_is_named(nodes: Any, tmp_path: Path) -> None:
         result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt=PROMPT, n_predict=12,
                              nodes=[a.endpoint, b.endpoint], timeout=2.0,
                              kill={"pid": a.proc.pid, "after_tokens": 2, "signal": int(signal.SIGSTOP)})
-        assert result["error"]["type"] == "NodeError"
+        assert result["error"]["type"] == "NodeFailed"
         message = result["error"]["message"]
         assert f"waiting for activations from node 127.0.0.1:{a.port}" in message, message
     finally:
@@ -145,15 +148,50 @@ def fake_node(hello_changes: dict[str, int]) -> tuple[str, threading.Thread]:
 def test_client_refuses_a_node_of_another_protocol_version() -> None:
     endpoint, thread = fake_node({"proto_version": 42})
     _, lib = load()
-    with pytest.raises(tbrpc.NodeError, match=f"{endpoint}.*protocol {lib.TB_PROTO_VERSION}.*node speaks 42"):
+    with pytest.raises(tbrpc.NodeVersionMismatch, match=f"{endpoint}.*protocol {lib.TB_PROTO_VERSION}.*node speaks 42") as raised:
         tbrpc.connect([endpoint], timeout=5)
+    assert isinstance(raised.value, tbrpc.NodeError) and isinstance(raised.value, tbrpc.VersionMismatchError)
     thread.join(5)
 
 
 def test_client_refuses_a_node_with_another_ggml() -> None:
     endpoint, thread = fake_node({"ggml_type_count": 3})
-    with pytest.raises(tbrpc.NodeError, match="ggml ABI mismatch.*3 types"):
+    with pytest.raises(tbrpc.NodeVersionMismatch, match="ggml ABI mismatch.*3 types"):
         tbrpc.connect([endpoint], timeout=5)
+    thread.join(5)
+
+
+def test_a_node_refusing_our_version_is_a_version_mismatch(nodes: Any) -> None:
+    """The node's own refusal (an error reply to HELLO) carries its kind on the wire."""
+    node = nodes(1)[0]
+    ffi, lib = load()
+    hello = ffi.new("struct tb_hello *")
+    lib.tb_abi_fill(ffi.addressof(hello.abi))
+    hello.abi.proto_version = 99
+    with socket.create_connection(("127.0.0.1", node.port), timeout=5) as conn:
+        body = bytes(ffi.buffer(hello))
+        conn.sendall(struct.pack("<IHHQQ", lib.TB_MAGIC, lib.TB_CMD_HELLO, 0, 1, len(body)) + body)
+        _magic, _cmd, _flags, _id, length = struct.unpack("<IHHQQ", conn.recv(24, socket.MSG_WAITALL))
+        status, _ = struct.unpack("<iI", conn.recv(8, socket.MSG_WAITALL))
+    assert status == lib.TB_STATUS_VERSION
+
+
+def test_something_that_is_not_a_node_fails_the_handshake() -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.recv(1024)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"x" * 64)
+        conn.close()
+        server.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    with pytest.raises(tbrpc.HandshakeRefused):
+        tbrpc.probe(f"127.0.0.1:{server.getsockname()[1]}", timeout=5)
     thread.join(5)
 
 

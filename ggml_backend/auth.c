@@ -1,0 +1,138 @@
+// auth.c - SHA-256, HMAC-SHA256, nonces and a constant-time comparison.
+// Checked against FIPS 180-4's and RFC 4231's test vectors (tests/c/auth_tests.c).
+#include "auth.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <unistd.h>
+
+static const uint32_t K[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+};
+
+static uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+static void compress(uint32_t st[8], const uint8_t b[64]) {
+    uint32_t w[64];
+    for (int i = 0; i < 16; i++)
+        w[i] = (uint32_t) b[4 * i] << 24 | (uint32_t) b[4 * i + 1] << 16 | (uint32_t) b[4 * i + 2] << 8 | b[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = st[0], bb = st[1], c = st[2], d = st[3], e = st[4], f = st[5], g = st[6], h = st[7];
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + K[i] + w[i];
+        uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & bb) ^ (a & c) ^ (bb & c));
+        h = g; g = f; f = e; e = d + t1; d = c; c = bb; bb = a; a = t1 + t2;
+    }
+    st[0] += a; st[1] += bb; st[2] += c; st[3] += d; st[4] += e; st[5] += f; st[6] += g; st[7] += h;
+}
+
+void tb_sha256_init(struct tb_sha256 * s) {
+    static const uint32_t iv[8] = { 0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                    0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19 };
+    memcpy(s->state, iv, sizeof iv);
+    s->bytes = 0;
+    s->used = 0;
+}
+
+void tb_sha256_update(struct tb_sha256 * s, const void * data, size_t len) {
+    const uint8_t * p = data;
+    s->bytes += len;
+    while (len > 0) {
+        size_t take = 64 - s->used < len ? 64 - s->used : len;
+        memcpy(s->block + s->used, p, take);
+        s->used += take;
+        p += take;
+        len -= take;
+        if (s->used == 64) { compress(s->state, s->block); s->used = 0; }
+    }
+}
+
+void tb_sha256_final(struct tb_sha256 * s, uint8_t out[TB_SHA256_LEN]) {
+    const uint64_t bits = s->bytes * 8;
+    const uint8_t one = 0x80, zero = 0;
+    tb_sha256_update(s, &one, 1);
+    while (s->used != 56) tb_sha256_update(s, &zero, 1);
+    uint8_t len_be[8];
+    for (int i = 0; i < 8; i++) len_be[i] = (uint8_t) (bits >> (56 - 8 * i));
+    tb_sha256_update(s, len_be, 8);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (uint8_t) (s->state[i] >> 24);
+        out[4 * i + 1] = (uint8_t) (s->state[i] >> 16);
+        out[4 * i + 2] = (uint8_t) (s->state[i] >> 8);
+        out[4 * i + 3] = (uint8_t) s->state[i];
+    }
+    memset(s, 0, sizeof *s);
+}
+
+void tb_hmac_sha256(const uint8_t * key, size_t key_len,
+                    const void * p1, size_t l1, const void * p2, size_t l2,
+                    const void * p3, size_t l3, const void * p4, size_t l4,
+                    uint8_t out[TB_MAC_LEN]) {
+    uint8_t pad[64], inner[TB_SHA256_LEN], hashed[TB_SHA256_LEN];
+    struct tb_sha256 s;
+    if (key_len > sizeof pad) {   // RFC 2104: a key longer than a block is hashed first
+        tb_sha256_init(&s);
+        tb_sha256_update(&s, key, key_len);
+        tb_sha256_final(&s, hashed);
+        key = hashed;
+        key_len = sizeof hashed;
+    }
+    memset(pad, 0x36, sizeof pad);
+    for (size_t i = 0; i < key_len; i++) pad[i] ^= key[i];
+    tb_sha256_init(&s);
+    tb_sha256_update(&s, pad, sizeof pad);
+    if (p1) tb_sha256_update(&s, p1, l1);
+    if (p2) tb_sha256_update(&s, p2, l2);
+    if (p3) tb_sha256_update(&s, p3, l3);
+    if (p4) tb_sha256_update(&s, p4, l4);
+    tb_sha256_final(&s, inner);
+    memset(pad, 0x5c, sizeof pad);
+    for (size_t i = 0; i < key_len; i++) pad[i] ^= key[i];
+    tb_sha256_init(&s);
+    tb_sha256_update(&s, pad, sizeof pad);
+    tb_sha256_update(&s, inner, sizeof inner);
+    tb_sha256_final(&s, out);
+    memset(pad, 0, sizeof pad);
+    memset(inner, 0, sizeof inner);
+    memset(hashed, 0, sizeof hashed);
+}
+
+int tb_equal_ct(const uint8_t * a, const uint8_t * b, size_t len) {
+    volatile uint8_t diff = 0;
+    for (size_t i = 0; i < len; i++) diff |= (uint8_t) (a[i] ^ b[i]);
+    return diff == 0;
+}
+
+int tb_random_bytes(void * out, size_t len) {
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    uint8_t * p = out;
+    while (len > 0) {
+        ssize_t k = read(fd, p, len);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) { close(fd); return -1; }
+        p += k;
+        len -= (size_t) k;
+    }
+    close(fd);
+    return 0;
+}
+
+void tb_auth_mac(const uint8_t * secret, size_t secret_len, const char * role,
+                 const uint8_t nonce_a[TB_NONCE_LEN], const uint8_t nonce_b[TB_NONCE_LEN],
+                 const void * extra, size_t extra_len, uint8_t out[TB_MAC_LEN]) {
+    tb_hmac_sha256(secret, secret_len, role, strlen(role) + 1, nonce_a, TB_NONCE_LEN, nonce_b, TB_NONCE_LEN,
+                   extra, extra_len, out);
+}
