@@ -56,7 +56,8 @@ def main(spec_path: str, out_path: str) -> None:
     kwargs: dict[str, Any] = dict(n_ctx=spec.get("n_ctx", 256), n_threads=1, n_batch=spec.get("n_batch", 512),
                                   verbose=False, seed=0, flash_attn=spec.get("flash_attn", False))
     if nodes:
-        tbrpc.connect(nodes, timeout=spec.get("timeout", 10.0), transport=spec.get("transport"))
+        tbrpc.connect(nodes, timeout=spec.get("timeout", 10.0), transport=spec.get("transport"),
+                      secret_file=spec.get("secret_file"))
         kwargs.update(n_gpu_layers=spec.get("n_gpu_layers", -1),
                       tensor_split=spec.get("tensor_split") or [1.0] * len(nodes),
                       split_mode=spec.get("split_mode", 1))
