@@ -221,8 +221,14 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, secret_fi
     from tbrpc.node_memory import ClusterError
     from tbrpc.spec import choose_cluster, endpoint_specs, load_specs
 
+    from tbrpc import secret
+    from tbrpc.spec import cluster_secret_file
+
     try:
-        specs = endpoint_specs(list(endpoints)) if endpoints else load_specs(choose_cluster(cluster_file, None))
+        path = None if endpoints else choose_cluster(cluster_file, None)
+        specs = endpoint_specs(list(endpoints)) if path is None else load_specs(path)
+        if path is not None and secret.file_for() is None:
+            _use_secret(cluster_secret_file(path))
     except ClusterError as e:
         raise click.UsageError(str(e)) from e
     checks = diagnose(specs, gguf, timeout)
@@ -249,9 +255,14 @@ def status(cluster_file: str | None, timeout: float, as_json: bool, secret_file:
     if endpoints:
         listed = [(e, e) for e in endpoints]
     else:
+        from tbrpc import secret
+        from tbrpc.spec import cluster_secret_file
+
         path = cluster_file or default_cluster_file()
         try:
             listed = [(s.name, s.endpoint) for s in load_specs(path)] if path else []
+            if path and secret.file_for() is None:
+                _use_secret(cluster_secret_file(path))
         except ClusterError as e:
             raise click.UsageError(str(e)) from e
     nodes = targets(listed, with_launches=not endpoints and not cluster_file)

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tbrpc.client import NodeError, NodeVersionMismatch, probe
+from tbrpc import secret as cluster_secret
+from tbrpc.client import AuthenticationError, NodeError, NodeVersionMismatch, probe
 from tbrpc.facts import collect, model_identity, package_version, tbrpc_version
 from tbrpc.node_processes import _remote_word
 from tbrpc.spec import NodeSpec
@@ -55,6 +56,14 @@ def _tcp(endpoint_host: str, port: int, timeout: float) -> tuple[bool, str]:
             return True, f"{(time.monotonic() - started) * 1000:.1f} ms to connect"
     except OSError as exc:
         return False, str(exc.strerror or exc)
+
+
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _secret_fix(spec: NodeSpec) -> str:
+    return (f"give {spec.name} and this head the same secret file: `tbrpc node --secret-file PATH` there, and "
+            "--secret-file PATH (or `secret_file` in the cluster file, or TBRPC_SECRET_FILE) here")
 
 
 def _start_command(spec: NodeSpec) -> str:
@@ -107,6 +116,10 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
     n.add("reachable", OK, f"{spec.endpoint}: {how}")
     try:
         info, status = probe(spec.endpoint, timeout=timeout)
+    except AuthenticationError as exc:
+        n.add("handshake", OK, "protocol and ggml ABI match")
+        n.add("secret", FAIL, str(exc), _secret_fix(spec))
+        return False, None
     except NodeError as exc:
         message = str(exc)
         if isinstance(exc, NodeVersionMismatch):
@@ -117,6 +130,13 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
         return False, None
     others = max(0, status.clients - 1)   # this probe is a client too
     n.add("handshake", OK, f"protocol and ggml ABI match; node {info.node_name!r}, {others} other client(s)")
+    if cluster_secret.file_for() is not None:
+        n.add("secret", OK, f"the node and this head prove the same secret ({cluster_secret.file_for()})")
+    else:
+        n.add("secret", OK if spec.host in _LOOPBACK_HOSTS else WARN,
+              "none: the node serves whoever reaches its port",
+              "" if spec.host in _LOOPBACK_HOSTS else
+              "make a cluster secret (`tbrpc secret new`) and give it to every node and head (docs/cluster.md)")
     return True, (info, status)
 
 

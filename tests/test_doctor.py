@@ -319,3 +319,30 @@ def test_table_format() -> None:
     table = format_checks(checks)
     assert "fix: copy it" in table and "1 failed check(s)" in table
     assert isinstance(NodeSpec("x", "h", 1), NodeSpec)
+
+
+def test_secret_checked_per_node(nodes: Any, tmp_path: Path) -> None:
+    """A cluster file's secret_file is the head's; doctor says which node proves it and which does not."""
+    from tbrpc import secret
+
+    key = secret.new(tmp_path / "secret")
+    other = secret.new(tmp_path / "other")
+    (good,) = nodes(1, "--secret-file", str(key))
+    (wrong,) = nodes(1, "--secret-file", str(other))
+    (open_node,) = nodes(1)
+    cluster = write_cluster(tmp_path / "c.toml", [node_table("good", good.port), node_table("wrong", wrong.port),
+                                                   node_table("open", open_node.port)])
+    cluster.write_text(f'secret_file = "{key}"\n' + cluster.read_text())
+    proc = subprocess.run([sys.executable, "-m", "tbrpc.cli", "doctor", "--cluster", str(cluster)],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout
+    try:
+        secret.use(key)
+        checks = diagnose(load_specs(cluster))
+    finally:
+        secret.use(None)
+    assert by(checks, "good", "secret").status == OK
+    for name, words in (("wrong", "authentication failed"), ("open", "asks for none")):
+        check = by(checks, name, "secret")
+        assert check.status == FAIL and words in check.detail and "--secret-file" in check.fix, check
+    assert "secret" in proc.stdout
