@@ -118,6 +118,11 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
         if cluster_file and (node_flags or nodes_flag):
             raise ValueError("use either --cluster or --node/--nodes")
         if cluster_file:
+            from tbrpc import secret
+            from tbrpc.spec import cluster_secret_file
+
+            if not offline and secret.file_for() is None:
+                _use_secret(cluster_secret_file(cluster_file))   # the nodes it asks may want the secret
             nodes = load_cluster_file(cluster_file, metal_fraction, ask=not offline, timeout=timeout)
         else:
             nodes = nodes_from_flags(list(node_flags), nodes_flag, metal_fraction)
