@@ -76,7 +76,9 @@ static uint64_t node_file_for(struct client_node * n, const void * data, size_t 
     uint64_t id = 0;
     struct tb_file_identity identity;
     const char * base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
-    if (head_file_identity(n->client, path, &identity) == 0 && strlen(base) < sizeof req.name) {
+    char why[256];
+    if (head_file_identity(n->client, path, &identity) == 0 && strlen(base) < sizeof req.name &&
+        tb_file_proof_path(path, identity.size, n->info.file_nonce, req.proof, why, sizeof why) == 0) {
         req.size = identity.size;
         memcpy(req.fingerprint, identity.fingerprint, sizeof req.fingerprint);
         snprintf(req.name, sizeof req.name, "%s", base);

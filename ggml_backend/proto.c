@@ -3,9 +3,12 @@
 #include "proto.h"
 #include "ggml_abi.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 _Static_assert(sizeof(struct tb_header) == 24, "header is 24 bytes on the wire");
 _Static_assert(sizeof(struct tb_wire_tensor) % 8 == 0, "wire tensor keeps 8-byte alignment");
@@ -70,6 +73,20 @@ int tb_reserve(uint8_t ** buf, size_t * cap, size_t need) {
     *buf = p;
     *cap = need;
     return 0;
+}
+
+int tb_random(void * out, size_t n) {
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, (uint8_t *) out + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (size_t) r;
+    }
+    close(fd);
+    return got == n ? 0 : -1;
 }
 
 void tb_ggml_build(char * out, size_t len) {
