@@ -232,6 +232,7 @@ def _install_error_hooks(c: Cluster) -> None:
             result = original(*args)
             new = {e: m for e, m in c.failures().items() if e not in before}
             if new:
+                _free_result(llama_lib, name, result)
                 raise NodeError(next(iter(new.values())))
             if before and _call_failed(name, result):   # it may have run on a node that failed earlier
                 raise NodeError("; ".join(before.values()))
@@ -242,6 +243,16 @@ def _install_error_hooks(c: Cluster) -> None:
 
     for entry_point in ("llama_decode", "llama_model_load_from_file", "llama_init_from_model"):
         wrap(entry_point)
+
+
+def _free_result(llama_lib: Any, name: str, result: Any) -> None:
+    """A model or context that a failed node left half made is freed here:
+    the caller gets an exception, not the pointer, so nobody else could free
+    it, and the surviving nodes would keep its buffers for as long as the
+    process lives."""
+    free = {"llama_model_load_from_file": "llama_model_free", "llama_init_from_model": "llama_free"}.get(name)
+    if free and result:
+        getattr(llama_lib, free)(result)
 
 
 def _call_failed(name: str, result: Any) -> bool:

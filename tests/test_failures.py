@@ -174,3 +174,27 @@ def test_two_nodes_on_one_host_are_independent(nodes: Any) -> None:
     ib, sb = tbrpc.probe(b.endpoint)
     assert ia.node_name != ib.node_name
     assert sa.bytes_allocated == sb.bytes_allocated == 0
+
+
+@pytest.mark.parametrize("when", ["weights", "context"])
+def test_a_failed_load_leaves_nothing_on_the_surviving_node(when: str, nodes: Any) -> None:
+    """A node killed while the drop-in loads (during the weights, or after them,
+    when the context is made): the NodeError names it, and the node that
+    survives holds none of that load's buffers once the error is raised."""
+    a, b = nodes(2)
+    threshold = 0.5 if when == "weights" else 1.0
+    script = (
+        "import os, signal\n"
+        "import models, tbrpc\n"
+        "from tbrpc import Llama, NodeError\n"
+        f"def progress(f):\n    if f >= {threshold}: os.kill({b.proc.pid}, signal.SIGKILL)\n"
+        "try:\n"
+        f"    Llama(str(models.ensure('gemma')), cluster=['{a.endpoint}', '{b.endpoint}'], n_ctx=256,\n"
+        "          progress=progress, verbose=False)\n"
+        "except NodeError as e:\n"
+        "    print('FAILED', e)\n"
+        f"    print('LEFT', tbrpc.probe('{a.endpoint}')[1].buffers)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FAILED node" in proc.stdout and b.endpoint in proc.stdout, proc.stdout
+    assert "LEFT 0" in proc.stdout, proc.stdout
