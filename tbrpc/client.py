@@ -88,10 +88,12 @@ class Cluster:
             raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
         with self._lock:
             if endpoint in self._endpoints:
-                info = self.info(self._endpoints.index(endpoint))
-                if info.failed:
-                    raise NodeError(f"{info.error}; restart this process to reconnect to {endpoint}")
-                return info.device_name
+                index = self._endpoints.index(endpoint)
+                if self.info(index).failed:   # restarted since? connect again, as the same device
+                    err = error_buffer()
+                    if self._lib.tbrpc_client_reconnect_node(self._client, index, transport.encode(), err, len(err)) != 0:
+                        raise NodeError(text(err))
+                return self.info(index).device_name
             err = error_buffer()
             index = self._lib.tbrpc_client_add_node(self._client, endpoint.encode(), int(timeout * 1000),
                                                     transport.encode(), err, len(err))
