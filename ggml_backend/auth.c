@@ -115,7 +115,7 @@ int tb_equal_ct(const uint8_t * a, const uint8_t * b, size_t len) {
     return diff == 0;
 }
 
-int tb_random_bytes(void * out, size_t len) {
+int tb_random(void * out, size_t len) {
     int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
     uint8_t * p = out;

@@ -39,7 +39,7 @@ void tb_hmac_sha256(const uint8_t * key, size_t key_len,
 int tb_equal_ct(const uint8_t * a, const uint8_t * b, size_t len);
 
 // Fill out with len random bytes from the operating system. 0, or -1.
-int tb_random_bytes(void * out, size_t len);
+int tb_random(void * out, size_t len);
 
 // The MAC one side of a handshake sends: HMAC(secret, role || nonce_a || nonce_b || extra).
 // `role` says who proves and where ("head", "node", "peer acceptor", ...), so

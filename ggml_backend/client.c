@@ -30,6 +30,7 @@ static void buffer_free(ggml_backend_buffer_t buffer) {
     node_post_locked(n, TB_CMD_FREE_BUFFER, &req, sizeof req, NULL, 0);
     if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "FREE_BUFFER", n->tp->error);
     pthread_mutex_unlock(&n->lock);
+    __atomic_sub_fetch(&n->live_buffers, 1, __ATOMIC_RELAXED);
     free(cb);
 }
 
@@ -76,7 +77,9 @@ static uint64_t node_file_for(struct client_node * n, const void * data, size_t 
     uint64_t id = 0;
     struct tb_file_identity identity;
     const char * base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
-    if (head_file_identity(n->client, path, &identity) == 0 && strlen(base) < sizeof req.name) {
+    char why[256];
+    if (head_file_identity(n->client, path, &identity) == 0 && strlen(base) < sizeof req.name &&
+        tb_file_proof_path(path, identity.size, n->info.file_nonce, req.proof, why, sizeof why) == 0) {
         req.size = identity.size;
         memcpy(req.fingerprint, identity.fingerprint, sizeof req.fingerprint);
         snprintf(req.name, sizeof req.name, "%s", base);
@@ -188,6 +191,7 @@ static ggml_backend_buffer_t buft_alloc_buffer(ggml_backend_buffer_type_t buft, 
         return NULL;
     }
     *cb = (struct client_buffer) { .node = n, .handle = rep.handle, .base = rep.base, .size = rep.size };
+    __atomic_add_fetch(&n->live_buffers, 1, __ATOMIC_RELAXED);
     return ggml_backend_buffer_init(buft, buffer_iface, cb, size);
 }
 
@@ -494,6 +498,13 @@ struct tbrpc_client * tbrpc_client_new(void) {
     return c;
 }
 
+static struct client_node * node_at(struct tbrpc_client * c, size_t i);
+
+static void describe_node(struct client_node * n) {
+    snprintf(n->description, sizeof n->description, "tbrpc node %s at %s: %s (%s)", n->info.node_name, n->endpoint,
+             n->info.device_name, n->info.device_description);
+}
+
 int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
                           const uint8_t * secret, size_t secret_len, char * err, size_t err_len) {
     char name[32];
@@ -505,8 +516,7 @@ int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int ti
     struct client_node * n = node_open(endpoint, name, timeout_ms, transport, secret, secret_len, &kind, err, err_len);
     if (!n) return -kind;
     n->client = c;
-    snprintf(n->description, sizeof n->description, "tbrpc node %s at %s: %s (%s)", n->info.node_name, endpoint,
-             n->info.device_name, n->info.device_description);
+    describe_node(n);
     n->buft = (struct ggml_backend_buffer_type) { .iface = buft_iface, .device = &n->dev, .context = n };
     n->dev = (struct ggml_backend_device) { .iface = dev_iface, .reg = &c->reg, .context = n };
 
@@ -523,6 +533,52 @@ int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int ti
     pthread_mutex_unlock(&c->lock);
     if (registered) ggml_backend_device_register(&n->dev);
     return (int) index;
+}
+
+int tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * transport, char * err, size_t err_len) {
+    struct client_node * n = node_at(c, i);
+    if (!n) { snprintf(err, err_len, "no node %zu", i); return -TBRPC_ERR_OTHER; }
+    const uint64_t live = __atomic_load_n(&n->live_buffers, __ATOMIC_RELAXED);
+    if (live > 0) {
+        snprintf(err, err_len, "tbrpc node %s: %llu buffer(s) of the model that used it are still open on this head; "
+                 "close that model (Llama.close()) before loading again", n->endpoint, (unsigned long long) live);
+        return -TBRPC_ERR_FAILED;
+    }
+    int kind = TBRPC_ERR_OTHER;   // the same secret as the first time
+    struct client_node * fresh = node_open(n->endpoint, n->name, n->timeout_ms, transport,
+                                           n->secret_len ? n->secret : NULL, n->secret_len, &kind, err, err_len);
+    if (!fresh) return -kind;
+    pthread_mutex_lock(&n->lock);
+    struct tb_transport * old = n->tp;
+    n->tp = fresh->tp;
+    fresh->tp = old;                       // closed with `fresh` below
+    n->info = fresh->info;
+    n->cpu_twin = fresh->cpu_twin;
+    n->next_id = fresh->next_id;
+    n->dirty = false;
+    n->failed = false;
+    n->error_kind = 0;
+    n->error[0] = '\0';
+    n->last_graph_len = 0;                 // the new session holds no graph, file or link of the old one
+    n->last_graph_uid = 0;
+    n->n_files = 0;
+    n->n_links = 0;
+    describe_node(n);
+    pthread_mutex_unlock(&n->lock);
+    node_destroy(fresh);
+    // Links from other nodes to this one ended with its old session.
+    for (size_t k = 0; k < tbrpc_client_node_count(c); k++) {
+        struct client_node * m = node_at(c, k);
+        if (m == n) continue;
+        pthread_mutex_lock(&m->lock);
+        size_t kept = 0;
+        for (size_t j = 0; j < m->n_links; j++) {
+            if (m->links[j].to != n) m->links[kept++] = m->links[j];
+        }
+        m->n_links = kept;
+        pthread_mutex_unlock(&m->lock);
+    }
+    return 0;
 }
 
 int tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len) {

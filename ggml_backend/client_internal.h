@@ -59,6 +59,7 @@ struct client_node {
     size_t n_links;
 
     uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files, peer_copies;
+    uint64_t live_buffers;                   // buffers allocated and not yet freed (atomic)
 };
 
 struct tbrpc_client {

@@ -7,7 +7,7 @@
 // then on its operations are no-ops that report failure where ggml lets them
 // (graph_compute returns GGML_STATUS_FAILED, alloc returns NULL), and Python
 // turns that into an exception naming the node, of the class its error kind
-// says (tbrpc/client.py).
+// says (tbrpc/client.py, _install_error_hooks).
 #include "client_internal.h"
 
 #include <stdio.h>
@@ -438,7 +438,7 @@ static int handshake(struct client_node * n, int * kind, char * err, size_t err_
     tb_abi_fill(&req.abi);
     tb_ggml_build(req.ggml_build, sizeof req.ggml_build);
     req.keepalive_ms = n->timeout_ms > 0 ? (uint32_t) n->timeout_ms / 3 : 1000;
-    if (tb_random_bytes(req.nonce, sizeof req.nonce) != 0) {
+    if (tb_random(req.nonce, sizeof req.nonce) != 0) {
         snprintf(err, err_len, "tbrpc node %s: no random bytes for a nonce", n->endpoint);
         *kind = TBRPC_ERR_OTHER;
         return -1;

@@ -11,9 +11,11 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -67,6 +69,8 @@ struct node_conn {
     bool      has_watchdog;
 
     struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
+    uint8_t   file_nonce[TB_FILE_NONCE_LEN];   // OPEN_FILE proofs answer this (sent at HELLO)
+    bool      has_file_nonce;
 };
 
 // ---- buffers ----------------------------------------------------------------
@@ -148,6 +152,13 @@ static int expect_len(uint64_t got, size_t want, const char * what, char * err, 
     return -1;
 }
 
+static int reply_u64(struct reply * r, uint64_t v) {
+    memcpy(r->small, &v, sizeof v);
+    r->data = r->small;
+    r->len = sizeof v;
+    return 0;
+}
+
 static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
     ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(n->dev);
     size_t free_mem = 0, total_mem = 0;
@@ -186,12 +197,13 @@ static int handle_hello(struct node_conn * c, const struct tb_header * h, struct
     pthread_mutex_unlock(&c->busy_lock);
     memcpy(c->head_nonce, req->nonce, TB_NONCE_LEN);
     r->refusal = 0;
-    if (tb_random_bytes(c->node_nonce, TB_NONCE_LEN) != 0) { snprintf(err, err_len, "no random bytes for a nonce"); return -1; }
+    if (tb_random(c->node_nonce, TB_NONCE_LEN) != 0) { snprintf(err, err_len, "no random bytes for a nonce"); return -1; }
     memcpy(rep->nonce, c->node_nonce, TB_NONCE_LEN);
     if (c->node->secret_len) {
         rep->caps = TB_CAP_AUTH;   // nothing about the device before AUTH
     } else {
         fill_device_info(c->node, rep);
+        memcpy(rep->file_nonce, c->file_nonce, sizeof rep->file_nonce);
     }
     r->data = rep;
     r->len = sizeof *rep;
@@ -218,6 +230,7 @@ static int handle_auth(struct node_conn * c, const struct tb_header * h, struct 
     tb_auth_mac(c->node->secret, c->node->secret_len, TB_AUTH_ROLE_NODE, c->head_nonce, c->node_nonce, NULL, 0, rep->mac);
     tb_abi_fill(&rep->hello.abi);
     fill_device_info(c->node, &rep->hello);
+    memcpy(rep->hello.file_nonce, c->file_nonce, sizeof rep->hello.file_nonce);
     rep->hello.caps |= TB_CAP_AUTH;
     memcpy(rep->hello.nonce, c->node_nonce, TB_NONCE_LEN);
     r->refusal = 0;
@@ -501,24 +514,72 @@ static bool is_model_file_name(const char * name) {
     return len > 5 && name[0] != '.' && strchr(name, '/') == NULL && strcmp(name + len - 5, ".gguf") == 0;
 }
 
+// Whether `real` (a resolved path) lies inside one of the node's model directories.
+static bool inside_model_dirs(const struct tb_node * n, const char * real) {
+    char dirs[sizeof n->model_dirs];
+    snprintf(dirs, sizeof dirs, "%s", n->model_dirs);
+    char * save = NULL;
+    for (char * dir = strtok_r(dirs, ":", &save); dir; dir = strtok_r(NULL, ":", &save)) {
+        char root[PATH_MAX];
+        if (!realpath(dir, root)) continue;
+        const size_t len = strlen(root);
+        if (strncmp(real, root, len) == 0 && (real[len] == '/' || (len == 1 && root[0] == '/'))) return true;
+    }
+    return false;
+}
+
+// Open `dir/name` for reading if it is a regular file whose real path lies
+// inside a model directory: a symlink may point to another model directory,
+// never elsewhere. Opened without blocking, so a FIFO cannot stall the worker.
+// Returns the fd, or -1 with why (empty when there is simply no such file).
+static int open_served_file(const struct tb_node * n, const char * dir, const char * name, char * path, size_t path_len,
+                            char * why, size_t why_len) {
+    why[0] = '\0';
+    char given[PATH_MAX];
+    snprintf(given, sizeof given, "%s/%s", dir, name);
+    if (!realpath(given, path)) return -1;
+    if (!inside_model_dirs(n, path)) {
+        snprintf(why, why_len, "%s leads to %s, outside the model directories", given, path);
+        return -1;
+    }
+    (void) path_len;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+    struct stat st;
+    if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))) {
+        snprintf(why, why_len, "%s is not a regular file", path);
+        close(fd);
+        return -1;
+    }
+    if (fd >= 0) (void) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    return fd;
+}
+
 // Look for the client's file in our model directories; return its id or 0.
+// The file must match the head's size and fingerprint, and the head must
+// prove it holds the whole file (model_file.h): a client cannot read out a
+// file it does not already have.
 static uint64_t open_model_file(struct node_conn * c, const struct tb_open_file * req) {
     for (size_t i = 0; i < c->n_files; i++) {
         if (strcmp(c->files[i].name, req->name) == 0) return i + 1;
     }
-    if (c->n_files == MAX_FILES) return 0;
+    if (c->n_files == MAX_FILES || !c->has_file_nonce) return 0;
     char dirs[sizeof c->node->model_dirs];
     snprintf(dirs, sizeof dirs, "%s", c->node->model_dirs);
     char * save = NULL;
     for (char * dir = strtok_r(dirs, ":", &save); dir; dir = strtok_r(NULL, ":", &save)) {
-        char path[4096 + TB_FILE_NAME_LEN];
-        snprintf(path, sizeof path, "%s/%s", dir, req->name);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0) continue;
+        char path[PATH_MAX], why[PATH_MAX + 128];
+        int fd = open_served_file(c->node, dir, req->name, path, sizeof path, why, sizeof why);
+        if (fd < 0) {
+            if (why[0]) node_log(c->node, "client %s: refused to serve %s: %s", c->tp->peer, req->name, why);
+            continue;
+        }
         struct tb_file_identity mine;
-        char why[128];
-        if (tb_file_identity_fd(fd, &mine, why, sizeof why) == 0 && mine.size == req->size &&
-            memcmp(mine.fingerprint, req->fingerprint, TB_FINGERPRINT_LEN) == 0) {
+        uint8_t proof[TB_FILE_PROOF_LEN];
+        char read_err[128];
+        const bool same = tb_file_identity_fd(fd, &mine, read_err, sizeof read_err) == 0 && mine.size == req->size &&
+                          memcmp(mine.fingerprint, req->fingerprint, TB_FINGERPRINT_LEN) == 0;
+        if (same && tb_file_proof_fd(fd, mine.size, c->file_nonce, proof, read_err, sizeof read_err) == 0 &&
+            memcmp(proof, req->proof, sizeof proof) == 0) {
             size_t i = c->n_files++;
             c->files[i].fd = fd;
             c->files[i].size = mine.size;
@@ -526,15 +587,28 @@ static uint64_t open_model_file(struct node_conn * c, const struct tb_open_file 
             node_log(c->node, "client %s: weights of %s come from this node's %s", c->tp->peer, req->name, path);
             return i + 1;
         }
-        node_log(c->node, "client %s: %s differs from the head's copy (size or fingerprint); its weights will stream",
+        node_log(c->node, same ? "client %s: %s matches the head's fingerprint, but the head could not prove it holds "
+                                 "the whole file; its weights will stream"
+                               : "client %s: %s differs from the head's copy (size or fingerprint); its weights will stream",
                  c->tp->peer, path);
         close(fd);
     }
     return 0;
 }
 
+// Whether and how fast a file is found must not tell a client which files
+// a node holds: every answer takes at least this long.
+#define OPEN_FILE_MIN_NS (10 * 1000000ll)
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t) ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
+
 static int handle_open_file(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     if (expect_len(h->len, sizeof(struct tb_open_file), "OPEN_FILE", err, err_len) != 0) return -1;
+    const int64_t started = now_ns();
     struct tb_open_file * req = (struct tb_open_file *) c->payload;
     req->name[TB_FILE_NAME_LEN - 1] = '\0';
     uint64_t id = 0;
@@ -543,10 +617,12 @@ static int handle_open_file(struct node_conn * c, const struct tb_header * h, st
     } else if (c->node->model_dirs[0]) {
         id = open_model_file(c, req);
     }
-    memcpy(r->small, &id, sizeof id);
-    r->data = r->small;
-    r->len = sizeof id;
-    return 0;
+    const int64_t left = OPEN_FILE_MIN_NS - (now_ns() - started);
+    if (left > 0) {
+        struct timespec pause = { .tv_sec = (time_t) (left / 1000000000ll), .tv_nsec = (long) (left % 1000000000ll) };
+        while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {}
+    }
+    return reply_u64(r, id);
 }
 
 // Fill [offset, offset+size) of a buffer from an open model file.
@@ -597,17 +673,9 @@ static int handle_load_from_file(struct node_conn * c, const struct tb_header * 
 // requests) happens once per pair; a pair that cannot connect answers 0 and
 // the head keeps relaying.
 
-static int reply_u64(struct reply * r, uint64_t v) {
-    memcpy(r->small, &v, sizeof v);
-    r->data = r->small;
-    r->len = sizeof v;
-    return 0;
-}
-
 static uint64_t random_token(void) {
     uint64_t t = 0;
-    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) { if (read(fd, &t, sizeof t) != (ssize_t) sizeof t) t = 0; close(fd); }
+    while (t == 0 && tb_random(&t, sizeof t) == 0) {}
     return t ? t : (uint64_t) time(NULL) * 0x9e3779b97f4a7c15ull;
 }
 
@@ -669,7 +737,7 @@ static int handle_peer_connect(struct node_conn * c, const struct tb_header * h,
         snprintf(why, sizeof why, "it did not prove it is a tbrpc node of this cluster");
         if (tb_recv(tp, &greeting, sizeof greeting) == 0 && memcmp(greeting.magic, TB_PEER_MAGIC, sizeof TB_PEER_MAGIC) == 0) {
             tb_auth_mac(key, sizeof key, TB_PEER_ROLE_GREET, greeting.nonce, zeros, NULL, 0, mac);
-            if (tb_equal_ct(mac, greeting.mac, TB_MAC_LEN) && tb_random_bytes(answer.nonce, TB_NONCE_LEN) == 0) {
+            if (tb_equal_ct(mac, greeting.mac, TB_MAC_LEN) && tb_random(answer.nonce, TB_NONCE_LEN) == 0) {
                 memset(answer.name, 0, sizeof answer.name);   // our name, so the peer can say who went silent
                 snprintf(answer.name, sizeof answer.name, "%s", c->node->name);
                 tb_auth_mac(key, sizeof key, TB_PEER_ROLE_DIALER, greeting.nonce, answer.nonce, answer.name,
@@ -705,7 +773,7 @@ static int greet_dialer(struct node_conn * c, struct tb_transport * tp, char nam
     struct tb_peer_confirm confirm;
     memset(&greeting, 0, sizeof greeting);
     memcpy(greeting.magic, TB_PEER_MAGIC, sizeof TB_PEER_MAGIC);
-    if (tb_random_bytes(greeting.nonce, TB_NONCE_LEN) != 0) return -1;
+    if (tb_random(greeting.nonce, TB_NONCE_LEN) != 0) return -1;
     tb_peer_key(c->node->secret, c->node->secret_len, c->peer_token, key);
     tb_auth_mac(key, sizeof key, TB_PEER_ROLE_GREET, greeting.nonce, zeros, NULL, 0, greeting.mac);
     int rc = -1;
@@ -1114,6 +1182,7 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     c->next_handle = 1;
     c->keepalive_ms = 1000;
     c->peer_listen_fd = -1;
+    c->has_file_nonce = tb_random(c->file_nonce, sizeof c->file_nonce) == 0;
     pthread_mutex_init(&c->send_lock, NULL);
     pthread_mutex_init(&c->busy_lock, NULL);
     pthread_cond_init(&c->busy_changed, NULL);

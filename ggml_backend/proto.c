@@ -3,9 +3,12 @@
 #include "proto.h"
 #include "ggml_abi.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 _Static_assert(sizeof(struct tb_header) == 24, "header is 24 bytes on the wire");
 _Static_assert(sizeof(struct tb_wire_tensor) % 8 == 0, "wire tensor keeps 8-byte alignment");

@@ -118,6 +118,7 @@ struct tb_hello {            // request and reply share it; the node fills the d
     uint32_t device_type;      // enum ggml_backend_dev_type of the node's device
     uint32_t keepalive_ms;     // request: how often a computing node must say so (the client's timeout / 3)
     uint64_t caps;             // reply: TB_CAP_* facts about the node's device
+    uint8_t  file_nonce[TB_FILE_NONCE_LEN];  // reply: this session's challenge for OPEN_FILE proofs (model_file.h)
     char     device_name[TB_NAME_LEN];
     char     device_description[128];
     char     node_name[TB_NAME_LEN];
@@ -175,6 +176,8 @@ bool tb_cmd_posted(uint16_t cmd);
 // 0, or -1 (out of memory) with *buf and *cap unchanged.
 int  tb_reserve(uint8_t ** buf, size_t * cap, size_t need);
 
+// tb_random (n unpredictable bytes) is in auth.h.
+
 // "version commit" of the ggml this process runs, for tb_hello.ggml_build.
 void tb_ggml_build(char * out, size_t len);
 
@@ -188,7 +191,9 @@ struct tb_copy_req    { uint64_t src_handle, src_offset, dst_handle, dst_offset,
 
 // A model file the head has mapped; the node looks for `name` in its model
 // directories and accepts it only with the same size and fingerprint.
-struct tb_open_file   { uint64_t size; uint8_t fingerprint[TB_FINGERPRINT_LEN]; char name[TB_FILE_NAME_LEN]; };
+// The proof answers the session's file_nonce: the head holds the whole file.
+struct tb_open_file   { uint64_t size; uint8_t fingerprint[TB_FINGERPRINT_LEN]; uint8_t proof[TB_FILE_PROOF_LEN];
+                        char name[TB_FILE_NAME_LEN]; };
 struct tb_file_range  { uint64_t handle, offset, size, file_id, file_offset; };
 
 // Node-to-node links: activations go from the node that computed them

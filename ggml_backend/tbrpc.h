@@ -57,6 +57,11 @@ struct tbrpc_client * tbrpc_client_new(void);
 // one when we have one).
 int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
                              const uint8_t * secret, size_t secret_len, char * err, size_t err_len);
+// Connect node i again after it failed (a node restarted on its endpoint),
+// keeping its device and proving the same secret. Refused while buffers of
+// the failed session are open on this head: their handles mean nothing to the
+// new session. 0, or -kind with err.
+int    tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * transport, char * err, size_t err_len);
 // Register the registry and its devices with the ggml this library is
 // linked against (once; later nodes are registered as they are added).
 int    tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len);

@@ -147,10 +147,13 @@ class Cluster:
             raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
         with self._lock:
             if endpoint in self._endpoints:
-                info = self.info(self._endpoints.index(endpoint))
-                if info.failed:
-                    raise node_error(info.error_kind, f"{info.error}; restart this process to reconnect to {endpoint}")
-                return info.device_name
+                index = self._endpoints.index(endpoint)
+                if self.info(index).failed:   # restarted since? connect again, as the same device
+                    err = error_buffer()
+                    rc = self._lib.tbrpc_client_reconnect_node(self._client, index, transport.encode(), err, len(err))
+                    if rc != 0:
+                        raise node_error(rc, text(err))
+                return self.info(index).device_name
             err = error_buffer()
             key = self._ffi.NULL if secret is None else self._ffi.new("uint8_t[]", secret)
             index = self._lib.tbrpc_client_add_node(self._client, endpoint.encode(), int(timeout * 1000),
@@ -302,6 +305,7 @@ def _install_error_hooks(c: Cluster) -> None:
             result = original(*args)
             new = [info for e, info in c.failures().items() if e not in before]
             if new:
+                _free_result(llama_lib, name, result)
                 raise new[0].exception()
             if before and _call_failed(name, result):   # it may have run on a node that failed earlier
                 first = next(iter(before.values()))
@@ -313,6 +317,16 @@ def _install_error_hooks(c: Cluster) -> None:
 
     for entry_point in ("llama_decode", "llama_model_load_from_file", "llama_init_from_model"):
         wrap(entry_point)
+
+
+def _free_result(llama_lib: Any, name: str, result: Any) -> None:
+    """A model or context that a failed node left half made is freed here:
+    the caller gets an exception, not the pointer, so nobody else could free
+    it, and the surviving nodes would keep its buffers for as long as the
+    process lives."""
+    free = {"llama_model_load_from_file": "llama_model_free", "llama_init_from_model": "llama_free"}.get(name)
+    if free and result:
+        getattr(llama_lib, free)(result)
 
 
 def _call_failed(name: str, result: Any) -> bool:
