@@ -74,7 +74,7 @@ def with_secret(cluster: ClusterArg, specs: list[NodeSpec], log_dir: Path) -> li
         if path:
             cluster_secret.use(path)
     if isinstance(cluster, int) and cluster_secret.file_for() is None:
-        path = str(cluster_secret.new(log_dir / "secret"))
+        path = str(cluster_secret.new(log_dir / f"secret-{os.getpid()}-{os.urandom(4).hex()}"))   # a reused log dir holds old ones
         return [replace(s, secret_file=path) for s in specs]
     return specs
 

@@ -49,7 +49,7 @@ static void env_open(struct env * e, int client_timeout_ms) {
     char endpoint[64];
     e->node = start_node(&e->thread, endpoint, sizeof endpoint);
     e->client = tbrpc_client_new();
-    CHECK(tbrpc_client_add_node(e->client, endpoint, client_timeout_ms, "auto", err, sizeof err) == 0, "add_node: %s", err);
+    CHECK(tbrpc_client_add_node(e->client, endpoint, client_timeout_ms, "auto", NULL, 0, err, sizeof err) == 0, "add_node: %s", err);
     CHECK(tbrpc_client_register(e->client, err, sizeof err) == 0, "register: %s", err);
     e->remote_dev = ggml_backend_dev_by_name("TBRPC0");
     CHECK(e->remote_dev, "TBRPC0 is not registered");
@@ -516,7 +516,7 @@ static void case_op_query_fields(struct env * e) {
     pthread_t other_thread;
     char other_endpoint[64], err[512];
     struct tb_node * other = start_node(&other_thread, other_endpoint, sizeof other_endpoint);
-    CHECK(tbrpc_client_add_node(e->client, other_endpoint, 10000, "auto", err, sizeof err) == 1, "add_node: %s", err);
+    CHECK(tbrpc_client_add_node(e->client, other_endpoint, 10000, "auto", NULL, 0, err, sizeof err) == 1, "add_node: %s", err);
     ggml_backend_t other_backend = ggml_backend_dev_init(ggml_backend_dev_by_name("TBRPC1"), NULL);
     CHECK(other_backend, "TBRPC1 backend");
 
