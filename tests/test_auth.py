@@ -321,3 +321,39 @@ def test_a_node_on_the_network_needs_a_secret_or_insecure(tmp_path: Path, key: P
         finally:
             node.terminate()
             node.wait(timeout=30)
+
+
+# ---- launch and Llama -------------------------------------------------------------
+
+def test_local_nodes_get_a_fresh_secret_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--local N` / Llama(cluster=N) without a secret: one is made for the run, 0600, given to each node."""
+    from tbrpc.llama import with_secret
+    from tbrpc.node_processes import _node_argv, head_secret_file
+    from tbrpc.spec import local_specs
+
+    monkeypatch.delenv("TBRPC_SECRET_FILE", raising=False)
+    first = with_secret(2, local_specs(2), tmp_path)
+    second = with_secret(2, local_specs(2), tmp_path)          # the same log dir again
+    paths = {s.secret_file for s in first} | {s.secret_file for s in second}
+    assert len(paths) == 2 and all(p for p in paths)
+    for path in paths:
+        assert stat.S_IMODE(Path(path).stat().st_mode) == 0o600 and len(secret.read(path)) == 32
+    argv = _node_argv(first[0], 0)
+    assert argv[argv.index("--secret-file") + 1] == first[0].secret_file
+    assert head_secret_file(first[0]) == first[0].secret_file
+
+
+def test_a_cluster_files_secret_reaches_the_nodes_launch_starts(tmp_path: Path, key: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from tbrpc.node_processes import _node_argv
+    from tbrpc.spec import cluster_secret_file, load_specs
+
+    monkeypatch.delenv("TBRPC_SECRET_FILE", raising=False)
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(f'secret_file = "{key}"\n[[node]]\nname = "a"\nhost = "10.0.0.2"\nport = 50052\n'
+                       'ssh = "me@a.local"\n[[node]]\nname = "b"\nhost = "10.0.0.3"\nport = 50052\n'
+                       'ssh = "me@b.local"\nsecret_file = "~/other/secret"\n')
+    a, b = load_specs(cluster)
+    assert cluster_secret_file(cluster) == str(key)
+    assert _node_argv(a, 50052)[-2:] == ["--secret-file", str(key)]
+    assert _node_argv(b, 50052)[-2:] == ["--secret-file", "~/other/secret"]
