@@ -357,3 +357,38 @@ def test_a_cluster_files_secret_reaches_the_nodes_launch_starts(tmp_path: Path, 
     assert cluster_secret_file(cluster) == str(key)
     assert _node_argv(a, 50052)[-2:] == ["--secret-file", str(key)]
     assert _node_argv(b, 50052)[-2:] == ["--secret-file", "~/other/secret"]
+
+
+def test_two_sessions_waiting_on_each_other_do_not_live_forever(nodes: Any) -> None:
+    """Two sessions linked both ways, each in PEER_RECV from the other, heads gone: a session that
+    only waits sends no keepalives to its peers, so both time out and free their slots."""
+    node = nodes(1, "--timeout", "2")[0]
+    w1, w2 = AuthWire(node.endpoint), AuthWire(node.endpoint)
+    for w in (w1, w2):
+        assert w.hello_nonce()[0] == 0            # keepalive 1000 ms: a peer link times out after 3 s
+
+    def link(listener: AuthWire, dialer: AuthWire) -> tuple[int, int]:
+        listener.send(lib.TB_CMD_PEER_LISTEN)
+        token, port = struct.unpack("<QQ", listener.reply()[1])
+        listener.send(lib.TB_CMD_PEER_ACCEPT, struct.pack("<Q", token))
+        dialer.send(lib.TB_CMD_PEER_CONNECT, pack("struct tb_peer_connect", host=b"127.0.0.1", port=port, token=token))
+        out_id = struct.unpack("<Q", dialer.reply()[1])[0]
+        in_id = struct.unpack("<Q", listener.reply()[1])[0]
+        assert out_id and in_id
+        return out_id, in_id
+
+    _, in1 = link(w1, w2)       # w2 -> w1
+    _, in2 = link(w2, w1)       # w1 -> w2
+    for w, peer in ((w1, in1), (w2, in2)):
+        handle = w.alloc(64)
+        w.send(lib.TB_CMD_PEER_RECV, struct.pack("<QQQQ", peer, handle, 0, 16))   # tb_peer_range
+    time.sleep(0.5)
+    w1.sock.close()
+    w2.sock.close()
+    deadline = time.time() + 20
+    while True:
+        _, status = tbrpc.probe(node.endpoint, timeout=5)
+        if status.clients == 1:                    # only this probe
+            break
+        assert time.time() < deadline, f"{status.clients - 1} session(s) still alive"
+        time.sleep(0.5)
