@@ -392,3 +392,13 @@ def test_two_sessions_waiting_on_each_other_do_not_live_forever(nodes: Any) -> N
             break
         assert time.time() < deadline, f"{status.clients - 1} session(s) still alive"
         time.sleep(0.5)
+
+
+@pytest.mark.parametrize("isolation", ["spawn", "thread"])
+def test_secret_in_every_isolation(nodes: Any, key: Path, tmp_path: Path, isolation: str) -> None:
+    """A spawned worker reads the secret file itself; a thread shares the node's."""
+    node = nodes(1, "--secret-file", str(key), "--isolation", isolation)[0]
+    info, _ = tbrpc.probe(node.endpoint, timeout=10, secret_file=key)
+    assert info.node_device
+    with pytest.raises(tbrpc.AuthenticationError):
+        tbrpc.probe(node.endpoint, timeout=10, secret_file=other_key(tmp_path))
