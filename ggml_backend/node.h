@@ -40,6 +40,8 @@ struct tb_node_config {
                               // (AUTH, docs/protocol.md); NULL: anyone who reaches the port is served
     size_t       secret_len;  // 1..TB_SECRET_MAX bytes
     int          max_clients; // clients served at once (<= 0 or above 64: 64); one more is told "node is full"
+    int          idle_timeout_ms; // drop a client that holds no buffer or link and is silent this long
+                              // (<= 0: TB_IDLE_MS, ten minutes: a head between two loads keeps its slot)
 };
 
 struct tb_node;

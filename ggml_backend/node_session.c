@@ -1152,14 +1152,22 @@ static void serve_connection(struct node_conn * c) {
     const int handshake_ms = n->cfg.timeout_ms > 0 && n->cfg.timeout_ms < TB_HANDSHAKE_MS ? n->cfg.timeout_ms : TB_HANDSHAKE_MS;
     const int64_t deadline = tb_now_ms() + handshake_ms;
     c->tp->deadline_ms = deadline;
+    // A client that holds nothing here and says nothing gives its slot back.
+    const int idle_ms = n->cfg.idle_timeout_ms > 0 ? n->cfg.idle_timeout_ms : TB_IDLE_MS;
+    int64_t last_request = tb_now_ms();
     while (!n->stopping) {
         int ready = tb_poll(c->tp, IDLE_POLL_MS);
         if (c->stage != READY && tb_now_ms() >= deadline) {
             node_log(n, "client %s: no %s within %d ms; dropping it", peer, c->stage == NO_HELLO ? "HELLO" : "AUTH", handshake_ms);
             break;
         }
+        if (ready == 0 && c->n_buffers == 0 && c->n_peers == 0 && tb_now_ms() - last_request >= idle_ms) {
+            node_log(n, "client %s: idle for %d ms holding nothing; dropping it", peer, idle_ms);
+            break;
+        }
         if (ready == 0) continue;
         if (ready < 0 || serve_one(c) != 0) break;
+        last_request = tb_now_ms();
         if (c->stage == READY) c->tp->deadline_ms = 0;
     }
     conn_free(c);

@@ -40,6 +40,8 @@ extern "C" {
 #define TB_KEEPALIVE_MAX_MS  60000         // and its ceiling (a silent peer times out after three periods)
 #define TB_HANDSHAKE_MS      5000          // HELLO and AUTH, together, must be done within this
 #define TB_HANDSHAKE_MAX_LEN 4096          // no handshake message is longer; a longer one is refused unread
+#define TB_IDLE_MS           (600 * 1000)  // a connection that holds nothing (no buffer, no link) and says
+                                           // nothing for this long is dropped (tbrpc node --idle-timeout)
 
 enum tb_cmd {
     TB_CMD_HELLO = 1,        // reply: tb_hello

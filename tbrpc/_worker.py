@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-ms", type=int, default=10000)
     parser.add_argument("--model-dirs", default="")
     parser.add_argument("--secret-file", default="")
+    parser.add_argument("--idle-timeout-ms", type=int, default=0)
     parser.add_argument("--name", required=True)
     parser.add_argument("--client-fd", type=int, required=True)
     parser.add_argument("--status-fd", type=int, required=True)
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ffi.new("struct tb_node_config *", {
         "host": keep[0], "device": keep[1], "threads": args.threads, "name": keep[2], "log_path": keep[3],
         "timeout_ms": args.timeout_ms, "model_dirs": keep[4], "isolation": 2, "secret": key, "secret_len": len(secret),
+        "idle_timeout_ms": args.idle_timeout_ms,
     })
     err = error_buffer()
     rc = lib.tb_node_worker_serve(cfg, args.client_fd, args.status_fd, args.slot, args.parent_fd, err, len(err))

@@ -64,9 +64,11 @@ def secret_new(path: str) -> None:
 @click.option("--insecure", is_flag=True, help="Listen on a non-loopback address without a secret (a network you trust).")
 @click.option("--max-clients", default=0, type=click.IntRange(min=0, max=64),
               help="Clients served at once (default and most: 64); one more is told the node is full.")
+@click.option("--idle-timeout", default=600.0, show_default=True, type=click.FloatRange(min=0.001),
+              help="Seconds a client that holds no buffer may stay silent before its slot is freed.")
 def node(host: str, port: int, device: str | None, threads: int, name: str | None, log_file: str | None,
          timeout: float, isolation: str, model_dirs: tuple[str, ...], secret_file: str | None, insecure: bool,
-         max_clients: int) -> None:
+         max_clients: int, idle_timeout: float) -> None:
     """Serve this machine's best ggml device to tbrpc heads."""
     from tbrpc.native import TbrpcError
     from tbrpc.node import NodeConfig, NodeServer
@@ -75,7 +77,7 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
         server = NodeServer(NodeConfig(host=host, port=port, device=device, threads=threads, name=name,
                                        log_path=log_file, timeout=timeout, isolation=isolation,
                                        model_dirs=list(model_dirs), secret_file=secret_file, insecure=insecure,
-                                       max_clients=max_clients))
+                                       max_clients=max_clients, idle_timeout=idle_timeout))
     except TbrpcError as e:
         raise click.ClickException(str(e)) from e
     if server.authenticated:

@@ -44,6 +44,7 @@ class NodeConfig:
     secret_file: str | None = None   # the cluster secret heads and peers must prove (None: $TBRPC_SECRET_FILE, else none)
     insecure: bool = False        # serve a non-loopback address without a secret
     max_clients: int = 0          # clients served at once; 0: the most the node allows (64)
+    idle_timeout: float = 0.0     # seconds a client holding no buffer may stay silent; 0: ten minutes
 
 
 def is_loopback(host: str) -> bool:
@@ -86,7 +87,8 @@ def worker_command(config: NodeConfig, model_dirs: str) -> list[str]:
             "--host", config.host, "--device", config.device or "",
             "--threads", str(config.threads), "--log-file", os.path.abspath(config.log_path) if config.log_path else "",
             "--timeout-ms", str(int(config.timeout * 1000)), "--model-dirs", model_dirs,
-            "--secret-file", os.path.abspath(secret_file) if secret_file else ""]
+            "--secret-file", os.path.abspath(secret_file) if secret_file else "",
+            "--idle-timeout-ms", str(int(config.idle_timeout * 1000))]
 
 
 class NodeServer:
@@ -111,6 +113,7 @@ class NodeServer:
             "log_path": keep[3], "timeout_ms": int(config.timeout * 1000),
             "model_dirs": keep[4], "isolation": ISOLATION[config.isolation], "worker_argv": worker_argv,
             "secret": key, "secret_len": len(secret or b""), "max_clients": config.max_clients,
+            "idle_timeout_ms": int(config.idle_timeout * 1000),
         })
         err = error_buffer()
         self._node = lib.tb_node_create(c_cfg, err, len(err))

@@ -402,3 +402,15 @@ def test_secret_in_every_isolation(nodes: Any, key: Path, tmp_path: Path, isolat
     assert info.node_device
     with pytest.raises(tbrpc.AuthenticationError):
         tbrpc.probe(node.endpoint, timeout=10, secret_file=other_key(tmp_path))
+
+
+def test_an_idle_client_holding_nothing_gives_its_slot_back(nodes: Any) -> None:
+    node = nodes(1, "--idle-timeout", "1")[0]
+    idle, holding = Wire(node.endpoint), Wire(node.endpoint)
+    assert idle.hello()[0] == 0 and holding.hello()[0] == 0
+    holding.alloc(4096)                           # a loaded head holds buffers: never idle-dropped
+    assert idle.closed(timeout=10)
+    assert "holding nothing; dropping it" in node.log_text()
+    time.sleep(1.5)
+    holding.send(lib.TB_CMD_SYNC)
+    assert holding.reply()[0] == 0
