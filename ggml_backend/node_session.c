@@ -719,6 +719,32 @@ static struct node_buffer * peer_range(struct node_conn * c, const struct tb_pee
     return checked_range(c, req->handle, req->offset, req->size, err, err_len);
 }
 
+// One PEER_SEND frame of `size` bytes on an outgoing link.
+static int send_to_peer(struct node_conn * c, struct tb_transport * tp, const void * data, uint64_t size) {
+    pthread_mutex_lock(&c->send_lock);     // the watchdog sends keepalives on peer links too
+    int rc = tb_msg_send(tp, TB_CMD_PEER_SEND, 0, 0, data, (size_t) size, NULL, 0);
+    if (rc == 0) rc = tb_flush(tp);
+    pthread_mutex_unlock(&c->send_lock);
+    return rc;
+}
+
+// The next PEER_SEND frame on an incoming link, which must carry `size`
+// bytes, into dst. The sending node's keepalives reset our timeout while it computes.
+static int recv_from_peer(struct tb_transport * tp, void * dst, uint64_t size, char * err, size_t err_len) {
+    struct tb_header ph;
+    int rc;
+    do {
+        rc = tb_msg_recv_header(tp, &ph, err, err_len);
+    } while (rc == 0 && ph.cmd == TB_CMD_KEEPALIVE && ph.len == 0);
+    if (rc == 0 && (ph.cmd != TB_CMD_PEER_SEND || ph.len != size)) {
+        snprintf(err, err_len, "the peer sent %s of %llu bytes, expected %llu", tb_cmd_name(ph.cmd),
+                 (unsigned long long) ph.len, (unsigned long long) size);
+        return -1;
+    }
+    if (rc == 0 && tb_recv(tp, dst, (size_t) size) != 0) { snprintf(err, err_len, "%s", tp->error); return -1; }
+    return rc;
+}
+
 static int handle_peer_send(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
     if (expect_len(h->len, sizeof(struct tb_peer_range), "PEER_SEND", err, err_len) != 0) return -1;
     const struct tb_peer_range req = *(const struct tb_peer_range *) c->payload;
@@ -732,12 +758,8 @@ static int handle_peer_send(struct node_conn * c, const struct tb_header * h, ch
         ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
         data = c->payload;
     }
-    pthread_mutex_lock(&c->send_lock);
-    int rc = tb_msg_send(tp, TB_CMD_PEER_SEND, 0, 0, data, (size_t) req.size, NULL, 0);
-    if (rc == 0) rc = tb_flush(tp);
-    pthread_mutex_unlock(&c->send_lock);
-    if (rc != 0) snprintf(err, err_len, "PEER_SEND: %s", tp->error);
-    return rc;
+    if (send_to_peer(c, tp, data, req.size) != 0) { snprintf(err, err_len, "PEER_SEND: %s", tp->error); return -1; }
+    return 0;
 }
 
 static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
@@ -747,31 +769,110 @@ static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, ch
     struct node_buffer * b = peer_range(c, &req, false, &tp, err, err_len);
     if (!b) return -1;
     set_computing(c, true);   // waiting for the peer's compute: keep the head informed
-    struct tb_header ph;
-    int rc;
-    do {   // the sending node's keepalives reset our timeout while it computes
-        rc = tb_msg_recv_header(tp, &ph, err, err_len);
-    } while (rc == 0 && ph.cmd == TB_CMD_KEEPALIVE && ph.len == 0);
-    if (rc == 0 && (ph.cmd != TB_CMD_PEER_SEND || ph.len != req.size)) {
-        snprintf(err, err_len, "PEER_RECV: the peer sent %s of %llu bytes, expected %llu", tb_cmd_name(ph.cmd),
-                 (unsigned long long) ph.len, (unsigned long long) req.size);
-        rc = -1;
-    }
-    if (rc == 0 && ggml_backend_buffer_is_host(b->buf)) {
-        rc = tb_recv(tp, b->base + req.offset, (size_t) req.size);
-    } else if (rc == 0) {
-        rc = tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size) == 0 ? tb_recv(tp, c->payload, (size_t) req.size) : -1;
-        if (rc == 0) {
-            struct ggml_tensor t = byte_view(b, req.offset, req.size);
-            ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
-        }
+    const bool host = ggml_backend_buffer_is_host(b->buf);
+    char why[256] = "";
+    int rc = host ? 0 : tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size);
+    if (rc != 0) snprintf(why, sizeof why, "out of memory");
+    if (rc == 0) rc = recv_from_peer(tp, host ? b->base + req.offset : c->payload, req.size, why, sizeof why);
+    if (rc == 0 && !host) {
+        struct ggml_tensor t = byte_view(b, req.offset, req.size);
+        ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
     }
     set_computing(c, false);
-    if (rc != 0) {
-        char why[256];
-        snprintf(why, sizeof why, "%s", err[0] ? err : tp->error);
-        snprintf(err, err_len, "waiting for activations from node %s: %s", c->peers[req.peer_id - 1].name, why);
+    if (rc != 0) snprintf(err, err_len, "waiting for activations from node %s: %s", c->peers[req.peer_id - 1].name, why);
+    return rc;
+}
+
+// ALLREDUCE: a thread sends our partial to every peer, in node order, while
+// this one receives theirs in node order and adds all of them, ours at our
+// place, in node order: the same additions on every node, so the same bits.
+// Sending and receiving in ascending node order on every node cannot
+// deadlock: node 0 is every sender's first target and reads them in turn,
+// and so on up.
+struct reduce_send {
+    struct node_conn * c;
+    const struct tb_allreduce * req;
+    const void * mine;
+    int rc;
+    char err[256];
+};
+
+static void * reduce_send_thread(void * arg) {
+    struct reduce_send * s = arg;
+    for (uint32_t k = 0; k < s->req->n && s->rc == 0; k++) {
+        if (k == s->req->self) continue;
+        struct tb_transport * tp = s->c->peers[s->req->peer_out[k] - 1].tp;
+        if (send_to_peer(s->c, tp, s->mine, s->req->size) != 0) {
+            snprintf(s->err, sizeof s->err, "sending to node %s: %s", s->c->peers[s->req->peer_out[k] - 1].name, tp->error);
+            s->rc = -1;
+        }
     }
+    return NULL;
+}
+
+static int allreduce_check(struct node_conn * c, const struct tb_allreduce * req, char * err, size_t err_len) {
+    if (req->n < 2 || req->n > TB_MAX_ALLREDUCE_NODES || req->self >= req->n) {
+        snprintf(err, err_len, "ALLREDUCE: node %u of %u", req->self, req->n);
+        return -1;
+    }
+    if (req->type != GGML_TYPE_F32 || req->size % sizeof(float) != 0 || req->size > TB_MAX_PAYLOAD) {
+        snprintf(err, err_len, "ALLREDUCE: %llu bytes of type %u (F32 up to the message limit only)",
+                 (unsigned long long) req->size, req->type);
+        return -1;
+    }
+    for (uint32_t k = 0; k < req->n; k++) {
+        if (k == req->self) continue;
+        const uint64_t out = req->peer_out[k], in = req->peer_in[k];
+        if (out == 0 || out > c->n_peers || !c->peers[out - 1].outgoing || in == 0 || in > c->n_peers ||
+            c->peers[in - 1].outgoing) {
+            snprintf(err, err_len, "ALLREDUCE: no link to and from node %u (peer ids %llu, %llu)", k,
+                     (unsigned long long) out, (unsigned long long) in);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int handle_allreduce(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_allreduce), "ALLREDUCE", err, err_len) != 0) return -1;
+    const struct tb_allreduce req = *(const struct tb_allreduce *) c->payload;
+    if (allreduce_check(c, &req, err, err_len) != 0) return -1;
+    struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
+    if (!b) return -1;
+    // Scratch: ours, then a peer's, then (for device memory) the sum. In host
+    // memory the sum is made in the buffer itself, ours having been copied out.
+    const bool host = ggml_backend_buffer_is_host(b->buf);
+    const size_t size = (size_t) req.size, count = size / sizeof(float);
+    if (tb_reserve(&c->payload, &c->payload_cap, (host ? 2 : 3) * size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+    float * mine = (float *) c->payload, * part_buf = mine + count;
+    float * acc = host ? (float *) (b->base + req.offset) : part_buf + count;
+    struct ggml_tensor t = byte_view(b, req.offset, req.size);
+    if (req.flags & TB_ALLREDUCE_COMPUTED) ggml_backend_tensor_get(&t, mine, 0, size);
+    else memset(mine, 0, size);
+    set_computing(c, true);
+    struct reduce_send s = { .c = c, .req = &req, .mine = mine, .rc = 0 };
+    pthread_t sender;
+    if (pthread_create(&sender, NULL, reduce_send_thread, &s) != 0) {
+        set_computing(c, false);
+        snprintf(err, err_len, "ALLREDUCE: cannot start a thread");
+        return -1;
+    }
+    int rc = 0;
+    for (uint32_t k = 0; k < req.n && rc == 0; k++) {
+        const float * part = mine;
+        if (k != req.self) {
+            char why[256] = "";
+            rc = recv_from_peer(c->peers[req.peer_in[k] - 1].tp, part_buf, req.size, why, sizeof why);
+            if (rc != 0) { snprintf(err, err_len, "ALLREDUCE: from node %s: %s", c->peers[req.peer_in[k] - 1].name, why); break; }
+            part = part_buf;
+        }
+        if (k == 0) memcpy(acc, part, size);
+        else for (size_t i = 0; i < count; i++) acc[i] += part[i];
+    }
+    pthread_join(sender, NULL);
+    set_computing(c, false);
+    if (rc == 0 && s.rc != 0) { snprintf(err, err_len, "ALLREDUCE: %s", s.err); rc = -1; }
+    if (rc == 0 && !host) ggml_backend_tensor_set(&t, acc, 0, size);
     return rc;
 }
 
@@ -898,6 +999,7 @@ static int dispatch(struct node_conn * c, const struct tb_header * h, struct rep
         case TB_CMD_PEER_ACCEPT:     return handle_peer_accept(c, h, r, err, err_len);
         case TB_CMD_PEER_SEND:       return handle_peer_send(c, h, err, err_len);
         case TB_CMD_PEER_RECV:       return handle_peer_recv(c, h, err, err_len);
+        case TB_CMD_ALLREDUCE:       return handle_allreduce(c, h, err, err_len);
         case TB_CMD_SYNC:            return expect_len(h->len, 0, "SYNC", err, err_len);
         case TB_CMD_STATUS:          return handle_status(c, h, r, err, err_len);
         case TB_CMD_TRANSPORT_OFFER: return handle_transport_offer(c, h, r, err, err_len);

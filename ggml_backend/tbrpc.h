@@ -32,6 +32,7 @@ struct tbrpc_node_info {
     uint64_t graphs_reused;          // GRAPH_RECOMPUTE (the node still had it)
     uint64_t bytes_from_files;       // weights the node read from its own copy of the model
     uint64_t peer_copies;            // activations this node sent straight to another node
+    uint64_t allreduces;             // ALLREDUCE requests posted to it (tensor split)
 };
 
 struct tbrpc_client * tbrpc_client_new(void);

@@ -45,6 +45,7 @@ class NodeInfo:
     bytes_from_files: int     # weights the node read from its own copy of the model
     peer_copies: int = 0      # activations it sent straight to the next node
     transport: str = ""       # what carries the bytes, and why: "shm 16x64K", "tcp: the node is on another host"
+    allreduces: int = 0       # tensor split: all-reduces it took part in, node to node
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class Cluster:
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, round_trips=out.round_trips,
             messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
             bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies, transport=text(out.transport),
+            allreduces=out.allreduces,
         )
 
     def device_names(self) -> list[str]:
