@@ -789,6 +789,12 @@ static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, ch
 // Sending and receiving in ascending node order on every node cannot
 // deadlock: node 0 is every sender's first target and reads them in turn,
 // and so on up.
+// Partials up to this size are sent before receiving, from this thread:
+// each fits the kernel's socket buffers (or a shared-memory ring) without
+// the peer reading yet, and a decoded token's partials (n_embd floats: 28 KiB
+// for Kimi K2) skip a thread start. Larger ones (prompts) use the thread.
+#define ALLREDUCE_INLINE (32u << 10)
+
 struct reduce_send {
     struct node_conn * c;
     const struct tb_allreduce * req;
@@ -842,17 +848,21 @@ static int handle_allreduce(struct node_conn * c, const struct tb_header * h, ch
     // Scratch: ours, then a peer's, then (for device memory) the sum. In host
     // memory the sum is made in the buffer itself, ours having been copied out.
     const bool host = ggml_backend_buffer_is_host(b->buf);
-    const size_t size = (size_t) req.size, count = size / sizeof(float);
+    const size_t size = (size_t) req.size, n_floats = size / sizeof(float);
     if (tb_reserve(&c->payload, &c->payload_cap, (host ? 2 : 3) * size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
-    float * mine = (float *) c->payload, * part_buf = mine + count;
-    float * acc = host ? (float *) (b->base + req.offset) : part_buf + count;
+    float * mine = (float *) c->payload, * part_buf = mine + n_floats;
+    float * acc = host ? (float *) (b->base + req.offset) : part_buf + n_floats;
     struct ggml_tensor t = byte_view(b, req.offset, req.size);
     if (req.flags & TB_ALLREDUCE_COMPUTED) ggml_backend_tensor_get(&t, mine, 0, size);
     else memset(mine, 0, size);
+    const int64_t started = now_ns();
     set_computing(c, true);
     struct reduce_send s = { .c = c, .req = &req, .mine = mine, .rc = 0 };
     pthread_t sender;
-    if (pthread_create(&sender, NULL, reduce_send_thread, &s) != 0) {
+    const bool inline_send = size <= ALLREDUCE_INLINE;
+    if (inline_send) {
+        reduce_send_thread(&s);
+    } else if (pthread_create(&sender, NULL, reduce_send_thread, &s) != 0) {
         set_computing(c, false);
         snprintf(err, err_len, "ALLREDUCE: cannot start a thread");
         return -1;
@@ -867,12 +877,14 @@ static int handle_allreduce(struct node_conn * c, const struct tb_header * h, ch
             part = part_buf;
         }
         if (k == 0) memcpy(acc, part, size);
-        else for (size_t i = 0; i < count; i++) acc[i] += part[i];
+        else for (size_t i = 0; i < n_floats; i++) acc[i] += part[i];
     }
-    pthread_join(sender, NULL);
+    if (!inline_send) pthread_join(sender, NULL);
     set_computing(c, false);
     if (rc == 0 && s.rc != 0) { snprintf(err, err_len, "ALLREDUCE: %s", s.err); rc = -1; }
     if (rc == 0 && !host) ggml_backend_tensor_set(&t, acc, 0, size);
+    count(&c->slot->allreduces, 1);
+    count(&c->slot->allreduce_ns, now_ns() - started);
     return rc;
 }
 

@@ -59,6 +59,8 @@ class NodeStatus:
     mem_free: int
     mem_total: int
     device: str
+    allreduces: int = 0        # tensor split: all-reduces done, and the seconds they took
+    allreduce_s: float = 0.0
 
 
 def _status_from_c(s: Any) -> NodeStatus:
@@ -66,6 +68,7 @@ def _status_from_c(s: Any) -> NodeStatus:
         buffers=s.buffers, bytes_allocated=s.bytes_allocated, clients=s.clients,
         graphs_computed=s.graphs_computed, bytes_received=s.bytes_received, bytes_from_files=s.bytes_from_files,
         mem_free=s.mem_free, mem_total=s.mem_total, device=text(s.device_name),
+        allreduces=s.allreduces, allreduce_s=s.allreduce_ns / 1e9,
     )
 
 
