@@ -112,6 +112,14 @@ class Cluster:
     def __len__(self) -> int:
         return len(self._endpoints)
 
+    def set_peer_address(self, source: str, target: str, host: str) -> None:
+        """Node `source` dials node `target` at `host` (target's address on the cable
+        between them) for activations, instead of target's endpoint host."""
+        err = error_buffer()
+        i, j = self._endpoints.index(source), self._endpoints.index(target)
+        if self._lib.tbrpc_client_set_peer_address(self._client, i, j, host.encode(), err, len(err)) != 0:
+            raise ValueError(text(err))
+
     @property
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
