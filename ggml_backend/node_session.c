@@ -68,6 +68,10 @@ struct node_conn {
     struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
     uint8_t   file_nonce[TB_FILE_NONCE_LEN];   // OPEN_FILE proofs answer this (sent at HELLO)
     bool      has_file_nonce;
+
+    int       client_fd;            // the client's TCP connection (kept by every transport as liveness)
+    int64_t   gone_checked_ms;      // when client_left() last looked
+    bool      gone;
 };
 
 // ---- buffers ----------------------------------------------------------------
@@ -394,11 +398,29 @@ static void * watchdog_thread(void * arg) {
     return NULL;
 }
 
+// The device calls this between the ops of a graph: a client that has gone
+// (its connection closed) stops the computation it left behind, instead of
+// the node finishing a graph nobody will read. One look every 20 ms.
+static bool client_left(void * data) {
+    struct node_conn * c = data;
+    const int64_t now = tb_now_ms();
+    if (c->gone || now - c->gone_checked_ms < 20) return c->gone;
+    c->gone_checked_ms = now;
+    char byte;
+    const ssize_t got = recv(c->client_fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    c->gone = got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    return c->gone;
+}
+
 static int run_graph(struct node_conn * c, char * err, size_t err_len) {
     set_computing(c, true);
     enum ggml_status st = ggml_backend_graph_compute(c->backend, c->graph);
     set_computing(c, false);
     count(&c->slot->graphs_computed, 1);
+    if (st == GGML_STATUS_ABORTED && c->gone) {
+        snprintf(err, err_len, "graph compute stopped: the client has gone");
+        return -1;
+    }
     if (st != GGML_STATUS_SUCCESS) {
         snprintf(err, err_len, "graph compute on %s failed with status %d", ggml_backend_dev_name(c->node->dev), (int) st);
         return -1;
@@ -1141,6 +1163,7 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     }
     c->node = n;
     c->slot = slot;
+    c->client_fd = fd;
     snprintf(slot->peer, sizeof slot->peer, "%s", c->tp->peer);
     c->next_handle = 1;
     c->keepalive_ms = 1000;
@@ -1150,12 +1173,15 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     pthread_mutex_init(&c->busy_lock, NULL);
     pthread_cond_init(&c->busy_changed, NULL);
     c->has_watchdog = pthread_create(&c->watchdog, NULL, watchdog_thread, c) == 0;
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
     if (n->cfg.threads > 0) {
-        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
         ggml_backend_set_n_threads_t set_threads =
             (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
         if (set_threads) set_threads(c->backend, n->cfg.threads);
     }
+    ggml_backend_set_abort_callback_t set_abort =
+        (ggml_backend_set_abort_callback_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_abort_callback");
+    if (set_abort) set_abort(c->backend, client_left, c);
     return c;
 }
 

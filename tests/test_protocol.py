@@ -612,3 +612,28 @@ def test_the_head_chooses_its_transport(env_value: str | None, expected: str, no
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(expected), proc.stdout
+
+
+def test_a_graph_stops_when_its_client_goes(node: Any) -> None:
+    """A client that sends a long graph and leaves does not keep the node
+    computing for nobody: the device's abort check sees the closed
+    connection, the worker logs why and ends."""
+    w = ready(node)
+    n = 1024
+    handle = w.alloc(3 * n * n * 4)
+    mul_mat = _ggml_op_index("MUL_MAT")
+    square = dict(buffer=handle, ne=[n, n, 1, 1], nb=[4, 4 * n, 4 * n * n, 4 * n * n])
+    tensors = [tensor(**square, offset=0), tensor(**square, offset=4 * n * n)]   # W, x0
+    for i in range(2000):   # x(i+1) = W x(i), in two alternating places: minutes of one thread's work
+        tensors.append(tensor(**square, offset=4 * n * n * (1 + (i + 1) % 2), op=mul_mat, flags=GGML_TENSOR_FLAG_COMPUTE,
+                              src=[0, len(tensors) - 1] + [-1] * 8))
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, graph(tensors, list(range(2, len(tensors)))))
+    time.sleep(1.0)   # it is computing, its buffer held
+    held = 3 * n * n * 4
+    assert tbrpc.probe(node.endpoint, timeout=5)[1].bytes_allocated >= held
+    w.sock.close()
+    deadline = time.monotonic() + 15
+    while tbrpc.probe(node.endpoint, timeout=5)[1].bytes_allocated >= held and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tbrpc.probe(node.endpoint, timeout=5)[1].bytes_allocated == 0, "still computing for a client that left"
+    assert "graph compute stopped: the client has gone" in node.log_text()
