@@ -1060,11 +1060,24 @@ static int send_reply(struct node_conn * c, const struct tb_header * h, int rc, 
     return io;
 }
 
+// How long a whole request may take to arrive: the node's timeout, plus its
+// payload at MIN_REQUEST_RATE. Without it a client sending one byte just
+// inside every timeout would hold its connection (and a client slot) forever.
+#define MIN_REQUEST_RATE (1u << 20)   // bytes per second
+
+static int64_t request_deadline(const struct node_conn * c, uint64_t payload) {
+    const int64_t base = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
+    return tb_now_ms() + base + (int64_t) (payload / (MIN_REQUEST_RATE / 1000));
+}
+
 // Serve one request. Returns -1 when the connection must be dropped.
 static int serve_one(struct node_conn * c, bool * said_hello) {
     struct tb_header h;
     char err[512] = "";
-    if (tb_msg_recv_header(c->tp, &h, err, sizeof err) != 0) {
+    c->tp->deadline_ms = request_deadline(c, 0);
+    const int header_rc = tb_msg_recv_header(c->tp, &h, err, sizeof err);
+    c->tp->deadline_ms = header_rc == 0 ? request_deadline(c, h.len) : 0;
+    if (header_rc != 0) {
         if (c->tp->error_kind != TB_IO_CLOSED) node_log(c->node, "client %s: %s; dropping it", c->tp->peer, err);
         return -1;
     }
@@ -1078,13 +1091,15 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
     bool io_failed = false;
     int rc;
     if (h.cmd == TB_CMD_SET_TENSOR) {
-        rc = handle_set(c, &h, err, sizeof err, &io_failed);
-    } else if (read_payload(c, (size_t) h.len) != 0) {
-        io_failed = true;
-        rc = -1;
-    } else if (h.cmd == TB_CMD_TRANSPORT_SWITCH) {
-        rc = handle_transport_switch(c, &h, err, sizeof err, &io_failed);
+        rc = handle_set(c, &h, err, sizeof err, &io_failed);   // receives its payload straight into the buffer
     } else {
+        io_failed = read_payload(c, (size_t) h.len) != 0;
+        rc = io_failed ? -1 : 0;
+    }
+    c->tp->deadline_ms = 0;   // the request has arrived; carrying it out has no such bound
+    if (!io_failed && h.cmd == TB_CMD_TRANSPORT_SWITCH) {
+        rc = handle_transport_switch(c, &h, err, sizeof err, &io_failed);
+    } else if (!io_failed && h.cmd != TB_CMD_SET_TENSOR) {
         rc = dispatch(c, &h, &r, err, sizeof err);
     }
     if (io_failed) {

@@ -172,6 +172,27 @@ def test_silent_peer_is_dropped_after_the_timeout(nodes: Any) -> None:
     assert "no HELLO within 1000 ms" in node.log_text()
 
 
+def test_a_trickling_sender_is_dropped(nodes: Any) -> None:
+    """One byte every half second is progress by the per-read timeout (1 s),
+    but a whole request must arrive within the timeout plus its size at
+    1 MiB/s: the node drops the connection and says why."""
+    node = nodes(1, "--timeout", "1")[0]
+    w = Wire(node.endpoint)
+    status, body = w.hello()
+    assert status == 0, body
+    w.sock.sendall(header(lib.TB_CMD_GET_TENSOR, ffi.sizeof("struct tb_range"), 7))
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < 10:
+            w.sock.sendall(b"\0")
+            time.sleep(0.5)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert time.monotonic() - started < 5, "the node kept reading a trickle"
+    assert w.closed(timeout=5)
+    assert "message not complete in time (too slow a sender)" in node.log_text()
+
+
 def test_request_before_hello_drops_the_connection(node: Any) -> None:
     w = Wire(node.endpoint)
     w.send(lib.TB_CMD_STATUS)
