@@ -55,6 +55,7 @@ struct node_conn {
     bool      closing;
     uint32_t  keepalive_ms;         // asked for by the client at HELLO
     enum { NO_HELLO, WANT_AUTH, READY } stage;   // the handshake: HELLO, then AUTH when the node has a secret
+    int64_t   handshake_deadline;   // tb_now_ms() by which the handshake must be done
     uint8_t   head_nonce[TB_NONCE_LEN], node_nonce[TB_NONCE_LEN];   // the two HELLO nonces AUTH proves over
 
     struct { int fd; uint64_t size; char name[TB_FILE_NAME_LEN]; } files[MAX_FILES];  // id = index + 1
@@ -71,6 +72,10 @@ struct node_conn {
     struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
     uint8_t   file_nonce[TB_FILE_NONCE_LEN];   // OPEN_FILE proofs answer this (sent at HELLO)
     bool      has_file_nonce;
+
+    int       client_fd;            // the client's TCP connection (kept by every transport as liveness)
+    int64_t   gone_checked_ms;      // when client_left() last looked
+    bool      gone;
 };
 
 // ---- buffers ----------------------------------------------------------------
@@ -447,11 +452,29 @@ static void * watchdog_thread(void * arg) {
     return NULL;
 }
 
+// The device calls this between the ops of a graph: a client that has gone
+// (its connection closed) stops the computation it left behind, instead of
+// the node finishing a graph nobody will read. One look every 20 ms.
+static bool client_left(void * data) {
+    struct node_conn * c = data;
+    const int64_t now = tb_now_ms();
+    if (c->gone || now - c->gone_checked_ms < 20) return c->gone;
+    c->gone_checked_ms = now;
+    char byte;
+    const ssize_t got = recv(c->client_fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    c->gone = got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    return c->gone;
+}
+
 static int run_graph(struct node_conn * c, char * err, size_t err_len) {
     set_busy(c, COMPUTING);
     enum ggml_status st = ggml_backend_graph_compute(c->backend, c->graph);
     set_busy(c, IDLE);
     count(&c->slot->graphs_computed, 1);
+    if (st == GGML_STATUS_ABORTED && c->gone) {
+        snprintf(err, err_len, "graph compute stopped: the client has gone");
+        return -1;
+    }
     if (st != GGML_STATUS_SUCCESS) {
         snprintf(err, err_len, "graph compute on %s failed with status %d", ggml_backend_dev_name(c->node->dev), (int) st);
         return -1;
@@ -666,6 +689,98 @@ static int handle_load_from_file(struct node_conn * c, const struct tb_header * 
     return 0;
 }
 
+// ---- strided writes (a weight's slice of every row) ----------------------------
+
+// The rows [offset + i*stride, +size) for i < n of a buffer, checked without
+// overflow: the span from the first row to the end of the last lies inside.
+static struct node_buffer * checked_rows(struct node_conn * c, uint64_t handle, uint64_t offset, uint64_t size, uint64_t n,
+                                         uint64_t stride, const char * what, char * err, size_t err_len) {
+    uint64_t span;
+    if (n == 0 || size == 0 || stride < size || __builtin_mul_overflow(n - 1, stride, &span) ||
+        __builtin_add_overflow(span, size, &span)) {
+        snprintf(err, err_len, "%s: %llu rows of %llu bytes, %llu apart: not a valid set of rows", what,
+                 (unsigned long long) n, (unsigned long long) size, (unsigned long long) stride);
+        return NULL;
+    }
+    return checked_range(c, handle, offset, span, err, err_len);
+}
+
+static void write_rows(struct node_buffer * b, uint64_t offset, uint64_t stride, const uint8_t * rows, uint64_t size,
+                       uint64_t n, uint64_t src_stride) {
+    for (uint64_t i = 0; i < n; i++) {
+        if (ggml_backend_buffer_is_host(b->buf)) {
+            memcpy(b->base + offset + i * stride, rows + i * src_stride, (size_t) size);
+        } else {
+            struct ggml_tensor t = byte_view(b, offset + i * stride, size);
+            ggml_backend_tensor_set(&t, rows + i * src_stride, 0, (size_t) size);
+        }
+    }
+}
+
+static int handle_set_2d(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    struct tb_range_2d req;
+    if (h->len < sizeof req) { snprintf(err, err_len, "SET_TENSOR_2D: payload too short"); return -1; }
+    memcpy(&req, c->payload, sizeof req);
+    struct node_buffer * b = checked_rows(c, req.handle, req.offset, req.size, req.n_copies, req.stride, "SET_TENSOR_2D",
+                                          err, err_len);
+    if (!b) return -1;
+    if (h->len - sizeof req != req.n_copies * req.size) {   // no overflow: checked_rows bounded both by the buffer
+        snprintf(err, err_len, "SET_TENSOR_2D: %llu rows of %llu bytes, the message carries %llu",
+                 (unsigned long long) req.n_copies, (unsigned long long) req.size, (unsigned long long) (h->len - sizeof req));
+        return -1;
+    }
+    write_rows(b, req.offset, req.stride, c->payload + sizeof req, req.size, req.n_copies, req.size);
+    return 0;
+}
+
+// Rows from a model file, read in chunks that cover whole runs of rows (one
+// pread of up to FILE_CHUNK, not one per row: a row of a slice may be a few
+// hundred bytes).
+static int handle_load_from_file_2d(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_file_range_2d), "LOAD_FROM_FILE_2D", err, err_len) != 0) return -1;
+    const struct tb_file_range_2d req = *(const struct tb_file_range_2d *) c->payload;
+    if (req.file_id == 0 || req.file_id > c->n_files) {
+        snprintf(err, err_len, "LOAD_FROM_FILE_2D: unknown file id %llu", (unsigned long long) req.file_id);
+        return -1;
+    }
+    struct node_buffer * b = checked_rows(c, req.handle, req.offset, req.size, req.n_copies, req.stride, "LOAD_FROM_FILE_2D",
+                                          err, err_len);
+    if (!b) return -1;
+    if (req.size > FILE_CHUNK) {   // the head sends rows this large one by one (LOAD_FROM_FILE)
+        snprintf(err, err_len, "LOAD_FROM_FILE_2D: rows of %llu bytes (at most %u)", (unsigned long long) req.size, FILE_CHUNK);
+        return -1;
+    }
+    const int fd = c->files[req.file_id - 1].fd;
+    const uint64_t file_size = c->files[req.file_id - 1].size;
+    uint64_t file_span;
+    if (req.file_stride < req.size || __builtin_mul_overflow(req.n_copies - 1, req.file_stride, &file_span) ||
+        __builtin_add_overflow(file_span, req.size, &file_span) || req.file_offset > file_size ||
+        file_span > file_size - req.file_offset) {
+        snprintf(err, err_len, "LOAD_FROM_FILE_2D: those rows lie outside %s (%llu bytes)", c->files[req.file_id - 1].name,
+                 (unsigned long long) file_size);
+        return -1;
+    }
+    const uint64_t rows_per_read = req.file_stride >= FILE_CHUNK ? 1 : FILE_CHUNK / req.file_stride;
+    const size_t chunk = (size_t) ((rows_per_read - 1) * req.file_stride + req.size);
+    if (tb_reserve(&c->payload, &c->payload_cap, chunk) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+    for (uint64_t first = 0; first < req.n_copies; first += rows_per_read) {
+        const uint64_t rows = req.n_copies - first < rows_per_read ? req.n_copies - first : rows_per_read;
+        const size_t want = (size_t) ((rows - 1) * req.file_stride + req.size);
+        for (size_t done = 0; done < want;) {
+            ssize_t got = pread(fd, c->payload + done, want - done, (off_t) (req.file_offset + first * req.file_stride + done));
+            if (got <= 0) {
+                snprintf(err, err_len, "LOAD_FROM_FILE_2D: reading %s failed: %s", c->files[req.file_id - 1].name,
+                         got == 0 ? "file is shorter than it was" : strerror(errno));
+                return -1;
+            }
+            done += (size_t) got;
+        }
+        write_rows(b, req.offset + first * req.stride, req.stride, c->payload, req.size, rows, req.file_stride);
+    }
+    count(&c->slot->bytes_from_files, (int64_t) (req.size * req.n_copies));
+    return 0;
+}
+
 // ---- node-to-node links ------------------------------------------------------
 // The head links the session that computes layer k with the one that
 // computes layer k+1; activations then go straight from node to node and
@@ -833,6 +948,32 @@ static struct node_buffer * peer_range(struct node_conn * c, const struct tb_pee
     return checked_range(c, req->handle, req->offset, req->size, err, err_len);
 }
 
+// One PEER_SEND frame of `size` bytes on an outgoing link.
+static int send_to_peer(struct node_conn * c, struct tb_transport * tp, const void * data, uint64_t size) {
+    pthread_mutex_lock(&c->send_lock);     // the watchdog sends keepalives on peer links too
+    int rc = tb_msg_send(tp, TB_CMD_PEER_SEND, 0, 0, data, (size_t) size, NULL, 0);
+    if (rc == 0) rc = tb_flush(tp);
+    pthread_mutex_unlock(&c->send_lock);
+    return rc;
+}
+
+// The next PEER_SEND frame on an incoming link, which must carry `size`
+// bytes, into dst. The sending node's keepalives reset our timeout while it computes.
+static int recv_from_peer(struct tb_transport * tp, void * dst, uint64_t size, char * err, size_t err_len) {
+    struct tb_header ph;
+    int rc;
+    do {
+        rc = tb_msg_recv_header(tp, &ph, err, err_len);
+    } while (rc == 0 && ph.cmd == TB_CMD_KEEPALIVE && ph.len == 0);
+    if (rc == 0 && (ph.cmd != TB_CMD_PEER_SEND || ph.len != size)) {
+        snprintf(err, err_len, "the peer sent %s of %llu bytes, expected %llu", tb_cmd_name(ph.cmd),
+                 (unsigned long long) ph.len, (unsigned long long) size);
+        return -1;
+    }
+    if (rc == 0 && tb_recv(tp, dst, (size_t) size) != 0) { snprintf(err, err_len, "%s", tp->error); return -1; }
+    return rc;
+}
+
 static int handle_peer_send(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
     if (expect_len(h->len, sizeof(struct tb_peer_range), "PEER_SEND", err, err_len) != 0) return -1;
     const struct tb_peer_range req = *(const struct tb_peer_range *) c->payload;
@@ -846,12 +987,8 @@ static int handle_peer_send(struct node_conn * c, const struct tb_header * h, ch
         ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
         data = c->payload;
     }
-    pthread_mutex_lock(&c->send_lock);
-    int rc = tb_msg_send(tp, TB_CMD_PEER_SEND, 0, 0, data, (size_t) req.size, NULL, 0);
-    if (rc == 0) rc = tb_flush(tp);
-    pthread_mutex_unlock(&c->send_lock);
-    if (rc != 0) snprintf(err, err_len, "PEER_SEND: %s", tp->error);
-    return rc;
+    if (send_to_peer(c, tp, data, req.size) != 0) { snprintf(err, err_len, "PEER_SEND: %s", tp->error); return -1; }
+    return 0;
 }
 
 static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
@@ -861,31 +998,122 @@ static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, ch
     struct node_buffer * b = peer_range(c, &req, false, &tp, err, err_len);
     if (!b) return -1;
     set_busy(c, WAITING_FOR_PEER);   // waiting for the peer's compute: keep the head informed
-    struct tb_header ph;
-    int rc;
-    do {   // the sending node's keepalives reset our timeout while it computes
-        rc = tb_msg_recv_header(tp, &ph, err, err_len);
-    } while (rc == 0 && ph.cmd == TB_CMD_KEEPALIVE && ph.len == 0);
-    if (rc == 0 && (ph.cmd != TB_CMD_PEER_SEND || ph.len != req.size)) {
-        snprintf(err, err_len, "PEER_RECV: the peer sent %s of %llu bytes, expected %llu", tb_cmd_name(ph.cmd),
-                 (unsigned long long) ph.len, (unsigned long long) req.size);
-        rc = -1;
-    }
-    if (rc == 0 && ggml_backend_buffer_is_host(b->buf)) {
-        rc = tb_recv(tp, b->base + req.offset, (size_t) req.size);
-    } else if (rc == 0) {
-        rc = tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size) == 0 ? tb_recv(tp, c->payload, (size_t) req.size) : -1;
-        if (rc == 0) {
-            struct ggml_tensor t = byte_view(b, req.offset, req.size);
-            ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
-        }
+    const bool host = ggml_backend_buffer_is_host(b->buf);
+    char why[256] = "";
+    int rc = host ? 0 : tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size);
+    if (rc != 0) snprintf(why, sizeof why, "out of memory");
+    if (rc == 0) rc = recv_from_peer(tp, host ? b->base + req.offset : c->payload, req.size, why, sizeof why);
+    if (rc == 0 && !host) {
+        struct ggml_tensor t = byte_view(b, req.offset, req.size);
+        ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
     }
     set_busy(c, IDLE);
-    if (rc != 0) {
-        char why[256];
-        snprintf(why, sizeof why, "%s", err[0] ? err : tp->error);
-        snprintf(err, err_len, "waiting for activations from node %s: %s", c->peers[req.peer_id - 1].name, why);
+    if (rc != 0) snprintf(err, err_len, "waiting for activations from node %s: %s", c->peers[req.peer_id - 1].name, why);
+    return rc;
+}
+
+// ALLREDUCE: a thread sends our partial to every peer, in node order, while
+// this one receives theirs in node order and adds all of them, ours at our
+// place, in node order: the same additions on every node, so the same bits.
+// Sending and receiving in ascending node order on every node cannot
+// deadlock: node 0 is every sender's first target and reads them in turn,
+// and so on up.
+// Partials up to this size are sent before receiving, from this thread:
+// each fits the kernel's socket buffers (or a shared-memory ring) without
+// the peer reading yet, and a decoded token's partials (n_embd floats: 28 KiB
+// for Kimi K2) skip a thread start. Larger ones (prompts) use the thread.
+#define ALLREDUCE_INLINE (32u << 10)
+
+struct reduce_send {
+    struct node_conn * c;
+    const struct tb_allreduce * req;
+    const void * mine;
+    int rc;
+    char err[256];
+};
+
+static void * reduce_send_thread(void * arg) {
+    struct reduce_send * s = arg;
+    for (uint32_t k = 0; k < s->req->n && s->rc == 0; k++) {
+        if (k == s->req->self) continue;
+        struct tb_transport * tp = s->c->peers[s->req->peer_out[k] - 1].tp;
+        if (send_to_peer(s->c, tp, s->mine, s->req->size) != 0) {
+            snprintf(s->err, sizeof s->err, "sending to node %s: %s", s->c->peers[s->req->peer_out[k] - 1].name, tp->error);
+            s->rc = -1;
+        }
     }
+    return NULL;
+}
+
+static int allreduce_check(struct node_conn * c, const struct tb_allreduce * req, char * err, size_t err_len) {
+    if (req->n < 2 || req->n > TB_MAX_ALLREDUCE_NODES || req->self >= req->n) {
+        snprintf(err, err_len, "ALLREDUCE: node %u of %u", req->self, req->n);
+        return -1;
+    }
+    if (req->type != GGML_TYPE_F32 || req->size % sizeof(float) != 0 || req->size > TB_MAX_PAYLOAD) {
+        snprintf(err, err_len, "ALLREDUCE: %llu bytes of type %u (F32 up to the message limit only)",
+                 (unsigned long long) req->size, req->type);
+        return -1;
+    }
+    for (uint32_t k = 0; k < req->n; k++) {
+        if (k == req->self) continue;
+        const uint64_t out = req->peer_out[k], in = req->peer_in[k];
+        if (out == 0 || out > c->n_peers || !c->peers[out - 1].outgoing || in == 0 || in > c->n_peers ||
+            c->peers[in - 1].outgoing) {
+            snprintf(err, err_len, "ALLREDUCE: no link to and from node %u (peer ids %llu, %llu)", k,
+                     (unsigned long long) out, (unsigned long long) in);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int handle_allreduce(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_allreduce), "ALLREDUCE", err, err_len) != 0) return -1;
+    const struct tb_allreduce req = *(const struct tb_allreduce *) c->payload;
+    if (allreduce_check(c, &req, err, err_len) != 0) return -1;
+    struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
+    if (!b) return -1;
+    // Scratch: ours, then a peer's, then (for device memory) the sum. In host
+    // memory the sum is made in the buffer itself, ours having been copied out.
+    const bool host = ggml_backend_buffer_is_host(b->buf);
+    const size_t size = (size_t) req.size, n_floats = size / sizeof(float);
+    if (tb_reserve(&c->payload, &c->payload_cap, (host ? 2 : 3) * size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+    float * mine = (float *) c->payload, * part_buf = mine + n_floats;
+    float * acc = host ? (float *) (b->base + req.offset) : part_buf + n_floats;
+    struct ggml_tensor t = byte_view(b, req.offset, req.size);
+    if (req.flags & TB_ALLREDUCE_COMPUTED) ggml_backend_tensor_get(&t, mine, 0, size);
+    else memset(mine, 0, size);
+    const int64_t started = now_ns();
+    set_busy(c, COMPUTING);   // peers waiting for our partial hear keepalives, as during a graph
+    struct reduce_send s = { .c = c, .req = &req, .mine = mine, .rc = 0 };
+    pthread_t sender;
+    const bool inline_send = size <= ALLREDUCE_INLINE;
+    if (inline_send) {
+        reduce_send_thread(&s);
+    } else if (pthread_create(&sender, NULL, reduce_send_thread, &s) != 0) {
+        set_busy(c, IDLE);
+        snprintf(err, err_len, "ALLREDUCE: cannot start a thread");
+        return -1;
+    }
+    int rc = 0;
+    for (uint32_t k = 0; k < req.n && rc == 0; k++) {
+        const float * part = mine;
+        if (k != req.self) {
+            char why[256] = "";
+            rc = recv_from_peer(c->peers[req.peer_in[k] - 1].tp, part_buf, req.size, why, sizeof why);
+            if (rc != 0) { snprintf(err, err_len, "ALLREDUCE: from node %s: %s", c->peers[req.peer_in[k] - 1].name, why); break; }
+            part = part_buf;
+        }
+        if (k == 0) memcpy(acc, part, size);
+        else for (size_t i = 0; i < n_floats; i++) acc[i] += part[i];
+    }
+    if (!inline_send) pthread_join(sender, NULL);
+    set_busy(c, IDLE);
+    if (rc == 0 && s.rc != 0) { snprintf(err, err_len, "ALLREDUCE: %s", s.err); rc = -1; }
+    if (rc == 0 && !host) ggml_backend_tensor_set(&t, acc, 0, size);
+    count(&c->slot->allreduces, 1);
+    count(&c->slot->allreduce_ns, now_ns() - started);
     return rc;
 }
 
@@ -1013,6 +1241,9 @@ static int dispatch(struct node_conn * c, const struct tb_header * h, struct rep
         case TB_CMD_PEER_ACCEPT:     return handle_peer_accept(c, h, r, err, err_len);
         case TB_CMD_PEER_SEND:       return handle_peer_send(c, h, err, err_len);
         case TB_CMD_PEER_RECV:       return handle_peer_recv(c, h, err, err_len);
+        case TB_CMD_ALLREDUCE:       return handle_allreduce(c, h, err, err_len);
+        case TB_CMD_SET_TENSOR_2D:   return handle_set_2d(c, h, err, err_len);
+        case TB_CMD_LOAD_FROM_FILE_2D: return handle_load_from_file_2d(c, h, err, err_len);
         case TB_CMD_SYNC:            return expect_len(h->len, 0, "SYNC", err, err_len);
         case TB_CMD_STATUS:          return handle_status(c, h, r, err, err_len);
         case TB_CMD_TRANSPORT_OFFER: return handle_transport_offer(c, h, r, err, err_len);
@@ -1071,11 +1302,31 @@ static int handshake_gate(struct node_conn * c, const struct tb_header * h) {
     return 0;
 }
 
+// How long a whole request may take to arrive: the node's timeout, plus its
+// payload at MIN_REQUEST_RATE. Without it a client sending one byte just
+// inside every timeout would hold its connection (and a client slot) forever.
+#define MIN_REQUEST_RATE (1u << 20)   // bytes per second
+
+static int64_t request_deadline(const struct node_conn * c, uint64_t payload) {
+    const int64_t base = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
+    return tb_now_ms() + base + (int64_t) (payload / (MIN_REQUEST_RATE / 1000));
+}
+
+// The deadline of one message: the one above, and during the handshake no
+// later than the handshake's own (HELLO and AUTH together).
+static int64_t message_deadline(const struct node_conn * c, uint64_t payload) {
+    const int64_t d = request_deadline(c, payload);
+    return c->stage != READY && c->handshake_deadline < d ? c->handshake_deadline : d;
+}
+
 // Serve one request. Returns -1 when the connection must be dropped.
 static int serve_one(struct node_conn * c) {
     struct tb_header h;
     char err[512] = "";
-    if (tb_msg_recv_header(c->tp, &h, err, sizeof err) != 0) {
+    c->tp->deadline_ms = message_deadline(c, 0);
+    const int header_rc = tb_msg_recv_header(c->tp, &h, err, sizeof err);
+    c->tp->deadline_ms = header_rc == 0 ? message_deadline(c, h.len) : 0;
+    if (header_rc != 0) {
         if (c->tp->error_kind != TB_IO_CLOSED) node_log(c->node, "client %s: %s; dropping it", c->tp->peer, err);
         return -1;
     }
@@ -1086,16 +1337,18 @@ static int serve_one(struct node_conn * c) {
     bool io_failed = false;
     int rc;
     if (h.cmd == TB_CMD_SET_TENSOR) {
-        rc = handle_set(c, &h, err, sizeof err, &io_failed);
-    } else if (read_payload(c, (size_t) h.len) != 0) {
-        io_failed = true;
-        rc = -1;
-    } else if (h.cmd == TB_CMD_TRANSPORT_SWITCH) {
+        rc = handle_set(c, &h, err, sizeof err, &io_failed);   // receives its payload straight into the buffer
+    } else {
+        io_failed = read_payload(c, (size_t) h.len) != 0;
+        rc = io_failed ? -1 : 0;
+    }
+    c->tp->deadline_ms = 0;   // the request has arrived; carrying it out has no such bound
+    if (!io_failed && h.cmd == TB_CMD_TRANSPORT_SWITCH) {
         rc = handle_transport_switch(c, &h, err, sizeof err, &io_failed);
-    } else if (h.cmd == TB_CMD_HELLO && c->stage != NO_HELLO) {
+    } else if (!io_failed && h.cmd == TB_CMD_HELLO && c->stage != NO_HELLO) {
         snprintf(err, sizeof err, "HELLO: the handshake is done already");
         rc = -1;
-    } else {
+    } else if (!io_failed && h.cmd != TB_CMD_SET_TENSOR) {
         rc = dispatch(c, &h, &r, err, sizeof err);
     }
     if (io_failed) {
@@ -1151,7 +1404,7 @@ static void serve_connection(struct node_conn * c) {
     // the node's client slots: HELLO and AUTH together have one deadline.
     const int handshake_ms = n->cfg.timeout_ms > 0 && n->cfg.timeout_ms < TB_HANDSHAKE_MS ? n->cfg.timeout_ms : TB_HANDSHAKE_MS;
     const int64_t deadline = tb_now_ms() + handshake_ms;
-    c->tp->deadline_ms = deadline;
+    c->handshake_deadline = deadline;
     // A client that holds nothing here and says nothing gives its slot back.
     const int idle_ms = n->cfg.idle_timeout_ms > 0 ? n->cfg.idle_timeout_ms : TB_IDLE_MS;
     int64_t last_request = tb_now_ms();
@@ -1168,7 +1421,6 @@ static void serve_connection(struct node_conn * c) {
         if (ready == 0) continue;
         if (ready < 0 || serve_one(c) != 0) break;
         last_request = tb_now_ms();
-        if (c->stage == READY) c->tp->deadline_ms = 0;
     }
     conn_free(c);
     node_log(n, "client %s disconnected; its buffers are freed", peer);
@@ -1186,6 +1438,7 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     }
     c->node = n;
     c->slot = slot;
+    c->client_fd = fd;
     snprintf(slot->peer, sizeof slot->peer, "%s", c->tp->peer);
     c->next_handle = 1;
     c->keepalive_ms = 1000;
@@ -1195,12 +1448,15 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     pthread_mutex_init(&c->busy_lock, NULL);
     pthread_cond_init(&c->busy_changed, NULL);
     c->has_watchdog = pthread_create(&c->watchdog, NULL, watchdog_thread, c) == 0;
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
     if (n->cfg.threads > 0) {
-        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
         ggml_backend_set_n_threads_t set_threads =
             (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
         if (set_threads) set_threads(c->backend, n->cfg.threads);
     }
+    ggml_backend_set_abort_callback_t set_abort =
+        (ggml_backend_set_abort_callback_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_abort_callback");
+    if (set_abort) set_abort(c->backend, client_left, c);
     return c;
 }
 

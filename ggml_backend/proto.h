@@ -69,6 +69,9 @@ enum tb_cmd {
     TB_CMD_PEER_RECV,        // tb_peer_range       posted: receive the peer's next range into a buffer range
     TB_CMD_TRANSPORT_OFFER,  // tb_transport_req    reply: tb_transport_reply (a segment for this connection, or why not)
     TB_CMD_TRANSPORT_SWITCH, // u32 1: attached, switch now; 0: could not, stay  posted, always over TCP
+    TB_CMD_ALLREDUCE,        // tb_allreduce        posted: sum a range across nodes over their peer links
+    TB_CMD_SET_TENSOR_2D,    // tb_range_2d + n_copies * size bytes (rows packed)  posted
+    TB_CMD_LOAD_FROM_FILE_2D,// tb_file_range_2d    posted: rows from the node's own copy of a model file
     TB_CMD_AUTH,             // tb_auth_req         reply: tb_auth_reply (right after HELLO when the node has a secret)
     TB_CMD_COUNT_,
 };
@@ -197,12 +200,34 @@ struct tb_copy_req    { uint64_t src_handle, src_offset, dst_handle, dst_offset,
 struct tb_open_file   { uint64_t size; uint8_t fingerprint[TB_FINGERPRINT_LEN]; uint8_t proof[TB_FILE_PROOF_LEN];
                         char name[TB_FILE_NAME_LEN]; };
 struct tb_file_range  { uint64_t handle, offset, size, file_id, file_offset; };
+// Strided writes (llama.cpp's meta device uploads a slice of every row of a
+// weight): n_copies rows of `size` bytes, `stride` apart in the buffer (and
+// `file_stride` apart in the file); stride >= size.
+struct tb_range_2d      { uint64_t handle, offset, size, n_copies, stride; };
+struct tb_file_range_2d { uint64_t handle, offset, size, n_copies, stride, file_id, file_offset, file_stride; };
 
 // Node-to-node links: activations go from the node that computed them
 // straight to the next node, instead of through the head.
 struct tb_peer_listen_reply { uint64_t token, port; };
 struct tb_peer_connect      { char host[256]; uint64_t port, token; };
 struct tb_peer_range        { uint64_t peer_id, handle, offset, size; };
+
+// llama.cpp's tensor split: each of `n` nodes holds a partial F32 sum in a
+// buffer range; every node sends its partial to every other one, receives
+// theirs, and adds all n in node order (so every node ends with the same
+// bits). peer_out[k]/peer_in[k]: this session's peer ids of the links to and
+// from node k (unused at k == self). Without TB_ALLREDUCE_COMPUTED the range
+// holds nothing computed and counts as zeros.
+#define TB_MAX_ALLREDUCE_NODES 16
+#define TB_ALLREDUCE_COMPUTED  1u
+struct tb_allreduce {
+    uint64_t handle, offset, size;
+    uint32_t type;            // GGML_TYPE_F32, the only one yet
+    uint32_t flags;
+    uint32_t n, self;
+    uint64_t peer_out[TB_MAX_ALLREDUCE_NODES];
+    uint64_t peer_in[TB_MAX_ALLREDUCE_NODES];
+};
 
 struct tb_status {
     uint64_t buffers;            // live buffers, all clients
@@ -211,6 +236,8 @@ struct tb_status {
     uint64_t graphs_computed;
     uint64_t bytes_received;     // payload bytes received from all clients
     uint64_t bytes_from_files;   // bytes loaded from the node's own model files
+    uint64_t allreduces;         // ALLREDUCE requests done (tensor split)
+    uint64_t allreduce_ns;       // time spent in them: sending, waiting for the peers, adding
     uint64_t mem_free, mem_total;
     char     device_name[TB_NAME_LEN];
 };
