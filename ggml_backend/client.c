@@ -350,7 +350,11 @@ static struct peer_link * peer_link(struct client_node * a, struct client_node *
     pthread_mutex_lock(&b->lock);
     const uint64_t accept_id = node_call_send_locked(b, TB_CMD_PEER_ACCEPT, &listen.token, sizeof listen.token);
     const int connected = accept_id ? node_call(a, TB_CMD_PEER_CONNECT, &conn, sizeof conn, &link->out_id, sizeof link->out_id) : -1;
+    // a could not dial (or prove itself): b would wait out its timeout for
+    // nobody. Any next request ends b's wait; SYNC costs nothing.
+    const uint64_t nudge_id = accept_id && (connected != 0 || !link->out_id) ? node_call_send_locked(b, TB_CMD_SYNC, NULL, 0) : 0;
     const int accepted = accept_id ? node_call_reply_locked(b, TB_CMD_PEER_ACCEPT, accept_id, &link->in_id, sizeof link->in_id) : -1;
+    if (nudge_id) node_call_reply_locked(b, TB_CMD_SYNC, nudge_id, NULL, 0);
     pthread_mutex_unlock(&b->lock);
     if (connected != 0 || accepted != 0 || !link->out_id || !link->in_id) return NULL;
     link->usable = true;

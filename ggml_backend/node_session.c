@@ -867,7 +867,7 @@ static int handle_peer_connect(struct node_conn * c, const struct tb_header * h,
     }
     memset(key, 0, sizeof key);
     if (!ok) {
-        node_log(c->node, "client %s: no link to peer %s:%llu (%s); activations will go through the head",
+        node_log(c->node, "client %s: cannot reach peer %s:%llu (%s); activations will go through the head",
                  c->tp->peer, req->host, (unsigned long long) req->port, why);
         tb_close(tp);
         return reply_u64(r, 0);
@@ -915,7 +915,13 @@ static int handle_peer_accept(struct node_conn * c, const struct tb_header * h, 
     const int timeout_ms = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
     const int64_t deadline = tb_now_ms() + timeout_ms;
     struct pollfd p = { .fd = c->peer_listen_fd, .events = POLLIN };
-    for (int64_t left = timeout_ms; left > 0 && poll(&p, 1, (int) left) > 0; left = deadline - tb_now_ms()) {
+    for (int64_t left = timeout_ms; left > 0; left = deadline - tb_now_ms()) {
+        // The head sends its next request only once the dialer has given up
+        // (peer_link in client.c): then no one is coming, and the wait ends.
+        if (poll(&p, 1, left < 50 ? (int) left : 50) <= 0) {
+            if (tb_poll(c->tp, 0) > 0) break;
+            continue;
+        }
         int fd = accept(c->peer_listen_fd, NULL, NULL);
         if (fd < 0) continue;
         struct tb_transport * tp = tb_tcp_from_fd(fd, timeout_ms);
