@@ -198,19 +198,22 @@ def test_uneven_nodes_get_shares_by_free_memory(llama_f32: Path) -> None:
 # --- against real nodes -------------------------------------------------------------
 
 
-def test_tensor_plan_matches_what_nodes_allocate(llama_f32: Path, nodes: Any, tmp_path: Path) -> None:
-    """Load the plan's kwargs over two nodes: each node's allocation (weights +
-    KV + compute, the reduce buffers come with the first decode) is the plan's."""
-    p = plan(llama_f32, _cpu_nodes(2), ctx=256, split="tensor", head_device="none")
-    started = nodes(2)
+@pytest.mark.parametrize("n_nodes,ctx", [(2, 256), (3, 512), (4, 1024)])
+def test_tensor_plan_matches_what_nodes_allocate(n_nodes: int, ctx: int, llama_f32: Path, nodes: Any, tmp_path: Path) -> None:
+    """Load the plan's kwargs over real nodes: each node's allocation (weights +
+    KV + compute; the reduce buffers come with the first decode) is the plan's.
+    Measured: 6-12 KiB above the plan (0.2-0.3%), the same on every node."""
+    p = plan(llama_f32, _cpu_nodes(n_nodes), ctx=ctx, split="tensor", head_device="none")
+    started = nodes(n_nodes)
     kw = p.llama_kwargs()
     result, _ = run_head(tmp_path, model=str(llama_f32), prompt="The capital of France is", n_predict=2,
                          flash_attn=kw["flash_attn"], split_mode=kw["split_mode"], tensor_split=kw["tensor_split"],
-                         n_ctx=256, nodes=[n.endpoint for n in started])
+                         n_ctx=ctx, nodes=[n.endpoint for n in started])
     assert result["error"] is None, result["error"]
+    assert p.tensor is not None and len(result["allocated_after_load"]) == n_nodes
     for n, allocated in zip(p.nodes, result["allocated_after_load"]):
         planned = n.total_bytes - p.tensor.reduce_buffer_bytes
-        assert abs(planned - allocated) <= max(0.12 * allocated, 1 * MiB), (n.name, planned, allocated)
+        assert abs(planned - allocated) <= max(0.01 * allocated, 64 * 1024), (n.name, planned, allocated)
         # weights and KV are exact: the rest is the compute buffer
         assert allocated - n.weights_bytes - n.kv_bytes > 0
 
