@@ -287,3 +287,56 @@ def test_draft_model_is_planned_on_the_head(llama_f32: Path) -> None:
 
 def test_unused_numpy_guard() -> None:
     assert np.float32(1) == 1
+
+
+def test_quantized_70b_shape_splits_in_exact_quarters(tmp_path: Path) -> None:
+    """A Llama-70B-shaped Q4_K file (headers only): every cut falls on whole
+    heads and whole Q4_K blocks, so four equal nodes get exactly a quarter of
+    every split tensor; the all-reduces follow the depth: 2 x 80 per token,
+    32 KiB each."""
+    from gguf import GGMLQuantizationType as QT
+
+    from tests.fixtures_shapes import LlamaGeometry, llama_spec, write_shape_only
+
+    g = LlamaGeometry(n_layer=80, n_embd=8192, n_vocab=128256, n_head=64, n_head_kv=8, n_ff=28672, n_ctx_train=131072)
+    spec = llama_spec(g, QT.Q4_K)
+    path = write_shape_only(spec, tmp_path / "llama-70b-q4_k.gguf")[0]
+    split = sum(t.n_bytes for t in spec.tensors if SPLIT.fullmatch(t.name))
+    mirrored = sum(t.n_bytes for t in spec.tensors if not SPLIT.fullmatch(t.name) and t.name != "token_embd.weight")
+    nodes = [make_node(f"mac{i}", "128GiB") for i in range(4)]  # Metal: 96 GiB usable each
+    p = plan(path, nodes, ctx=8192, split="tensor", head_device="none")
+    assert p.fits and p.tensor is not None
+    assert [n.split_bytes for n in p.nodes] == [split // 4] * 4 and split % 4 == 0
+    assert all(n.replicated_bytes == mirrored for n in p.nodes)
+    head_dim = g.n_embd // g.n_head
+    kv = g.n_layer * 8192 * 2 * (g.n_head_kv // 4 * head_dim) * 2  # two KV heads per node, F16
+    assert [n.kv_bytes for n in p.nodes] == [kv] * 4
+    assert p.tensor.all_reduces_per_token == 160 and p.tensor.all_reduce_bytes == 8192 * 4
+    two = plan(path, nodes[:2], ctx=8192, split="tensor", head_device="none")
+    assert [n.split_bytes for n in two.nodes] == [split // 2] * 2
+
+
+def test_llama_kwargs_are_planned_as_given() -> None:
+    """What tbrpc.Llama / launch pass to llama.cpp is what gets planned: split
+    mode, a tensor split's shares, and a draft model (which keeps all logits)."""
+    from tbrpc.llama import context_kwargs, planned_context
+
+    assert context_kwargs(split="tensor") == {"split_mode": 3}
+    assert context_kwargs(split="layer") == {"split_mode": 1}
+    options = planned_context({"split_mode": 3, "tensor_split": [2, 1], "flash_attn": True})
+    assert options["split"] == "tensor" and options["tensor_split"] == [2, 1] and options["flash_attn"] is True
+    assert planned_context({"split_mode": 1, "tensor_split": [3, 4]})["split"] == "layer"
+    assert "tensor_split" not in planned_context({"split_mode": 1, "tensor_split": [3, 4]})  # a layer split's is planned
+
+    class FakeLlm:
+        model_path = "/models/draft.gguf"
+
+        def n_ctx(self) -> int:
+            return 4096
+
+    class FakeDraft:
+        llm = FakeLlm()
+
+    options = planned_context({"draft_model": FakeDraft()})
+    assert options["draft_model"] == "/models/draft.gguf" and options["draft_ctx"] == 4096 and options["all_logits"]
+    assert planned_context({"draft_model": object()}) == {"ubatch": 512, "batch": 512, "all_logits": True}  # prompt lookup
