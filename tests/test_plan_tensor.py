@@ -340,3 +340,16 @@ def test_llama_kwargs_are_planned_as_given() -> None:
     options = planned_context({"draft_model": FakeDraft()})
     assert options["draft_model"] == "/models/draft.gguf" and options["draft_ctx"] == 4096 and options["all_logits"]
     assert planned_context({"draft_model": object()}) == {"ubatch": 512, "batch": 512, "all_logits": True}  # prompt lookup
+
+
+def test_launch_plans_its_draft_model(llama_f32: Path, tmp_path: Path) -> None:
+    """`tbrpc launch --draft-model` plans the draft on the head: the head's
+    figure launch reports is the plan's with the draft in it."""
+    draft = models.ensure("llama")
+    want = plan(llama_f32, _cpu_nodes(2), ctx=256, head_device="none", draft_model=draft)
+    assert want.head is not None and want.head.draft_bytes > 0
+    launch = start_launch(tmp_path, "--gguf", str(llama_f32), "--local", "2", "--ctx", "256", "--draft-model", str(draft),
+                          "--draft-tokens", "3", "--prompt", "The capital of France is", "--max-tokens", "4")
+    assert launch.finish(timeout=180) == 0, launch.stderr
+    assert f"this process keeps {format_size(want.head.total_bytes)})" in launch.stderr, launch.stderr
+    assert_gone(launch.node_pids())
