@@ -802,8 +802,11 @@ class TensorPlan:
     layer as subgraphs on every node and all-reduces a partial sum after
     attention (attn_output cut by rows) and after the FFN (ffn_down cut by
     rows; routed and shared experts merged into one), each an F32 vector of
-    n_embd values.  Without a backend all-reduce (tbrpc's comm provider), the
-    meta backend's fallback is a butterfly of node-to-node copies.
+    n_embd values.  When every device is a TBRPC node (head_device="none"),
+    tbrpc's comm provider does it: each node sends its partial to every other
+    node, N(N-1) transfers.  When the head's own device is one of them, the
+    meta backend asks that device's registry, which has no all-reduce, and
+    falls back to its butterfly of node-to-node copies.
     """
 
     shares: list[float]  # tensor_split
@@ -812,10 +815,17 @@ class TensorPlan:
     all_reduces_per_token: int
     all_reduce_bytes: int  # one all-reduce's tensor at one token: n_embd x 4
     all_reduce_bytes_per_token: int
-    fallback_copies_per_all_reduce: int  # node-to-node copies of the meta backend's butterfly
-    fallback_bytes_per_token: int  # bytes those copies move per token, all nodes together
+    all_reduce_path: str  # "tbrpc" (tbrpc's ALLREDUCE, node to node) or "butterfly" (the meta backend's fallback)
+    copies_per_all_reduce: int  # node-to-node transfers of one all-reduce on that path
+    node_to_node_bytes_per_token: int  # bytes those transfers move per token, all nodes together
     logits_bytes_per_token: int  # the vocab slices the head gathers: n_vocab x 4
-    reduce_buffer_bytes: int  # per node: ceil(log2 N) receive buffers for the largest partial (one ubatch)
+    reduce_buffer_bytes: int  # per node, device memory: the meta backend's ceil(log2 N) receive buffers (one ubatch)
+    scratch_bytes: list[int]  # per node, its process's heap: tbrpc's ALLREDUCE scratch (2 or 3 partials of one ubatch)
+
+
+def tbrpc_copies(n: int) -> int:
+    """Transfers of one all-reduce by tbrpc's comm provider: every node to every other."""
+    return n * (n - 1)
 
 
 def fallback_copies(n: int) -> int:
@@ -1074,7 +1084,12 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
     # (ggml_backend_meta_buffer_type_alloc_buffer), plus ceil(log2 N) receive buffers
     # for the all-reduce fallback, sized for the largest partial sum (one ubatch).
     full_compute = compute_bytes(p, range(p.n_layer_all), c, has_output=True, has_input=True)
-    reduce_b = math.ceil(math.log2(n)) * pad(c.n_tokens * p.n_embd * F32, TENSOR_ALIGN) if n > 1 else 0
+    partial = pad(c.n_tokens * p.n_embd * F32, TENSOR_ALIGN)  # the largest partial sum: one ubatch
+    reduce_b = math.ceil(math.log2(n)) * partial if n > 1 else 0
+    # tbrpc's ALLREDUCE (every device a TBRPC node) keeps its partial and a peer's
+    # in the node's heap, and on a GPU also the sum (node_session.c).
+    path = "tbrpc" if head_device == "none" and n > 1 else "butterfly"
+    scratch = [(2 if node.kind == "cpu" else 3) * partial if path == "tbrpc" else 0 for node in nodes]
 
     def build(shares: Sequence[float]) -> tuple[list[NodePlan], int, int]:
         parts, split_total, replicated = tensor_mode_nodes(model, p, layout, c, shares)
@@ -1084,7 +1099,7 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
             weights = part.weights_bytes + (layout.input_bytes if is_head else 0)
             host = host_bytes(p, c) if is_head else 0
             draft = draft_b if is_head else 0
-            compute = full_compute + reduce_b
+            compute = full_compute + reduce_b + scratch[i]
             total = weights + part.kv_bytes + compute + host + draft
             if head_device == "none":
                 device = f"TBRPC{i}"
@@ -1117,6 +1132,7 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
                     shares, (plans, split_total, replicated) = by_room, candidate
     n_reduce = all_reduces_per_token(model, p)
     s = p.n_embd * F32
+    copies = tbrpc_copies(n) if path == "tbrpc" else fallback_copies(n)
     tensor = TensorPlan(
         shares=shares,
         split_bytes=split_total,
@@ -1124,10 +1140,12 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
         all_reduces_per_token=n_reduce,
         all_reduce_bytes=s,
         all_reduce_bytes_per_token=n_reduce * s,
-        fallback_copies_per_all_reduce=fallback_copies(n),
-        fallback_bytes_per_token=n_reduce * fallback_copies(n) * s,
+        all_reduce_path=path,
+        copies_per_all_reduce=copies,
+        node_to_node_bytes_per_token=n_reduce * copies * s,
         logits_bytes_per_token=p.n_vocab * F32,
         reduce_buffer_bytes=reduce_b,
+        scratch_bytes=scratch,
     )
     return plans, shares, tensor
 
@@ -1343,8 +1361,11 @@ def format_table(p: Plan) -> str:
                      "held whole by every node")
         lines.append(f"all-reduces   {t.all_reduces_per_token} per token (after each layer's attention and FFN), "
                      f"{format_size(t.all_reduce_bytes)} each = {format_size(t.all_reduce_bytes_per_token)} per token; "
-                     f"meta fallback: {t.fallback_copies_per_all_reduce} node-to-node copies each, "
-                     f"{format_size(t.fallback_bytes_per_token)} per token")
+                     + (f"tbrpc's all-reduce: {t.copies_per_all_reduce} node-to-node transfers each"
+                        if t.all_reduce_path == "tbrpc" else
+                        f"the meta backend's butterfly (the head's device has no all-reduce): "
+                        f"{t.copies_per_all_reduce} node-to-node copies each")
+                     + f", {format_size(t.node_to_node_bytes_per_token)} per token")
         lines.append(f"logits        {format_size(t.logits_bytes_per_token)} per token gathered from the nodes' vocab slices")
         lines.append("")
     if p.draft is not None:

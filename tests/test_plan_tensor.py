@@ -87,7 +87,7 @@ def test_two_nodes_split_and_replicated_bytes(llama_f32: Path) -> None:
 
 
 def test_all_reduces_per_token(llama_f32: Path) -> None:
-    for n_nodes, copies in ((2, 2), (3, 4), (4, 8)):
+    for n_nodes, mesh, butterfly in ((2, 2, 2), (3, 6, 4), (4, 12, 8)):
         p = plan(llama_f32, _cpu_nodes(n_nodes), ctx=256, split="tensor", head_device="none")
         t = p.tensor
         assert t is not None
@@ -95,10 +95,19 @@ def test_all_reduces_per_token(llama_f32: Path) -> None:
         assert t.all_reduces_per_token == 2 * TINY["n_layer"] == 12
         assert t.all_reduce_bytes == TINY["n_embd"] * 4 == 512
         assert t.all_reduce_bytes_per_token == 12 * 512
-        # ggml-backend-meta's fallback: butterfly over the largest power of two, the excess folded in and back
-        assert t.fallback_copies_per_all_reduce == copies
-        assert t.fallback_bytes_per_token == 12 * copies * 512
+        # every device a TBRPC node: tbrpc's all-reduce, each node's partial to every other node
+        assert t.all_reduce_path == "tbrpc" and t.copies_per_all_reduce == mesh
+        assert t.node_to_node_bytes_per_token == 12 * mesh * 512
         assert t.logits_bytes_per_token == TINY["n_vocab"] * 4
+        # receive buffers (device) and ALLREDUCE scratch (a CPU node's heap: 2 partials), one 256-token ubatch each
+        partial = 256 * TINY["n_embd"] * 4
+        assert t.reduce_buffer_bytes == (n_nodes - 1).bit_length() * partial
+        assert t.scratch_bytes == [2 * partial] * n_nodes
+        # the head's own device first: its registry has no all-reduce, so the meta backend's butterfly
+        # (fold the excess over a power of two in and back, log2 rounds over the rest)
+        g = plan(llama_f32, _cpu_nodes(n_nodes), ctx=256, split="tensor", head_device="gpu").tensor
+        assert g is not None and g.all_reduce_path == "butterfly" and g.copies_per_all_reduce == butterfly
+        assert g.scratch_bytes == [0] * n_nodes
 
 
 def test_four_nodes_whole_heads(llama_f32: Path) -> None:
@@ -201,7 +210,7 @@ def test_uneven_nodes_get_shares_by_free_memory(llama_f32: Path) -> None:
 @pytest.mark.parametrize("n_nodes,ctx", [(2, 256), (3, 512), (4, 1024)])
 def test_tensor_plan_matches_what_nodes_allocate(n_nodes: int, ctx: int, llama_f32: Path, nodes: Any, tmp_path: Path) -> None:
     """Load the plan's kwargs over real nodes: each node's allocation (weights +
-    KV + compute; the reduce buffers come with the first decode) is the plan's.
+    KV + compute; the all-reduce buffers come with the first decode) is the plan's.
     Measured: 6-12 KiB above the plan (0.2-0.3%), the same on every node."""
     p = plan(llama_f32, _cpu_nodes(n_nodes), ctx=ctx, split="tensor", head_device="none")
     started = nodes(n_nodes)
@@ -212,7 +221,7 @@ def test_tensor_plan_matches_what_nodes_allocate(n_nodes: int, ctx: int, llama_f
     assert result["error"] is None, result["error"]
     assert p.tensor is not None and len(result["allocated_after_load"]) == n_nodes
     for n, allocated in zip(p.nodes, result["allocated_after_load"]):
-        planned = n.total_bytes - p.tensor.reduce_buffer_bytes
+        planned = n.total_bytes - p.tensor.reduce_buffer_bytes - p.tensor.scratch_bytes[p.nodes.index(n)]
         assert abs(planned - allocated) <= max(0.01 * allocated, 64 * 1024), (n.name, planned, allocated)
         # weights and KV are exact: the rest is the compute buffer
         assert allocated - n.weights_bytes - n.kv_bytes > 0
