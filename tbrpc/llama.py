@@ -86,6 +86,8 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
         # every node is a TBRPC device; the head keeps only embeddings, inputs and logits (result.head)
         result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="none", **plan_kwargs)
     except (PlanError, GGUFError) as exc:
+        if str(exc).startswith("tensor split"):   # the planner's own way out is in the message
+            raise TbrpcError(f"step plan: {exc}") from exc
         raise TbrpcError(f"step plan: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
                          "and the context size") from exc
     if not result.fits:
