@@ -68,6 +68,10 @@ struct node_conn {
     struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
     uint8_t   file_nonce[TB_FILE_NONCE_LEN];   // OPEN_FILE proofs answer this (sent at HELLO)
     bool      has_file_nonce;
+
+    int       client_fd;            // the client's TCP connection (kept by every transport as liveness)
+    int64_t   gone_checked_ms;      // when client_left() last looked
+    bool      gone;
 };
 
 // ---- buffers ----------------------------------------------------------------
@@ -394,11 +398,29 @@ static void * watchdog_thread(void * arg) {
     return NULL;
 }
 
+// The device calls this between the ops of a graph: a client that has gone
+// (its connection closed) stops the computation it left behind, instead of
+// the node finishing a graph nobody will read. One look every 20 ms.
+static bool client_left(void * data) {
+    struct node_conn * c = data;
+    const int64_t now = tb_now_ms();
+    if (c->gone || now - c->gone_checked_ms < 20) return c->gone;
+    c->gone_checked_ms = now;
+    char byte;
+    const ssize_t got = recv(c->client_fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    c->gone = got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    return c->gone;
+}
+
 static int run_graph(struct node_conn * c, char * err, size_t err_len) {
     set_computing(c, true);
     enum ggml_status st = ggml_backend_graph_compute(c->backend, c->graph);
     set_computing(c, false);
     count(&c->slot->graphs_computed, 1);
+    if (st == GGML_STATUS_ABORTED && c->gone) {
+        snprintf(err, err_len, "graph compute stopped: the client has gone");
+        return -1;
+    }
     if (st != GGML_STATUS_SUCCESS) {
         snprintf(err, err_len, "graph compute on %s failed with status %d", ggml_backend_dev_name(c->node->dev), (int) st);
         return -1;
@@ -789,6 +811,12 @@ static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, ch
 // Sending and receiving in ascending node order on every node cannot
 // deadlock: node 0 is every sender's first target and reads them in turn,
 // and so on up.
+// Partials up to this size are sent before receiving, from this thread:
+// each fits the kernel's socket buffers (or a shared-memory ring) without
+// the peer reading yet, and a decoded token's partials (n_embd floats: 28 KiB
+// for Kimi K2) skip a thread start. Larger ones (prompts) use the thread.
+#define ALLREDUCE_INLINE (32u << 10)
+
 struct reduce_send {
     struct node_conn * c;
     const struct tb_allreduce * req;
@@ -842,17 +870,21 @@ static int handle_allreduce(struct node_conn * c, const struct tb_header * h, ch
     // Scratch: ours, then a peer's, then (for device memory) the sum. In host
     // memory the sum is made in the buffer itself, ours having been copied out.
     const bool host = ggml_backend_buffer_is_host(b->buf);
-    const size_t size = (size_t) req.size, count = size / sizeof(float);
+    const size_t size = (size_t) req.size, n_floats = size / sizeof(float);
     if (tb_reserve(&c->payload, &c->payload_cap, (host ? 2 : 3) * size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
-    float * mine = (float *) c->payload, * part_buf = mine + count;
-    float * acc = host ? (float *) (b->base + req.offset) : part_buf + count;
+    float * mine = (float *) c->payload, * part_buf = mine + n_floats;
+    float * acc = host ? (float *) (b->base + req.offset) : part_buf + n_floats;
     struct ggml_tensor t = byte_view(b, req.offset, req.size);
     if (req.flags & TB_ALLREDUCE_COMPUTED) ggml_backend_tensor_get(&t, mine, 0, size);
     else memset(mine, 0, size);
+    const int64_t started = now_ns();
     set_computing(c, true);
     struct reduce_send s = { .c = c, .req = &req, .mine = mine, .rc = 0 };
     pthread_t sender;
-    if (pthread_create(&sender, NULL, reduce_send_thread, &s) != 0) {
+    const bool inline_send = size <= ALLREDUCE_INLINE;
+    if (inline_send) {
+        reduce_send_thread(&s);
+    } else if (pthread_create(&sender, NULL, reduce_send_thread, &s) != 0) {
         set_computing(c, false);
         snprintf(err, err_len, "ALLREDUCE: cannot start a thread");
         return -1;
@@ -867,12 +899,14 @@ static int handle_allreduce(struct node_conn * c, const struct tb_header * h, ch
             part = part_buf;
         }
         if (k == 0) memcpy(acc, part, size);
-        else for (size_t i = 0; i < count; i++) acc[i] += part[i];
+        else for (size_t i = 0; i < n_floats; i++) acc[i] += part[i];
     }
-    pthread_join(sender, NULL);
+    if (!inline_send) pthread_join(sender, NULL);
     set_computing(c, false);
     if (rc == 0 && s.rc != 0) { snprintf(err, err_len, "ALLREDUCE: %s", s.err); rc = -1; }
     if (rc == 0 && !host) ggml_backend_tensor_set(&t, acc, 0, size);
+    count(&c->slot->allreduces, 1);
+    count(&c->slot->allreduce_ns, now_ns() - started);
     return rc;
 }
 
@@ -1026,11 +1060,24 @@ static int send_reply(struct node_conn * c, const struct tb_header * h, int rc, 
     return io;
 }
 
+// How long a whole request may take to arrive: the node's timeout, plus its
+// payload at MIN_REQUEST_RATE. Without it a client sending one byte just
+// inside every timeout would hold its connection (and a client slot) forever.
+#define MIN_REQUEST_RATE (1u << 20)   // bytes per second
+
+static int64_t request_deadline(const struct node_conn * c, uint64_t payload) {
+    const int64_t base = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
+    return tb_now_ms() + base + (int64_t) (payload / (MIN_REQUEST_RATE / 1000));
+}
+
 // Serve one request. Returns -1 when the connection must be dropped.
 static int serve_one(struct node_conn * c, bool * said_hello) {
     struct tb_header h;
     char err[512] = "";
-    if (tb_msg_recv_header(c->tp, &h, err, sizeof err) != 0) {
+    c->tp->deadline_ms = request_deadline(c, 0);
+    const int header_rc = tb_msg_recv_header(c->tp, &h, err, sizeof err);
+    c->tp->deadline_ms = header_rc == 0 ? request_deadline(c, h.len) : 0;
+    if (header_rc != 0) {
         if (c->tp->error_kind != TB_IO_CLOSED) node_log(c->node, "client %s: %s; dropping it", c->tp->peer, err);
         return -1;
     }
@@ -1044,13 +1091,15 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
     bool io_failed = false;
     int rc;
     if (h.cmd == TB_CMD_SET_TENSOR) {
-        rc = handle_set(c, &h, err, sizeof err, &io_failed);
-    } else if (read_payload(c, (size_t) h.len) != 0) {
-        io_failed = true;
-        rc = -1;
-    } else if (h.cmd == TB_CMD_TRANSPORT_SWITCH) {
-        rc = handle_transport_switch(c, &h, err, sizeof err, &io_failed);
+        rc = handle_set(c, &h, err, sizeof err, &io_failed);   // receives its payload straight into the buffer
     } else {
+        io_failed = read_payload(c, (size_t) h.len) != 0;
+        rc = io_failed ? -1 : 0;
+    }
+    c->tp->deadline_ms = 0;   // the request has arrived; carrying it out has no such bound
+    if (!io_failed && h.cmd == TB_CMD_TRANSPORT_SWITCH) {
+        rc = handle_transport_switch(c, &h, err, sizeof err, &io_failed);
+    } else if (!io_failed && h.cmd != TB_CMD_SET_TENSOR) {
         rc = dispatch(c, &h, &r, err, sizeof err);
     }
     if (io_failed) {
@@ -1129,6 +1178,7 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     }
     c->node = n;
     c->slot = slot;
+    c->client_fd = fd;
     snprintf(slot->peer, sizeof slot->peer, "%s", c->tp->peer);
     c->next_handle = 1;
     c->keepalive_ms = 1000;
@@ -1138,12 +1188,15 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     pthread_mutex_init(&c->busy_lock, NULL);
     pthread_cond_init(&c->busy_changed, NULL);
     c->has_watchdog = pthread_create(&c->watchdog, NULL, watchdog_thread, c) == 0;
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
     if (n->cfg.threads > 0) {
-        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
         ggml_backend_set_n_threads_t set_threads =
             (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
         if (set_threads) set_threads(c->backend, n->cfg.threads);
     }
+    ggml_backend_set_abort_callback_t set_abort =
+        (ggml_backend_set_abort_callback_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_abort_callback");
+    if (set_abort) set_abort(c->backend, client_left, c);
     return c;
 }
 
