@@ -58,9 +58,10 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--metal-fraction", type=float, default=0.75, show_default=True, help="Share of RAM Metal may wire when a node gives no limit.")
 @click.option("--head-device", type=click.Choice(["gpu", "cpu", "none"]), default="gpu", show_default=True,
               help="Backend the head runs its own layers on; none: every layer on a node (as `tbrpc launch` does).")
-@click.option("--split", type=click.Choice(["layer", "tensor"]), default="layer", show_default=True,
+@click.option("--split", type=click.Choice(["layer", "tensor", "ffn"]), default="layer", show_default=True,
               help="layer: contiguous layer ranges per node; tensor: every layer cut across the nodes (llama.cpp "
-                   "split_mode=3, flash attention on; not for deepseek2).")
+                   "split_mode=3, flash attention on; not for deepseek2); ffn: only the FFN and experts cut "
+                   "(tbrpc's own rules, for deepseek2; the library loads it, launch not yet).")
 @click.option("--tensor-split", "tensor_split", default=None, metavar="A,B,...",
               help="With --split tensor: each node's share of every layer [default: equal, or by free memory when equal does not fit].")
 @click.option("--draft-model", default=None, type=click.Path(exists=True, dir_okay=False),
@@ -86,8 +87,8 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
             nodes = nodes_from_flags(list(node_flags), nodes_flag, metal_fraction)
         shares = None
         if tensor_split is not None:
-            if split != "tensor":
-                raise ValueError("--tensor-split goes with --split tensor (a layer split's tensor_split is planned)")
+            if split == "layer":
+                raise ValueError("--tensor-split goes with --split tensor or ffn (a layer split's tensor_split is planned)")
             try:
                 shares = [float(s) for s in tensor_split.split(",")]
             except ValueError:

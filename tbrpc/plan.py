@@ -372,6 +372,8 @@ class Plan:
         """Flags for llama.cpp's CLI tools that reproduce this split."""
         ts = ",".join(_share_text(x) for x in self.tensor_split)
         args = f"-ngl {self.n_gpu_layers} -sm {self.split_mode} -ts {ts} -c {self.context.kv_size} -ub {self.context.ubatch}"
+        if self.split_mode == "ffn":
+            return "(none: tbrpc's own meta device, Cluster.ffn_split_device, as the only device of a layer split)"
         return args + (" -fa on" if self.split_mode == "tensor" else "")
 
     def llama_kwargs(self) -> dict[str, Any]:
@@ -568,7 +570,7 @@ def _balanced_ranges(costs: _Costs, nodes: Sequence[Node], margin: int) -> tuple
 # replayed here, tensor by tensor, with llama.cpp's float32 arithmetic, so the
 # per-node slices are the bytes the nodes allocate.
 
-SPLIT_MODES = ("layer", "tensor")
+SPLIT_MODES = ("layer", "tensor", "ffn")
 LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_TENSOR = 1, 3
 META_MAX_DEVICES = 16  # GGML_BACKEND_META_MAX_DEVICES
 
@@ -772,6 +774,55 @@ class _MetaSplitter:
         return axis, per_device
 
 
+class _FfnSplitter:
+    """tbrpc's own rules for the meta device (ggml_backend/split_rules.c,
+    ``Cluster.ffn_split_device``): only the feed-forward weights are cut --
+    ffn_gate*/ffn_up* by rows (axis 1), ffn_down* by columns (axis 0), dense,
+    routed and shared experts alike, in multiples of ``granularity`` -- and
+    every other tensor (attention, norms, router, KV cache, output) is whole
+    on every node."""
+
+    def __init__(self, shares: Sequence[float], granularity: int) -> None:
+        total = np.float32(0)
+        for s in shares:
+            total = np.float32(total + np.float32(s))
+        self.shares = [np.float32(np.float32(s) / total) for s in shares]
+        self.granularity = granularity
+
+    @staticmethod
+    def axis(name: str) -> int | None:
+        if any(k in name for k in ("ffn_gate_inp", "ffn_norm", "exp_probs")) or ".bias" in name:
+            return None
+        if "ffn_gate" in name or "ffn_up" in name:
+            return 1
+        if "ffn_down" in name:
+            return 0
+        return None
+
+    def slices(self, t: _MetaTensor) -> tuple[int, list[int]]:
+        axis = self.axis(t.name)
+        if axis is None or axis >= len(t.shape) or t.shape[axis] % self.granularity:
+            return MIRRORED, []
+        units = t.shape[axis] // self.granularity
+        counts, done, upto = [], 0, np.float32(0)
+        for j, share in enumerate(self.shares):  # cumulative rounding in float32, as the C code does
+            upto = np.float32(upto + share)
+            cut = units if j + 1 == len(self.shares) else int(np.float32(upto * np.float32(units)) + np.float32(0.5))
+            counts.append((cut - done) * self.granularity)
+            done = cut
+        return axis, counts
+
+
+def ffn_granularity(model: GGUFModel) -> int:
+    """The cut unit for tbrpc's FFN split: the least common multiple of the
+    FFN tensors' quant block sizes (a cut by columns must not split a block)."""
+    g = 1
+    for t in model.tensors:
+        if _FfnSplitter.axis(t.name) is not None:
+            g = math.lcm(g, GGML_QUANT_SIZES[t.ggml_type][0])
+    return g
+
+
 def _slice_bytes(t: _MetaTensor, axis: int, count: int) -> int:
     shape = list(t.shape)
     shape[axis] = count
@@ -821,6 +872,7 @@ class TensorPlan:
     logits_bytes_per_token: int  # the vocab slices the head gathers: n_vocab x 4
     reduce_buffer_bytes: int  # per node, device memory: the meta backend's ceil(log2 N) receive buffers (one ubatch)
     scratch_bytes: list[int]  # per node, its process's heap: tbrpc's ALLREDUCE scratch (2 or 3 partials of one ubatch)
+    granularity: int = 0  # ffn split: the cut unit (lcm of the FFN tensors' block sizes); 0 for llama.cpp's rules
 
 
 def tbrpc_copies(n: int) -> int:
@@ -857,10 +909,12 @@ def _meta_tensors(model: GGUFModel, p: ArchParams, layout: WeightLayout) -> list
 
 
 def tensor_mode_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: ContextParams,
-                      shares: Sequence[float]) -> tuple[list[TensorModeNode], int, int]:
+                      shares: Sequence[float], ffn_only: bool = False) -> tuple[list[TensorModeNode], int, int]:
     """Per node: slices, replicas, weights and KV under llama.cpp's tensor split
-    with these shares; plus the whole split and replicated bytes."""
-    splitter = _MetaSplitter(model, p, shares)
+    (or, ``ffn_only``, tbrpc's FFN split) with these shares; plus the whole
+    split and replicated bytes."""
+    splitter: _MetaSplitter | _FfnSplitter = (
+        _FfnSplitter(shares, ffn_granularity(model)) if ffn_only else _MetaSplitter(model, p, shares))
     n = len(shares)
     split = [0] * n
     weights = [0] * n
@@ -894,13 +948,13 @@ def tensor_mode_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: 
     return nodes, split_total, replicated
 
 
-def all_reduces_per_token(model: GGUFModel, p: ArchParams) -> int:
+def all_reduces_per_token(model: GGUFModel, p: ArchParams, ffn_only: bool = False) -> int:
     """One after each layer's attention (attn_output is cut by rows) and one after
     its FFN (ffn_down / ffn_down_exps cut by rows; shared experts, mirrored,
-    join the routed experts' reduction)."""
+    join the routed experts' reduction).  ``ffn_only``: the FFN's alone."""
     count = 0
     for il in range(p.n_layer):
-        if model.tensor(f"blk.{il}.attn_output.weight") is not None:
+        if not ffn_only and model.tensor(f"blk.{il}.attn_output.weight") is not None:
             count += 1
         if model.tensor(f"blk.{il}.ffn_down.weight") is not None or model.tensor(f"blk.{il}.ffn_down_exps.weight") is not None:
             count += 1
@@ -914,7 +968,8 @@ def check_tensor_mode(arch: str) -> None:
             f"for it in the llama.cpp llama-cpp-python 0.3.36 ships"
             + ("; for deepseek2 (Kimi K2, DeepSeek V3) its MLA attention has no tensor split rules"
                if arch == "deepseek2" else "")
-            + "); use --split layer")
+            + "); use --split layer"
+            + (", or --split ffn to plan tbrpc's own split of the experts and FFN" if arch == "deepseek2" else ""))
     if arch in TENSOR_UNMODELLED_ARCHS:
         raise PlanError(f"tensor split: architecture '{arch}' has split rules of its own in llama.cpp that the planner "
                         "does not model; use --split layer")
@@ -993,13 +1048,17 @@ def plan(
     model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
     params = arch_params(model)
     layout = weight_layout(model, params, load_mtp=load_mtp)
-    if split == "tensor":
-        check_tensor_mode(params.arch)
+    if split in ("tensor", "ffn"):
+        if split == "tensor":
+            check_tensor_mode(params.arch)
+        elif head_device != "none":
+            raise PlanError("ffn split: tbrpc's meta device is made of TBRPC nodes only; use head_device 'none'")
         if head_device == "cpu":
             raise PlanError("tensor split: the head's CPU is not one of the devices llama.cpp cuts layers across; "
                             "use head_device 'gpu' or 'none'")
         if flash_attn is False:
-            raise PlanError("tensor split needs flash attention (llama.cpp refuses to create the context without it)")
+            raise PlanError(f"{split} split needs flash attention (llama.cpp refuses to create a tensor-split context "
+                            "without it; tbrpc's FFN split is tested with it only)")
         flash_attn = True
         if len(nodes) > META_MAX_DEVICES:
             raise PlanError(f"tensor split: llama.cpp's meta device takes at most {META_MAX_DEVICES} devices, not {len(nodes)}")
@@ -1018,9 +1077,9 @@ def plan(
     if draft_model is not None:
         draft = draft_plan(draft_model, draft_ctx or context.ctx)
     draft_b = draft.total_bytes if draft else 0
-    if split == "tensor":
+    if split in ("tensor", "ffn"):
         node_plans, split_list, tensor = _tensor_nodes(model, params, layout, context, nodes, margin_b, head_device,
-                                                       draft_b, tensor_split)
+                                                       draft_b, tensor_split, ffn_only=split == "ffn")
         ngl = params.n_layer_all + 1
     else:
         costs = _costs(params, layout, context, head_is_node=head_device != "none", head_extra=draft_b)
@@ -1075,7 +1134,7 @@ def draft_plan(gguf: str | os.PathLike[str] | GGUFModel, ctx: int) -> DraftPlan:
 
 def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: ContextParams, nodes: Sequence[Node],
                   margin: int, head_device: str, draft_b: int,
-                  forced: Sequence[float] | None) -> tuple[list[NodePlan], list[float], TensorPlan]:
+                  forced: Sequence[float] | None, ffn_only: bool = False) -> tuple[list[NodePlan], list[float], TensorPlan]:
     """Node plans for a tensor split: equal shares (every node computes the
     same part of each layer, so none waits for another at the all-reduces),
     unless they do not fit and shares by free memory do."""
@@ -1092,7 +1151,7 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
     scratch = [(2 if node.kind == "cpu" else 3) * partial if path == "tbrpc" else 0 for node in nodes]
 
     def build(shares: Sequence[float]) -> tuple[list[NodePlan], int, int]:
-        parts, split_total, replicated = tensor_mode_nodes(model, p, layout, c, shares)
+        parts, split_total, replicated = tensor_mode_nodes(model, p, layout, c, shares, ffn_only)
         plans = []
         for i, (node, part) in enumerate(zip(nodes, parts)):
             is_head = i == 0 and head_device != "none"
@@ -1130,7 +1189,7 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
                 candidate = build(by_room)
                 if min(x.headroom_bytes for x in candidate[0]) > min(x.headroom_bytes for x in plans):
                     shares, (plans, split_total, replicated) = by_room, candidate
-    n_reduce = all_reduces_per_token(model, p)
+    n_reduce = all_reduces_per_token(model, p, ffn_only)
     s = p.n_embd * F32
     copies = tbrpc_copies(n) if path == "tbrpc" else fallback_copies(n)
     tensor = TensorPlan(
@@ -1146,6 +1205,7 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
         logits_bytes_per_token=p.n_vocab * F32,
         reduce_buffer_bytes=reduce_b,
         scratch_bytes=scratch,
+        granularity=ffn_granularity(model) if ffn_only else 0,
     )
     return plans, shares, tensor
 
@@ -1223,6 +1283,12 @@ def _shards_for(model: GGUFModel, is_head: bool, first: int, last: int, n_layer_
 def _notes(params: ArchParams, layout: WeightLayout, c: ContextParams, head_device: str, split: str = "layer",
            draft: DraftPlan | None = None) -> list[str]:
     notes: list[str] = []
+    if split == "ffn":
+        notes.append("ffn split (tbrpc's own rules, ggml_backend/split_rules.c): every node holds a slice of each dense "
+                     "FFN and of every routed and shared expert, and a whole copy of everything else -- attention, "
+                     "the whole KV cache, router, norms, output -- and a full-size compute buffer; one all-reduce per "
+                     "layer.  tbrpc launch and tbrpc.Llama do not load it yet (the library does: "
+                     "Cluster.ffn_split_device, passed as the only device of a layer split).")
     if split == "tensor":
         notes.append("tensor split: every node holds a slice of every layer's attention and FFN matrices plus a whole "
                      "copy of the rest (norms, router, shared experts"
@@ -1258,9 +1324,9 @@ def _shortfall(model: GGUFModel, result: Plan, nodes: Sequence[Node], params: Ar
     kwargs = _replan_kwargs(result, margin, head_device)
     max_ctx = _largest_fitting_ctx(model, nodes, result.context.ctx, kwargs)
     template = max(nodes, key=lambda n: n.usable_bytes)
-    most = META_MAX_DEVICES if result.split_mode == "tensor" else params.n_layer_all
+    most = META_MAX_DEVICES if result.split_mode in ("tensor", "ffn") else params.n_layer_all
     min_nodes = _smallest_node_count(model, template, len(nodes), most, result.context.ctx, kwargs)
-    if result.split_mode == "tensor":
+    if result.split_mode in ("tensor", "ffn"):
         layers = f"a {_share_text(result.tensor_split[result.nodes.index(worst)])}/{_share_text(sum(result.tensor_split))} slice of every layer"
     else:
         layers = f"layers {worst.layers[0]}-{worst.layers[1]}" if worst.layers else "no layers"
@@ -1315,10 +1381,12 @@ def format_table(p: Plan) -> str:
     lines = [
         f"model   {Path(p.model_path).name}  ({p.architecture}, {p.n_layers} layers, {format_size(p.weights_bytes)} weights, {len(p.shards)} shard(s))",
         f"context {c.ctx} tokens (KV {c.cache_type_k}/{c.cache_type_v}, ubatch {c.ubatch}, flash-attn {'on' if c.flash_attn else 'off'}), margin {format_size(p.margin_bytes)} per node",
-        f"split   {p.split_mode}" + (" (every layer cut across the nodes, llama.cpp split_mode=3)" if p.split_mode == "tensor" else " (contiguous layer ranges)"),
+        f"split   {p.split_mode}" + {"tensor": " (every layer cut across the nodes, llama.cpp split_mode=3)",
+                                      "ffn": " (every layer's FFN and experts cut across the nodes, tbrpc's own rules)"}
+        .get(p.split_mode, " (contiguous layer ranges)"),
         "",
     ]
-    tensor = p.split_mode == "tensor"
+    tensor = p.split_mode in ("tensor", "ffn")
     draft = p.draft is not None
     header = ("node", "layers" if not tensor else "share", "weights", *(("split", "replicated") if tensor else ()),
               "kv", "compute", "host", *(("draft",) if draft else ()), "total", "usable", "headroom")
@@ -1359,14 +1427,17 @@ def format_table(p: Plan) -> str:
         t = p.tensor
         lines.append(f"tensor split  {format_size(t.split_bytes)} cut across the nodes, {format_size(t.replicated_bytes)} "
                      "held whole by every node")
-        lines.append(f"all-reduces   {t.all_reduces_per_token} per token (after each layer's attention and FFN), "
+        after = "FFN" if p.split_mode == "ffn" else "attention and FFN"
+        lines.append(f"all-reduces   {t.all_reduces_per_token} per token (after each layer's {after}), "
                      f"{format_size(t.all_reduce_bytes)} each = {format_size(t.all_reduce_bytes_per_token)} per token; "
                      + (f"tbrpc's all-reduce: {t.copies_per_all_reduce} node-to-node transfers each"
                         if t.all_reduce_path == "tbrpc" else
                         f"the meta backend's butterfly (the head's device has no all-reduce): "
                         f"{t.copies_per_all_reduce} node-to-node copies each")
                      + f", {format_size(t.node_to_node_bytes_per_token)} per token")
-        lines.append(f"logits        {format_size(t.logits_bytes_per_token)} per token gathered from the nodes' vocab slices")
+        lines.append(f"logits        {format_size(t.logits_bytes_per_token)} per token "
+                     + ("read from one node (the output is whole on every node)" if p.split_mode == "ffn"
+                        else "gathered from the nodes' vocab slices"))
         lines.append("")
     if p.draft is not None:
         d = p.draft
@@ -1375,8 +1446,13 @@ def format_table(p: Plan) -> str:
                      f"{format_size(d.compute_bytes)}, host {format_size(d.host_bytes)} = {format_size(d.total_bytes)}")
         lines.append("")
     shares = [_num(x) for x in p.tensor_split]
-    split_kw = "split_mode=3, flash_attn=True, " if tensor else ""
-    lines.append(f"llama-cpp-python  n_gpu_layers={p.n_gpu_layers}, {split_kw}tensor_split={shares}")
+    split_kw = "split_mode=3, flash_attn=True, " if p.split_mode == "tensor" else ""
+    if p.split_mode == "ffn":
+        lines.append(f"library           meta = tbrpc.cluster().ffn_split_device(endpoints, {shares}, "
+                     f"{p.tensor.granularity if p.tensor else 1}); Llama(devices=[meta], split_mode=1, "
+                     f"n_gpu_layers={p.n_gpu_layers}, flash_attn=True)")
+    else:
+        lines.append(f"llama-cpp-python  n_gpu_layers={p.n_gpu_layers}, {split_kw}tensor_split={shares}")
     lines.append(f"llama.cpp CLI     {p.cli_args}")
     lines.append("device order      " + ", ".join(f"{n.device}={n.name}" for n in p.nodes))
     if p.head is not None:
