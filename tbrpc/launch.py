@@ -21,6 +21,7 @@ from typing import Any, Callable, TextIO
 from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
+from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_tensor_mode
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster
 from tbrpc.native import TbrpcError
 from tbrpc.node_processes import LaunchError, Nodes, start_nodes
@@ -169,10 +170,15 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 say(f"warning: {gap}")
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything
-                load_gguf(opts.gguf)
+                model = load_gguf(opts.gguf)
             except GGUFError as exc:
                 raise TbrpcError(f"step plan: {exc}\n  try: --gguf must be a GGUF model "
                                  "(for a split set, its first shard)") from exc
+            if opts.llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR:
+                try:   # an architecture llama.cpp will not tensor-split: say so before starting nodes
+                    check_tensor_mode(model.architecture)
+                except PlanError as exc:
+                    raise TbrpcError(f"step plan: {exc}") from exc
             if opts.prompt is None and not opts.chat:
                 require_server()
             check_draft(opts.draft, opts.draft_model, opts.gguf)
