@@ -145,9 +145,10 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
 @click.option("--draft-model", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Speculative decoding with a small GGUF of the same vocabulary, run on this machine.")
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=None, help="Tokens --draft-model guesses per step [default: 8].")
-@click.option("--split", type=click.Choice(["layer", "tensor"]), default=None,
+@click.option("--split", type=click.Choice(["layer", "tensor", "ffn"]), default=None,
               help="layer: contiguous layer ranges per node (default); tensor: every layer cut across the nodes, "
-                   "partial sums all-reduced node to node (flash attention on; not for deepseek2).")
+                   "partial sums all-reduced node to node (flash attention on; not for deepseek2); ffn: tbrpc's own "
+                   "rules, only the FFN and experts cut, the rest whole on every node (for deepseek2: Kimi K2, DeepSeek V3).")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | None, host: str, port: int,
            prompt: str | None, chat: bool, max_tokens: int, temperature: float, alias: str | None,
@@ -174,8 +175,8 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
         gguf=gguf, cluster=cluster, ctx=ctx, host=host, port=port, prompt=prompt, chat=chat, max_tokens=max_tokens,
         temperature=temperature, alias=alias, api_key=api_key, log_dir=Path(log_dir) if log_dir else None,
         start_timeout=start_timeout, verbose=verbose, threads=threads, draft=draft, draft_model=draft_model,
-        draft_tokens=draft_tokens,
-        llama_kwargs={**context_kwargs(cache_type_k, cache_type_v, flash_attn, ubatch, batch, threads, split),
+        draft_tokens=draft_tokens, split=split,
+        llama_kwargs={**context_kwargs(cache_type_k, cache_type_v, flash_attn, ubatch, batch, threads),
                       **({"chat_format": chat_format} if chat_format else {})}))
     raise SystemExit(code)
 

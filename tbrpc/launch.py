@@ -54,6 +54,7 @@ class LaunchOptions:
     draft: str | None = None        # "prompt-lookup[:N]"
     draft_model: str | None = None  # a small GGUF with the model's vocabulary, run on this machine
     draft_tokens: int | None = None # tokens the draft model guesses per step
+    split: str | None = None        # "layer", "tensor" or "ffn" (tbrpc.Llama's split); None: layer
     llama_kwargs: dict[str, Any] = field(default_factory=dict)   # context options: llama.context_kwargs()
 
 
@@ -111,7 +112,7 @@ def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[s
     signals.loading = True
     started = time.monotonic()
     try:
-        llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, **kwargs)
+        llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, **kwargs)
     except (ValueError, TbrpcError):
         if signals.received is not None:
             raise _Interrupted(signal.Signals(signals.received).name) from None
@@ -174,7 +175,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             except GGUFError as exc:
                 raise TbrpcError(f"step plan: {exc}\n  try: --gguf must be a GGUF model "
                                  "(for a split set, its first shard)") from exc
-            if opts.llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR:
+            if opts.split == "tensor" or opts.llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR:
                 try:   # an architecture llama.cpp will not tensor-split: say so before starting nodes
                     check_tensor_mode(model.architecture)
                 except PlanError as exc:

@@ -38,6 +38,7 @@ from tbrpc.plan import (
     CACHE_TYPES,
     LLAMA_SPLIT_MODE_LAYER,
     LLAMA_SPLIT_MODE_TENSOR,
+    SPLIT_MODES,
     Plan,
     PlanError,
     cache_type_name,
@@ -239,12 +240,23 @@ class Llama(llama_cpp.Llama):
     nodes on this machine. ``ctx`` defaults to ``n_ctx``. ``progress``: True
     for a bar on stderr, or a callable taking the loaded fraction.
     ``log_dir``: where node logs go (default: a fresh temporary directory).
+    ``split``: "layer" (the default), "tensor" (llama.cpp's split_mode=3: every
+    layer cut across the nodes) or "ffn" (tbrpc's own rules: only the FFN and
+    experts cut, the rest whole on every node; for deepseek2, which llama.cpp
+    will not tensor-split).
     Unless given, ``n_gpu_layers`` and ``tensor_split`` come from the plan.
     """
 
     def __init__(self, model_path: str, *, cluster: ClusterArg, progress: bool | Progress = False,
                  log_dir: str | os.PathLike[str] | None = None, start_timeout: float = 60.0,
-                 plan_options: dict[str, Any] | None = None, on_event: Say | None = None, **kwargs: Any) -> None:
+                 plan_options: dict[str, Any] | None = None, on_event: Say | None = None, split: str | None = None,
+                 **kwargs: Any) -> None:
+        if split is not None:
+            if split not in SPLIT_MODES:
+                raise TbrpcError(f"split {split!r}: choose one of {', '.join(SPLIT_MODES)}")
+            plan_options = {**(plan_options or {}), "split": split}
+            if split != "ffn":   # llama.cpp's own split modes
+                kwargs = {**context_kwargs(split=split), **kwargs}
         self._tbrpc_nodes: Nodes | None = None
         say: Say = on_event or (lambda message: None)
         if isinstance(cluster, Nodes):
@@ -266,9 +278,10 @@ class Llama(llama_cpp.Llama):
         self.tbrpc_plan = make_plan(model_path, nodes.specs, nodes, n_ctx or None,
                                     **{**planned_context(kwargs), **plan_options})
         head = self.tbrpc_plan.head
-        if self.tbrpc_plan.split_mode == "tensor":
+        if self.tbrpc_plan.split_mode in ("tensor", "ffn"):
             total = sum(self.tbrpc_plan.tensor_split)
-            where = [f"{n.name} {s:g}/{total:g} of every layer" for n, s in zip(self.tbrpc_plan.nodes, self.tbrpc_plan.tensor_split)]
+            what = "every layer" if self.tbrpc_plan.split_mode == "tensor" else "every FFN and expert"
+            where = [f"{n.name} {s:g}/{total:g} of {what}" for n, s in zip(self.tbrpc_plan.nodes, self.tbrpc_plan.tensor_split)]
         else:
             where = [f"{n.name} layers {n.layers[0]}-{n.layers[1]}" if n.layers else f"{n.name} -" for n in self.tbrpc_plan.nodes]
         say("plan: " + ", ".join(where) + f" (context {self.tbrpc_plan.ctx}, {_cache_words(self.tbrpc_plan)}"
@@ -288,7 +301,13 @@ class Llama(llama_cpp.Llama):
             if key != "n_ctx":   # what the plan chose where the caller did not (flash attention for a quantized V)
                 kwargs.setdefault(key, value)
         kwargs["n_ctx"] = n_ctx or self.tbrpc_plan.ctx
-        self._tbrpc_devices_array = device_pointers(self.tbrpc_devices)
+        if self.tbrpc_plan.split_mode == "ffn":   # one meta device over all the nodes, with tbrpc's split rules
+            assert self.tbrpc_plan.tensor is not None
+            meta = client_cluster().ffn_split_device(nodes.endpoints, self.tbrpc_plan.tensor_split,
+                                                     self.tbrpc_plan.tensor.granularity)
+            self._tbrpc_devices_array = (ctypes.c_void_p * 2)(meta, None)
+        else:
+            self._tbrpc_devices_array = device_pointers(self.tbrpc_devices)
         self._tbrpc_progress_cb = _progress_callback(progress)
         self.tbrpc_load_seconds = 0.0
         started = time.monotonic()

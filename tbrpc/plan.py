@@ -381,7 +381,8 @@ class Plan:
         return {
             "n_gpu_layers": self.n_gpu_layers,
             "split_mode": LLAMA_SPLIT_MODE_TENSOR if self.split_mode == "tensor" else LLAMA_SPLIT_MODE_LAYER,
-            "tensor_split": list(self.tensor_split),
+            # ffn: one (meta) device holds every layer, so there is nothing to share out between devices
+            "tensor_split": None if self.split_mode == "ffn" else list(self.tensor_split),
             "n_ctx": self.context.ctx,
             "n_batch": self.context.batch,
             "n_ubatch": self.context.ubatch,
@@ -969,7 +970,8 @@ def check_tensor_mode(arch: str) -> None:
             + ("; for deepseek2 (Kimi K2, DeepSeek V3) its MLA attention has no tensor split rules"
                if arch == "deepseek2" else "")
             + "); use --split layer"
-            + (", or --split ffn to plan tbrpc's own split of the experts and FFN" if arch == "deepseek2" else ""))
+            + (", or --split ffn: tbrpc's own split of the experts and FFN, attention whole on every node"
+               if arch == "deepseek2" else ""))
     if arch in TENSOR_UNMODELLED_ARCHS:
         raise PlanError(f"tensor split: architecture '{arch}' has split rules of its own in llama.cpp that the planner "
                         "does not model; use --split layer")

@@ -430,3 +430,17 @@ def test_ffn_plan_matches_what_nodes_allocate(n_nodes: int, ctx: int, nodes: Any
     for i, (n, allocated) in enumerate(zip(p.nodes, result["allocated_after_load"])):
         planned = n.total_bytes - p.tensor.reduce_buffer_bytes - p.tensor.scratch_bytes[i]
         assert 0 <= planned - allocated <= max(0.03 * allocated, 512 * 1024), (n.name, planned, allocated)
+
+
+def test_launch_split_ffn_runs_deepseek2_across_nodes(tmp_path: Path) -> None:
+    """`--split ffn` (tbrpc's own rules) runs deepseek2, which llama.cpp will
+    not tensor-split, over two nodes: the same greedy text as one process."""
+    model = models.ensure("deepseek2-f32")
+    prompt = "The capital of France is"
+    want = _one_process(model, prompt, 12)
+    launch = start_launch(tmp_path, "--gguf", str(model), "--local", "2", "--ctx", "256", "--split", "ffn",
+                          "--prompt", prompt, "--max-tokens", "12")
+    assert launch.finish(timeout=180) == 0, launch.stderr
+    assert launch.stdout == want + "\n"
+    assert "of every FFN and expert" in launch.stderr, launch.stderr
+    assert_gone(launch.node_pids())
