@@ -18,12 +18,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, TextIO
 
+from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
+from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_tensor_mode
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster, with_secret
 from tbrpc.native import TbrpcError
-from tbrpc.node_processes import LaunchError, Nodes, start_nodes
+from tbrpc.node_processes import LaunchError, Nodes, head_secret_file, start_nodes
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
 from tbrpc.spec import cable_gaps
 from tbrpc.status import launch_record, note_serving, note_transports
@@ -53,6 +55,7 @@ class LaunchOptions:
     draft: str | None = None        # "prompt-lookup[:N]"
     draft_model: str | None = None  # a small GGUF with the model's vocabulary, run on this machine
     draft_tokens: int | None = None # tokens the draft model guesses per step
+    split: str | None = None        # "layer", "tensor" or "ffn" (tbrpc.Llama's split); None: layer
     llama_kwargs: dict[str, Any] = field(default_factory=dict)   # context options: llama.context_kwargs()
 
 
@@ -110,7 +113,7 @@ def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[s
     signals.loading = True
     started = time.monotonic()
     try:
-        llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, **kwargs)
+        llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, **kwargs)
     except (ValueError, TbrpcError):
         if signals.received is not None:
             raise _Interrupted(signal.Signals(signals.received).name) from None
@@ -169,17 +172,24 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 say(f"warning: {gap}")
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything
-                load_gguf(opts.gguf)
+                model = load_gguf(opts.gguf)
             except GGUFError as exc:
                 raise TbrpcError(f"step plan: {exc}\n  try: --gguf must be a GGUF model "
                                  "(for a split set, its first shard)") from exc
+            if opts.split == "tensor" or opts.llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR:
+                try:   # an architecture llama.cpp will not tensor-split: say so before starting nodes
+                    check_tensor_mode(model.architecture)
+                except PlanError as exc:
+                    raise TbrpcError(f"step plan: {exc}") from exc
             if opts.prompt is None and not opts.chat:
                 require_server()
             check_draft(opts.draft, opts.draft_model, opts.gguf)
             step = "start"
             say(f"{len(specs)} node(s); node logs in {log_dir}")
             nodes = start_nodes(specs, log_dir, timeout=opts.start_timeout, on_event=say, head_model=opts.gguf)
-            record = records.enter_context(launch_record(opts.gguf, [s.name for s in nodes.specs], nodes.endpoints))
+            record = records.enter_context(launch_record(opts.gguf, [s.name for s in nodes.specs], nodes.endpoints,
+                                                         [head_secret_file(s) or cluster_secret.file_for()
+                                                          for s in nodes.specs]))
             step = "load"
             llm = _load(opts, nodes, signals, say)
             note_transports(record, {info.endpoint: info.transport for info in client_cluster().nodes()})

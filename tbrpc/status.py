@@ -36,6 +36,7 @@ class Target:
     launch: str = ""      # "launch <pid> (<model>)" when a running launch uses it
     transport: str = ""   # that launch's connection to it
     served: dict[str, Any] | None = None   # that launch's page's record of the node (dashboard.snapshot)
+    secret_file: str | None = None         # the secret that launch proves to it (None: this process's)
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,17 @@ def runtime_dir() -> Path:
 
 
 @contextmanager
-def launch_record(model: str, names: Sequence[str], endpoints: Sequence[str]) -> Iterator[Path]:
-    """Record a running launch (its nodes) until the block ends. The file is
-    the user's alone (it may come to hold the launch's --api-key)."""
+def launch_record(model: str, names: Sequence[str], endpoints: Sequence[str],
+                  secret_files: Sequence[str | None] = ()) -> Iterator[Path]:
+    """Record a running launch (its nodes, and the secret file it proves to each) until the block ends.
+    The file is the user's alone (it may come to hold the launch's --api-key)."""
     directory = runtime_dir()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / f"launch-{os.getpid()}.json"
+    secrets = list(secret_files) or [None] * len(names)
     _write_record(path, {"pid": os.getpid(), "model": model,
-                         "nodes": [{"name": n, "endpoint": e} for n, e in zip(names, endpoints)]})
+                         "nodes": [{"name": n, "endpoint": e, "secret_file": k}
+                                   for n, e, k in zip(names, endpoints, secrets)]})
     try:
         yield path
     finally:
@@ -133,7 +137,7 @@ def targets(listed: Sequence[tuple[str, str]], with_launches: bool, timeout: flo
         for node in launch["nodes"]:
             known = next((i for i, t in enumerate(found) if t.endpoint == node["endpoint"]), None)
             target = Target(found[known].name if known is not None else node["name"], node["endpoint"], tag,
-                            node.get("transport", ""), served.get(node["endpoint"]))
+                            node.get("transport", ""), served.get(node["endpoint"]), node.get("secret_file"))
             if known is None:
                 found.append(target)
             elif not found[known].launch:
@@ -156,7 +160,7 @@ def query(nodes: Sequence[Target], timeout: float = 5.0) -> list[Row]:
     rows = []
     for target in nodes:
         try:
-            info, status = probe(target.endpoint, timeout=timeout)
+            info, status = probe(target.endpoint, timeout=timeout, secret_file=target.secret_file)
             rows.append(Row(target, info, status))
         except NodeError as exc:
             rows.append(Row(target, None, None, str(exc)))
@@ -170,8 +174,8 @@ def _per_token(served: dict[str, Any] | None) -> str:
 
 
 def _layers(served: dict[str, Any] | None) -> str:
-    layers = (served or {}).get("layers")
-    return f"{layers[0]}-{layers[-1]}" if layers else "-"
+    layers, share = (served or {}).get("layers"), (served or {}).get("share")
+    return (f"{layers[0]}-{layers[-1]}" if layers else "-") + (f" ({share})" if share else "")
 
 
 def format_rows(rows: Sequence[Row]) -> str:

@@ -415,3 +415,23 @@ def test_an_idle_client_holding_nothing_gives_its_slot_back(nodes: Any) -> None:
     time.sleep(1.5)
     holding.send(lib.TB_CMD_SYNC)
     assert holding.reply()[0] == 0
+
+
+def test_status_reaches_the_nodes_of_a_local_launch_with_its_run_secret(tmp_path: Path) -> None:
+    """`tbrpc launch --local 1` makes a secret for its node; `tbrpc status` finds it in the launch's record."""
+    import json
+
+    from helpers import ENV, start_launch
+
+    env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    env.pop("TBRPC_SECRET_FILE", None)
+    with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "1", "--ctx", "256",
+                      "--port", "0", env=env) as launch:
+        launch.http_base()
+        shown = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=60)
+        (row,) = json.loads(shown.stdout)["nodes"]
+        assert row["up"] and row["bytes_allocated"] > 0, row
+        endpoint = row["endpoint"]
+        with pytest.raises(tbrpc.AuthenticationError):       # without the run's secret: refused
+            tbrpc.probe(endpoint, timeout=5)
