@@ -148,3 +148,94 @@ def test_builds_without_verbs_headers(tmp_path) -> None:
     exe = build_program(src, tmp_path / "stub", with_ggml=False, defines=("TB_NO_VERBS",))
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- head and nodes: TRANSPORT_OFFER kind RDMA ---------------------------------------------
+
+def start_sim_node(tmp_path: Path, sim_env: dict[str, str], host_id: str) -> "NodeProcess":
+    """`tbrpc node` on 127.0.0.3, a second "host": its own host id and the stand-in's GID ::ffff:127.0.0.3."""
+    import re
+    import sys
+    import time
+
+    from helpers import ROOT, NodeProcess
+
+    log = tmp_path / f"node-{host_id}.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TBVSIM_", "TBRPC_"))}
+    env.update(sim_env, TBVSIM_ADDR="127.0.0.3", TBRPC_HOST_ID=host_id)
+    proc = subprocess.Popen([sys.executable, "-I", "-m", "tbrpc.cli", "node", "--host", "127.0.0.3", "--port", "0",
+                             "--threads", "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
+                            start_new_session=True, env=env)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))
+        if m:
+            return NodeProcess(proc, int(m.group(1)), log)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"node did not start: {log.read_text(errors='replace')}")
+
+
+@pytest.fixture
+def sim_nodes(built, tmp_path):
+    from helpers import stop_nodes
+
+    started: list = []
+
+    def factory(n: int, profile: str, **extra: str) -> list:
+        sim_env = dict(TBRPC_VERBS_LIB=str(built["sim"]), TBVSIM_DIR=str(tmp_path / "sim"), TBVSIM_PROFILE=profile,
+                       TBRPC_RDMA_PROFILE=profile)
+        sim_env.update(extra)
+        new = [start_sim_node(tmp_path, sim_env, f"node-{len(started) + i}") for i in range(n)]
+        started.extend(new)
+        return new
+
+    yield factory
+    stop_nodes(started)
+
+
+def head_env(monkeypatch: pytest.MonkeyPatch, built: dict[str, Path], tmp_path: Path, profile: str) -> None:
+    for key in [k for k in os.environ if k.startswith(("TBVSIM_", "TBRPC_"))]:
+        monkeypatch.delenv(key)
+    for key, value in dict(TBRPC_VERBS_LIB=str(built["sim"]), TBVSIM_DIR=str(tmp_path / "sim"), TBVSIM_PROFILE=profile,
+                           TBRPC_RDMA_PROFILE=profile, TBVSIM_ADDR="127.0.0.1", TBRPC_HOST_ID="head").items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("profile,describe", [("apple-uc", "rdma simbolt0 UC 128Kx16"),
+                                              ("linux-rc", "rdma simbolt0 RC 256Kx16")])
+def test_generation_over_rdma_matches_tcp(built, sim_nodes, monkeypatch, profile, describe, tmp_path) -> None:
+    import numpy as np
+
+    import models
+    from helpers import run_head
+
+    started = sim_nodes(2, profile)
+    head_env(monkeypatch, built, tmp_path, profile)
+    spec = dict(model=str(models.ensure("llama")), prompt="The capital of France is", n_predict=8,
+                nodes=[f"127.0.0.3:{n.port}" for n in started])
+    over_tcp, tcp_logits = run_head(tmp_path, transport="tcp", **spec)
+    assert over_tcp["error"] is None, over_tcp["error"]
+    assert [n["transport"] for n in over_tcp["nodes"]] == ["tcp: asked for"] * 2
+    over_rdma, rdma_logits = run_head(tmp_path, **spec)
+    assert over_rdma["error"] is None, over_rdma["error"]
+    assert [n["transport"] for n in over_rdma["nodes"]] == [describe] * 2, over_rdma["nodes"]
+    assert over_rdma["tokens"] == over_tcp["tokens"]
+    assert np.array_equal(rdma_logits, tcp_logits)
+    for node in started:
+        assert f"transport {describe}" in node.log_text(), node.log_text()[-2000:]
+
+
+def test_node_without_rdma_keeps_tcp_and_says_why(built, sim_nodes, monkeypatch, tmp_path) -> None:
+    from helpers import run_head
+
+    import models
+
+    started = sim_nodes(1, "linux-rc", TBRPC_VERBS_LIB="/nonexistent/libibverbs.so.1")
+    head_env(monkeypatch, built, tmp_path, "linux-rc")
+    result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="Hello", n_predict=2,
+                         nodes=[f"127.0.0.3:{started[0].port}"])
+    assert result["error"] is None, result["error"]
+    assert [n["transport"] for n in result["nodes"]] == ["tcp: peer has no RDMA device"]

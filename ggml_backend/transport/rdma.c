@@ -72,6 +72,10 @@ struct tb_transport * tb_rdma_transport(struct tb_rdma * d, struct tb_transport 
     return NULL;
 }
 void tb_rdma_discard(struct tb_rdma * d) { (void) d; }
+int tb_rdma_available(char * why, size_t why_len) {
+    snprintf(why, why_len, "%s", NO_VERBS);
+    return 0;
+}
 struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len) {
     (void) tcp; (void) local_host;
     snprintf(reason, reason_len, "%s", NO_VERBS);
@@ -86,6 +90,7 @@ struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * lo
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -732,8 +737,32 @@ static int agree(const struct tb_rdma_info * mine, const struct tb_rdma_info * p
     return 1;
 }
 
+int tb_rdma_available(char * why, size_t why_len) {
+    const struct tb_verbs * v = tb_verbs_load(why, why_len);
+    if (!v) return 0;
+    int n = 0;
+    struct ibv_device ** list = v->get_device_list(&n);
+    if (list) v->free_device_list(list);
+    if (n <= 0) { snprintf(why, why_len, "no RDMA device"); return 0; }
+    return 1;
+}
+
+// The address this side of a TCP connection has ("a.b.c.d" or an IPv6 literal).
+static int local_address(struct tb_transport * tcp, char * out, size_t out_len) {
+    struct sockaddr_storage a;
+    socklen_t len = sizeof a;
+    if (getsockname(tb_tcp_fd(tcp), (struct sockaddr *) &a, &len) != 0) return -1;
+    if (a.ss_family == AF_INET) return inet_ntop(AF_INET, &((struct sockaddr_in *) &a)->sin_addr, out, (socklen_t) out_len) ? 0 : -1;
+    if (a.ss_family != AF_INET6) return -1;
+    const struct in6_addr * six = &((struct sockaddr_in6 *) &a)->sin6_addr;
+    if (IN6_IS_ADDR_V4MAPPED(six)) return inet_ntop(AF_INET, six->s6_addr + 12, out, (socklen_t) out_len) ? 0 : -1;
+    return inet_ntop(AF_INET6, six, out, (socklen_t) out_len) ? 0 : -1;
+}
+
 struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len) {
     struct tb_rdma_info mine, peer;
+    char here[64] = "";
+    if (!local_host && local_address(tcp, here, sizeof here) == 0) local_host = here;
     struct tb_rdma * d = tb_rdma_prepare(local_host, &mine);
     char why[200];
     if (tb_send(tcp, &mine, sizeof mine) != 0 || tb_flush(tcp) != 0 || tb_recv(tcp, &peer, sizeof peer) != 0) {

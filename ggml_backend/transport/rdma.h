@@ -68,4 +68,9 @@ void tb_rdma_discard(struct tb_rdma * d);
 // point of their conversation). Returns the RDMA transport (which now owns
 // tcp), or NULL with the reason in `reason`; tcp is then still usable and the
 // peer stayed on TCP too.
+// local_host NULL: the TCP connection's own address.
 struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len);
+
+// Whether this process could offer RDMA at all: a verbs library loads and
+// lists a device. 1, or 0 with why not (a node sets TB_CAP_RDMA from this).
+int tb_rdma_available(char * why, size_t why_len);
