@@ -94,6 +94,7 @@ def test_idle_wait_sleeps(built, profile, tmp_path) -> None:
     ({"CHILD_TBVSIM_FAIL_RTR": "1"}, "RTR on simbolt0 failed: Invalid argument"),
     ({"CHILD_TBRPC_VERBS_LIB": "/nonexistent/libibverbs.so"}, "cannot load TBRPC_VERBS_LIB"),
     ({"CHILD_RDMA_TEST_LOCAL": "127.0.0.9"}, "no RDMA device has a GID for 127.0.0.9"),
+    ({"CHILD_TBVSIM_MAX_QPS": "0"}, "ibv_create_qp on simbolt0 failed: Cannot allocate memory"),   # QP budget spent
 ])
 def test_any_failure_leaves_both_on_tcp_with_a_reason(built, env, reason, tmp_path) -> None:
     proc = run(built, "stays_on_tcp", "linux-rc", tmp_path, **env)
@@ -239,3 +240,24 @@ def test_node_without_rdma_keeps_tcp_and_says_why(built, sim_nodes, monkeypatch,
                          nodes=[f"127.0.0.3:{started[0].port}"])
     assert result["error"] is None, result["error"]
     assert [n["transport"] for n in result["nodes"]] == ["tcp: peer has no RDMA device"]
+
+
+@pytest.mark.parametrize("profile", ["apple-uc", "linux-rc"])
+def test_node_killed_mid_generation_over_rdma(built, sim_nodes, monkeypatch, profile, tmp_path) -> None:
+    """As tests/test_failures.py over TCP: NodeError naming the killed node, the head survives, the other node serves."""
+    import time
+
+    import models
+    from helpers import run_head
+
+    a, b = sim_nodes(2, profile)
+    head_env(monkeypatch, built, tmp_path, profile)
+    endpoints = [f"127.0.0.3:{a.port}", f"127.0.0.3:{b.port}"]
+    t0 = time.monotonic()
+    result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is", n_predict=12,
+                         nodes=endpoints, kill={"pid": b.proc.pid, "after_tokens": 3})
+    assert result["error"] is not None and result["error"]["type"] == "NodeError", result["error"]
+    assert endpoints[1] in result["error"]["message"]
+    assert time.monotonic() - t0 < 60
+    assert b.proc.wait(timeout=10) == -9
+    assert list(result["survivor_status"]) == [endpoints[0]]
