@@ -261,3 +261,27 @@ def test_node_killed_mid_generation_over_rdma(built, sim_nodes, monkeypatch, pro
     assert time.monotonic() - t0 < 60
     assert b.proc.wait(timeout=10) == -9
     assert list(result["survivor_status"]) == [endpoints[0]]
+
+
+def test_stalled_node_times_out_over_rdma(built, sim_nodes, monkeypatch, tmp_path) -> None:
+    """Only silence times out, as over TCP: a SIGSTOPped node is named with the same words."""
+    import signal
+    import time
+
+    import models
+    from helpers import run_head
+
+    a, b = sim_nodes(2, "apple-uc")
+    head_env(monkeypatch, built, tmp_path, "apple-uc")
+    endpoints = [f"127.0.0.3:{a.port}", f"127.0.0.3:{b.port}"]
+    try:
+        started = time.time()
+        result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is",
+                             n_predict=12, nodes=endpoints, timeout=2.0,
+                             kill={"pid": b.proc.pid, "after_tokens": 2, "signal": int(signal.SIGSTOP)})
+        assert result["error"]["type"] == "NodeError", result["error"]
+        message = result["error"]["message"]
+        assert endpoints[1] in message and "no answer within 2000 ms (rdma simbolt0 UC 128Kx16)" in message, message
+        assert time.time() - started < 60
+    finally:
+        os.killpg(b.proc.pid, signal.SIGCONT)

@@ -453,6 +453,19 @@ static int fail_broken(struct rdma_transport * t) {
     return tb_fail(&t->ring.base, t->broken_kind, "%s", t->broken_why);
 }
 
+// Whether the TCP socket says the peer is gone (end of file or error); reads
+// and drops anything else (nothing travels over TCP once on RDMA).
+static int tcp_gone(struct rdma_transport * t) {
+    char buf[64];
+    for (;;) {
+        ssize_t k = recv(t->fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (k > 0) continue;
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+        return 1;
+    }
+}
+
 // Poll the CQ once (cq_lock held). Number of completions, or -1 (broken).
 static int progress_locked(struct rdma_transport * t) {
     struct ibv_wc wc[16];
@@ -462,7 +475,9 @@ static int progress_locked(struct rdma_transport * t) {
         uint32_t seq = (uint32_t) wc[i].wr_id;
         uint32_t idx = seq % t->d->slots;
         if (wc[i].wr_id & SEND_TAG) {
-            if (wc[i].status != IBV_WC_SUCCESS) {
+            if (wc[i].status != IBV_WC_SUCCESS && tcp_gone(t)) {   // RC retries out against a dead peer
+                set_broken(t, TB_IO_CLOSED, "%s: connection closed by peer", t->ring.base.peer);
+            } else if (wc[i].status != IBV_WC_SUCCESS) {
                 set_broken(t, TB_IO_BROKEN, "%s: RDMA send of frame %u failed: %s", t->ring.base.peer, seq,
                            t->d->v->wc_status_str(wc[i].status));
             }
@@ -478,19 +493,6 @@ static int progress_locked(struct rdma_transport * t) {
         t->rx_bytes[idx] = wc[i].byte_len;
     }
     return t->broken ? -1 : n;
-}
-
-// Whether the TCP socket says the peer is gone (end of file or error); reads
-// and drops anything else (nothing travels over TCP once on RDMA).
-static int tcp_gone(struct rdma_transport * t) {
-    char buf[64];
-    for (;;) {
-        ssize_t k = recv(t->fd, buf, sizeof buf, MSG_DONTWAIT);
-        if (k > 0) continue;
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
-        return 1;
-    }
 }
 
 static void note_eof(struct rdma_transport * t) {
