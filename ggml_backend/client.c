@@ -291,6 +291,9 @@ static struct peer_link * peer_link(struct client_node * a, struct client_node *
     memset(&conn, 0, sizeof conn);
     if (node_call(b, TB_CMD_PEER_LISTEN, NULL, 0, &listen, sizeof listen) != 0 || listen.port == 0) return NULL;
     endpoint_host(b, conn.host, sizeof conn.host);
+    for (size_t i = 0; i < b->n_addresses; i++) {
+        if (b->addresses[i].from == a) snprintf(conn.host, sizeof conn.host, "%s", b->addresses[i].host);
+    }
     conn.port = listen.port;
     conn.token = listen.token;
     if (node_call(a, TB_CMD_PEER_CONNECT, &conn, sizeof conn, &link->out_id, sizeof link->out_id) != 0 || !link->out_id) return NULL;
@@ -325,6 +328,81 @@ static bool backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t 
     node_post_locked(b, TB_CMD_PEER_RECV, &recv, sizeof recv, NULL, 0);
     pthread_mutex_unlock(&b->lock);
     return true;
+}
+
+// ---- all-reduce for llama.cpp's tensor split -----------------------------------
+// llama.cpp's meta backend asks backend 0's registry for these. With them,
+// each all-reduce is one posted ALLREDUCE per node, and the partial sums go
+// node to node over the peer links; without them (NULL from comm_init, or
+// false from allreduce) the meta backend falls back to its butterfly of
+// cpy_tensor_async copies and one-node ADD graphs.
+
+struct comm { struct client_node * nodes[TB_MAX_ALLREDUCE_NODES]; size_t n; };
+
+static void * comm_init(ggml_backend_t * backends, size_t n) {
+    if (n < 2 || n > TB_MAX_ALLREDUCE_NODES || getenv("TBRPC_NO_ALLREDUCE")) return NULL;
+    struct comm * cm = calloc(1, sizeof *cm);
+    if (!cm) return NULL;
+    cm->n = n;
+    for (size_t i = 0; i < n; i++) {
+        if (backends[i]->iface.get_name != backend_get_name) { free(cm); return NULL; }
+        cm->nodes[i] = backend_node(backends[i]);
+        for (size_t k = 0; k < i; k++) {
+            if (cm->nodes[k] == cm->nodes[i]) { free(cm); return NULL; }
+        }
+    }
+    for (size_t i = 0; i < n; i++) {       // the whole mesh now, not on the first token
+        for (size_t k = 0; k < n; k++) {
+            if (i != k && !peer_link(cm->nodes[i], cm->nodes[k])) { free(cm); return NULL; }
+        }
+    }
+    return cm;
+}
+
+static void comm_free(void * ctx) { free(ctx); }
+
+static bool comm_allreduce_tensor(void * ctx, struct ggml_tensor ** tensors) {
+    struct comm * cm = ctx;
+    const size_t size = ggml_nbytes(tensors[0]);
+    for (size_t j = 0; j < cm->n; j++) {
+        const struct ggml_tensor * t = tensors[j];
+        if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t) || ggml_nbytes(t) != size || !is_our_buffer(t->buffer) ||
+            ((struct client_buffer *) t->buffer->context)->node != cm->nodes[j] || cm->nodes[j]->failed)
+            return false;
+    }
+    if (size == 0) return true;
+    for (size_t j = 0; j < cm->n; j++) {
+        struct client_node * n = cm->nodes[j];
+        struct client_buffer * cb = tensors[j]->buffer->context;
+        struct tb_allreduce req;
+        memset(&req, 0, sizeof req);
+        req.handle = cb->handle;
+        req.offset = tensor_offset(cb, tensors[j]);
+        req.size = size;
+        req.type = GGML_TYPE_F32;
+        req.flags = (tensors[j]->flags & GGML_TENSOR_FLAG_COMPUTE) ? TB_ALLREDUCE_COMPUTED : 0;
+        req.n = (uint32_t) cm->n;
+        req.self = (uint32_t) j;
+        for (size_t k = 0; k < cm->n; k++) {
+            if (k == j) continue;
+            req.peer_out[k] = peer_link(n, cm->nodes[k])->out_id;      // made by comm_init, so never NULL here
+            req.peer_in[k] = peer_link(cm->nodes[k], n)->in_id;
+        }
+        pthread_mutex_lock(&n->lock);
+        node_post_locked(n, TB_CMD_ALLREDUCE, &req, sizeof req, NULL, 0);
+        if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "ALLREDUCE", n->tp->error);
+        n->allreduces++;
+        pthread_mutex_unlock(&n->lock);
+    }
+    return true;
+}
+
+static void * reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
+    (void) reg;
+    if (strcmp(name, "ggml_backend_comm_init") == 0) return (void *) comm_init;
+    if (strcmp(name, "ggml_backend_comm_free") == 0) return (void *) comm_free;
+    if (strcmp(name, "ggml_backend_comm_allreduce_tensor") == 0) return (void *) comm_allreduce_tensor;
+    return NULL;
 }
 
 static const struct ggml_backend_i backend_iface = {
@@ -478,7 +556,7 @@ static const struct ggml_backend_reg_i reg_iface = {
     .get_name = reg_get_name,
     .get_device_count = reg_get_device_count,
     .get_device = reg_get_device,
-    .get_proc_address = NULL,
+    .get_proc_address = reg_get_proc_address,
 };
 
 struct tbrpc_client * tbrpc_client_new(void) {
@@ -570,6 +648,25 @@ int tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * 
     return 0;
 }
 
+int tbrpc_client_set_peer_address(struct tbrpc_client * c, size_t from, size_t to, const char * host, char * err,
+                                  size_t err_len) {
+    struct client_node * a = node_at(c, from), * b = node_at(c, to);
+    if (!a || !b || a == b) { snprintf(err, err_len, "no pair of nodes %zu, %zu", from, to); return -1; }
+    if (strlen(host) == 0 || strlen(host) >= sizeof b->addresses[0].host) { snprintf(err, err_len, "bad address '%s'", host); return -1; }
+    pthread_mutex_lock(&b->lock);
+    size_t i = 0;
+    while (i < b->n_addresses && b->addresses[i].from != a) i++;
+    const bool room = i < sizeof b->addresses / sizeof b->addresses[0];
+    if (room) {
+        b->addresses[i].from = a;
+        snprintf(b->addresses[i].host, sizeof b->addresses[i].host, "%s", host);
+        if (i == b->n_addresses) b->n_addresses++;
+    }
+    pthread_mutex_unlock(&b->lock);
+    if (!room) { snprintf(err, err_len, "node %s has addresses for 16 peers already", b->endpoint); return -1; }
+    return 0;
+}
+
 int tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len) {
     (void) err; (void) err_len;
     if (c->registered) return 0;
@@ -606,6 +703,7 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
     out->graphs_reused = n->graphs_reused;
     out->bytes_from_files = n->bytes_from_files;
     out->peer_copies = n->peer_copies;
+    out->allreduces = n->allreduces;
     pthread_mutex_unlock(&n->lock);
     return 0;
 }
@@ -637,6 +735,7 @@ void tbrpc_client_reset_stats(struct tbrpc_client * c) {
         struct client_node * n = node_at(c, i);
         pthread_mutex_lock(&n->lock);
         n->round_trips = n->messages = n->graphs_sent = n->graphs_reused = n->bytes_from_files = n->peer_copies = 0;
+        n->allreduces = 0;
         n->tp->bytes_sent = n->tp->bytes_received = 0;
         pthread_mutex_unlock(&n->lock);
     }

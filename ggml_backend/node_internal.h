@@ -20,6 +20,7 @@ struct client_slot {
     int32_t  in_use;
     int32_t  pid;              // worker process, or 0 when served by a thread
     uint64_t buffers, bytes_allocated, graphs_computed, bytes_received, bytes_from_files;
+    uint64_t allreduces, allreduce_ns;   // tensor split: all-reduces done, and the time they took
     char     peer[96];
 };
 

@@ -63,6 +63,7 @@ enum tb_cmd {
     TB_CMD_PEER_RECV,        // tb_peer_range       posted: receive the peer's next range into a buffer range
     TB_CMD_TRANSPORT_OFFER,  // tb_transport_req    reply: tb_transport_reply (a segment for this connection, or why not)
     TB_CMD_TRANSPORT_SWITCH, // u32 1: attached, switch now; 0: could not, stay  posted, always over TCP
+    TB_CMD_ALLREDUCE,        // tb_allreduce        posted: sum a range across nodes over their peer links
     TB_CMD_COUNT_,
 };
 
@@ -168,6 +169,23 @@ struct tb_peer_listen_reply { uint64_t token, port; };
 struct tb_peer_connect      { char host[256]; uint64_t port, token; };
 struct tb_peer_range        { uint64_t peer_id, handle, offset, size; };
 
+// llama.cpp's tensor split: each of `n` nodes holds a partial F32 sum in a
+// buffer range; every node sends its partial to every other one, receives
+// theirs, and adds all n in node order (so every node ends with the same
+// bits). peer_out[k]/peer_in[k]: this session's peer ids of the links to and
+// from node k (unused at k == self). Without TB_ALLREDUCE_COMPUTED the range
+// holds nothing computed and counts as zeros.
+#define TB_MAX_ALLREDUCE_NODES 16
+#define TB_ALLREDUCE_COMPUTED  1u
+struct tb_allreduce {
+    uint64_t handle, offset, size;
+    uint32_t type;            // GGML_TYPE_F32, the only one yet
+    uint32_t flags;
+    uint32_t n, self;
+    uint64_t peer_out[TB_MAX_ALLREDUCE_NODES];
+    uint64_t peer_in[TB_MAX_ALLREDUCE_NODES];
+};
+
 struct tb_status {
     uint64_t buffers;            // live buffers, all clients
     uint64_t bytes_allocated;    // sum of their sizes
@@ -175,6 +193,8 @@ struct tb_status {
     uint64_t graphs_computed;
     uint64_t bytes_received;     // payload bytes received from all clients
     uint64_t bytes_from_files;   // bytes loaded from the node's own model files
+    uint64_t allreduces;         // ALLREDUCE requests done (tensor split)
+    uint64_t allreduce_ns;       // time spent in them: sending, waiting for the peers, adding
     uint64_t mem_free, mem_total;
     char     device_name[TB_NAME_LEN];
 };

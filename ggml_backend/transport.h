@@ -2,7 +2,7 @@
 //
 // The protocol (proto.h) speaks in whole messages; a transport only moves
 // bytes. It knows nothing of ggml. Every implementation offers the same
-// six operations:
+// five operations:
 //   send   queue bytes (may buffer; a message is complete only after flush)
 //   flush  push everything queued so far to the peer (called at message
 //          boundaries where the sender is about to wait for an answer)
@@ -48,6 +48,8 @@ struct tb_transport_ops {
 struct tb_transport {
     const struct tb_transport_ops * ops;
     int      timeout_ms;      // recv/send give up after this long without progress; <= 0 waits forever
+    int64_t  deadline_ms;     // recv also gives up at this tb_now_ms(), progress or not (0: no deadline):
+                              // a server's bound on one whole message, against a peer that trickles bytes
     char     peer[96];        // "host:port" of the other side, for messages
     char     error[256];      // reason of the last failure
     int      error_kind;      // enum tb_io_error of the last failure

@@ -32,7 +32,8 @@ TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "tran
                      "transport/verbs_load.c", "transport/rdma.c"]
 # shm_open lives in librt, dlopen (of the verbs library) in libdl, on C libraries older than glibc 2.34
 SYSTEM_LIBS = ["-pthread"] + (["-lrt", "-ldl"] if sys.platform.startswith("linux") else [])
-C_SOURCES = ["proto.c", "client.c", "client_node.c", "node.c", "node_session.c", "model_file.c", *TRANSPORT_SOURCES]
+C_SOURCES = ["proto.c", "client.c", "client_node.c", "split_rules.c", "node.c", "node_session.c", "model_file.c",
+             *TRANSPORT_SOURCES]
 
 PROTO_CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;
@@ -41,7 +42,8 @@ struct tb_hello { struct tb_abi abi; uint64_t mem_free; uint64_t mem_total; uint
                   uint64_t max_size; uint32_t device_type; uint64_t caps; uint8_t file_nonce[16]; char device_name[...];
                   char device_description[...]; char node_name[...]; char ggml_build[...]; ...; };
 struct tb_status { uint64_t buffers; uint64_t bytes_allocated; uint64_t clients; uint64_t graphs_computed;
-                   uint64_t bytes_received; uint64_t bytes_from_files; uint64_t mem_free; uint64_t mem_total; char device_name[...]; ...; };
+                   uint64_t bytes_received; uint64_t bytes_from_files; uint64_t allreduces; uint64_t allreduce_ns;
+                   uint64_t mem_free; uint64_t mem_total; char device_name[...]; ...; };
 struct tb_header { uint32_t magic; uint16_t cmd; uint16_t flags; uint64_t id; uint64_t len; };
 struct tb_reply_status { int32_t status; uint32_t reserved; };
 struct tb_range { uint64_t handle, offset, size; };

@@ -45,6 +45,7 @@ class NodeInfo:
     bytes_from_files: int     # weights the node read from its own copy of the model
     peer_copies: int = 0      # activations it sent straight to the next node
     transport: str = ""       # what carries the bytes, and why: "shm 16x64K", "tcp: the node is on another host"
+    allreduces: int = 0       # tensor split: all-reduces it took part in, node to node
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class NodeStatus:
     mem_free: int
     mem_total: int
     device: str
+    allreduces: int = 0        # tensor split: all-reduces done, and the seconds they took
+    allreduce_s: float = 0.0
 
 
 def _status_from_c(s: Any) -> NodeStatus:
@@ -65,6 +68,7 @@ def _status_from_c(s: Any) -> NodeStatus:
         buffers=s.buffers, bytes_allocated=s.bytes_allocated, clients=s.clients,
         graphs_computed=s.graphs_computed, bytes_received=s.bytes_received, bytes_from_files=s.bytes_from_files,
         mem_free=s.mem_free, mem_total=s.mem_total, device=text(s.device_name),
+        allreduces=s.allreduces, allreduce_s=s.allreduce_ns / 1e9,
     )
 
 
@@ -108,6 +112,28 @@ class Cluster:
     def __len__(self) -> int:
         return len(self._endpoints)
 
+    def ffn_split_device(self, endpoints: Sequence[str], shares: Sequence[float], granularity: int) -> int:
+        """A ggml meta device over these nodes that cuts only the feed-forward
+        weights by `shares` (in multiples of `granularity`) and keeps the rest
+        whole on each: llama.cpp's tensor split for architectures it refuses one
+        for (deepseek2). Returns the ggml_backend_dev_t, for llama_model_params.devices
+        with a layer split."""
+        indices = [self._endpoints.index(e) for e in endpoints]
+        err = error_buffer()
+        dev = self._lib.tbrpc_client_ffn_split_device(self._client, self._ffi.new("size_t[]", indices), len(indices),
+                                                      self._ffi.new("float[]", list(shares)), granularity, err, len(err))
+        if dev == self._ffi.NULL:
+            raise ValueError(text(err))
+        return int(self._ffi.cast("uintptr_t", dev))
+
+    def set_peer_address(self, source: str, target: str, host: str) -> None:
+        """Node `source` dials node `target` at `host` (target's address on the cable
+        between them) for activations, instead of target's endpoint host."""
+        err = error_buffer()
+        i, j = self._endpoints.index(source), self._endpoints.index(target)
+        if self._lib.tbrpc_client_set_peer_address(self._client, i, j, host.encode(), err, len(err)) != 0:
+            raise ValueError(text(err))
+
     @property
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
@@ -124,6 +150,7 @@ class Cluster:
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, round_trips=out.round_trips,
             messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
             bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies, transport=text(out.transport),
+            allreduces=out.allreduces,
         )
 
     def device_names(self) -> list[str]:
