@@ -354,8 +354,8 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     };
     step = "ibv_create_qp";
     if (!(d->qp = v->create_qp(d->pd, &qa))) goto fail;
-    struct ibv_qp_attr init = { .qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port,
-                                .qp_access_flags = d->access };
+    // SEND/RECV only: the QP grants no remote access (TN3205's INIT: access 0); the MR flags are another matter
+    struct ibv_qp_attr init = { .qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port, .qp_access_flags = 0 };
     step = "INIT";
     if ((errno = v->modify_qp(d->qp, &init, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) != 0) goto fail;
     step = "random psn";
