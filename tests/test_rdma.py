@@ -29,7 +29,7 @@ C_TEST = Path(__file__).parent / "c" / "rdma_tests.c"
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("rdma")
     progs = {"good": build_program(C_TEST, out / "rdma_tests", with_ggml=False)}
-    for broken in ("NO_CREDITS", "SHORT_APPLE_SEND", "POST_RECV_BEFORE_RTS"):
+    for broken in ("NO_CREDITS", "SHORT_APPLE_SEND", "POST_RECV_BEFORE_RTS", "REUSE_SLOT"):
         progs[broken] = build_program(C_TEST, out / f"rdma_tests_{broken.lower()}", with_ggml=False,
                                       defines=(f"TB_RDMA_BROKEN_{broken}",))
     progs["sim"] = build_verbs_sim(out / "libtbverbs_sim.so")
@@ -53,6 +53,7 @@ def passed(proc: subprocess.CompletedProcess[str], case: str) -> None:
 def test_stream_both_ways_identical_bytes(built, profile, tmp_path) -> None:
     proc = run(built, "stream", profile, tmp_path)
     passed(proc, "stream")
+    assert "changed before its completion" not in proc.stderr   # the stand-in's late read saw no slot reused
     kind = "RC" if profile == "linux-rc" else "UC"
     geometry = "128Kx16" if profile == "apple-uc" else "256Kx16"
     assert f"parent: rdma simbolt0 {kind} {geometry}" in proc.stdout
@@ -138,6 +139,17 @@ def test_broken_post_recv_before_rts_is_einval_on_apple(built, tmp_path) -> None
     assert proc.returncode != 0
     assert "ibv_post_recv before RTS on simbolt0 failed: Invalid argument" in proc.stderr, proc.stderr[-3000:]
     passed(run(built, "stream", "linux-rc", tmp_path, prog="POST_RECV_BEFORE_RTS"), "stream")
+
+
+@pytest.mark.parametrize("profile", ["apple-uc", "linux-rc"])
+def test_broken_slot_reuse_is_caught_by_the_late_read(built, profile, tmp_path) -> None:
+    """Two frames in flight share a send slot and nobody waits for completions: the stand-in's
+    NIC reads the slot late, says so, and the receiver names the frame it got instead."""
+    proc = run(built, "stream", profile, tmp_path, prog="REUSE_SLOT")
+    assert proc.returncode != 0
+    assert "changed before its completion" in proc.stderr, proc.stderr[-3000:]
+    assert "WRONG BYTES" not in proc.stderr
+    assert "RDMA frame lost from" in proc.stderr or "is corrupt" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_builds_without_verbs_headers(tmp_path) -> None:

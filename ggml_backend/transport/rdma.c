@@ -433,6 +433,15 @@ int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char *
 
 // --- the wire ------------------------------------------------------------------
 
+// The send slot of frame seq.
+static uint32_t tx_index(const struct tb_rdma * d, uint32_t seq) {
+#ifdef TB_RDMA_BROKEN_REUSE_SLOT
+    return seq % (d->slots / 2);   // deliberately wrong (tests only): two frames in flight share a slot
+#else
+    return seq % d->slots;
+#endif
+}
+
 static struct rdma_transport * of(struct tb_ring * r) { return (struct rdma_transport *) r; }
 
 static int set_broken(struct rdma_transport * t, int kind, const char * fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -475,6 +484,7 @@ static int progress_locked(struct rdma_transport * t) {
         uint32_t seq = (uint32_t) wc[i].wr_id;
         uint32_t idx = seq % t->d->slots;
         if (wc[i].wr_id & SEND_TAG) {
+            idx = tx_index(t->d, seq);
             if (wc[i].status != IBV_WC_SUCCESS && tcp_gone(t)) {   // RC retries out against a dead peer
                 set_broken(t, TB_IO_CLOSED, "%s: connection closed by peer", t->ring.base.peer);
             } else if (wc[i].status != IBV_WC_SUCCESS) {
@@ -563,7 +573,10 @@ done:
 
 static uint8_t * rdma_tx_frame(struct tb_ring * r, uint32_t seq) {
     struct rdma_transport * t = of(r);
-    uint32_t idx = seq % t->d->slots;
+    uint32_t idx = tx_index(t->d, seq);
+#ifdef TB_RDMA_BROKEN_REUSE_SLOT
+    return tx_slot(t->d, idx) + TB_RDMA_PREFIX;   // and it does not wait for the slot's send to complete
+#endif
     int64_t until = tb_now_ms() + (r->base.timeout_ms > 0 ? r->base.timeout_ms : 30000);
     pthread_mutex_lock(&t->cq_lock);
     // The peer handed this slot's credit back, so its previous send has left; its completion follows.
@@ -588,7 +601,7 @@ static int rdma_post(struct tb_ring * r, uint32_t seq) {
     struct rdma_transport * t = of(r);
     struct tb_rdma * d = t->d;
     if (t->broken) return fail_broken(t);
-    uint32_t idx = seq % d->slots;
+    uint32_t idx = tx_index(d, seq);
     uint8_t * slot = tx_slot(d, idx);
     struct tb_frame_header h;
     memcpy(&h, slot + TB_RDMA_PREFIX, sizeof h);
