@@ -245,13 +245,6 @@ static int shm_wait(struct tb_ring * r, uint32_t seq, int timeout_ms) {
         do { k = poll(&p, 1, timeout_ms); } while (k < 0 && errno == EINTR);
         if (k < 0) rc = tb_fail(&r->base, TB_IO_BROKEN, "%s: poll failed: %s", r->base.peer, strerror(errno));
         else if (k > 0) rc = drain(t);
-        // A peer that posted its last frames and then closed: the frames were in
-        // memory before its end of file, so they count before the close does.
-        if (rc != 0 && r->base.error_kind == TB_IO_CLOSED && shm_rx_frame(r, seq, &broken)) {
-            rc = 0;
-            r->base.error_kind = TB_IO_OK;
-            r->base.error[0] = '\0';
-        }
     }
     atomic_store_explicit(mine, 0, memory_order_relaxed);
     return rc;
