@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,9 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import ENV, assert_gone, run_head, start_launch
 
 import models
+from helpers import ENV, assert_gone, http_json, run_head, start_launch
 from tbrpc.cli import main as cli_main
 from tbrpc.gguf_model import load_gguf
 from tbrpc.node_memory import make_node
@@ -444,3 +445,13 @@ def test_launch_split_ffn_runs_deepseek2_across_nodes(tmp_path: Path) -> None:
     assert launch.stdout == want + "\n"
     assert "of every FFN and expert" in launch.stderr, launch.stderr
     assert_gone(launch.node_pids())
+
+
+def test_the_page_shows_each_nodes_share_of_a_tensor_split(llama_f32: Path, tmp_path: Path) -> None:
+    with start_launch(tmp_path, "--gguf", str(llama_f32), "--local", "2", "--ctx", "256", "--split", "tensor",
+                      "--port", "0") as launch:
+        root = launch.http_base().removesuffix("/v1")
+        status = http_json(f"{root}/tbrpc/status.json")
+        assert [n["share"] for n in status["nodes"]] == ["50% of each layer"] * 2, status["nodes"]
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.finish() == 0, launch.stderr
