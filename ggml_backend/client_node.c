@@ -9,6 +9,7 @@
 // turns that into an exception naming the node, of the class its error kind
 // says (tbrpc/client.py, _install_error_hooks).
 #include "client_internal.h"
+#include "transport/rdma.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -494,13 +495,38 @@ static int upgrade_to_shm(struct client_node * n, char * why, size_t why_len) {
     return 0;
 }
 
-// Shared memory when the node is on this host and offers it, else TCP; the
-// transport's description says which, and why.
+// Move the connection onto RDMA (transport/rdma.h); 0, or -1 with why not
+// (both sides then stay on TCP).
+static int upgrade_to_rdma(struct client_node * n, char * why, size_t why_len) {
+    if (!tb_rdma_available(why, why_len)) return -1;   // no offer: nothing for the node to set up
+    struct tb_transport_req req = { TB_TRANSPORT_RDMA, 0, 0, 0 };
+    struct tb_transport_reply rep;
+    if (node_call(n, TB_CMD_TRANSPORT_OFFER, &req, sizeof req, &rep, sizeof rep) != 0) {
+        snprintf(why, why_len, "%s", n->error);
+        return -1;
+    }
+    rep.declined[sizeof rep.declined - 1] = '\0';
+    if (rep.declined[0]) { snprintf(why, why_len, "peer: %s", rep.declined); return -1; }
+    struct tb_transport * rdma = tb_rdma_upgrade(n->tp, NULL, why, why_len);
+    if (!rdma) {
+        if (n->tp->error_kind != TB_IO_OK) node_fail(n, "TRANSPORT_OFFER", why);   // TCP itself failed
+        return -1;
+    }
+    n->tp = rdma;
+    return 0;
+}
+
+// Shared memory when the node is on this host and offers it, RDMA when it is
+// on another and both have a device, else TCP; the transport's description
+// says which, and why.
 static void choose_transport(struct client_node * n, const char * wanted) {
     char why[256] = "";
     if (wanted && strcmp(wanted, "tcp") == 0) snprintf(why, sizeof why, "asked for");
+    else if (!tb_tcp_same_host(n->tp)) {
+        if (!(n->info.caps & TB_CAP_RDMA)) snprintf(why, sizeof why, "peer has no RDMA device");
+        else if (upgrade_to_rdma(n, why, sizeof why) == 0) return;
+    }
     else if (!(n->info.caps & TB_CAP_SHM)) snprintf(why, sizeof why, "the node offers no shared memory");
-    else if (!tb_tcp_same_host(n->tp)) snprintf(why, sizeof why, "the node is on another host");
     else if (upgrade_to_shm(n, why, sizeof why) == 0) return;
     if (!n->failed) snprintf(n->tp->describe, sizeof n->tp->describe, "tcp: %s", why);
 }

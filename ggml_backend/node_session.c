@@ -8,6 +8,7 @@
 #include "model_file.h"
 #include "node_internal.h"
 #include "transport/ring.h"
+#include "transport/rdma.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -70,6 +71,7 @@ struct node_conn {
     bool      has_watchdog;
 
     struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
+    bool      rdma_accepted;        // TRANSPORT_OFFER kind RDMA said yes: the bring-up follows its reply
     uint8_t   file_nonce[TB_FILE_NONCE_LEN];   // OPEN_FILE proofs answer this (sent at HELLO)
     bool      has_file_nonce;
 
@@ -176,6 +178,8 @@ static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
     h->caps = buft->iface.get_alloc_size == NULL ? TB_CAP_ALLOC_SIZE_IS_NBYTES : 0;
     if (strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(n->dev)), "CPU") == 0) h->caps |= TB_CAP_SUPPORTS_OP_IS_CPU;
     if (n->serve_mode != SERVE_THREAD) h->caps |= TB_CAP_SHM;   // see handle_transport_offer
+    char no_rdma[160];
+    if (tb_rdma_available(no_rdma, sizeof no_rdma)) h->caps |= TB_CAP_RDMA;
     tb_ggml_build(h->ggml_build, sizeof h->ggml_build);
     snprintf(h->device_name, sizeof h->device_name, "%s", ggml_backend_dev_name(n->dev));
     snprintf(h->device_description, sizeof h->device_description, "%s", ggml_backend_dev_description(n->dev));
@@ -1194,7 +1198,12 @@ static int handle_transport_offer(struct node_conn * c, const struct tb_header *
     r->len = sizeof *rep;
     tb_shm_discard(c->offered);
     c->offered = NULL;
-    if (req->kind != TB_TRANSPORT_SHM) {
+    c->rdma_accepted = false;
+    if (req->kind == TB_TRANSPORT_RDMA) {   // the bring-up runs after this reply (serve_one)
+        c->rdma_accepted = tb_rdma_available(rep->declined, sizeof rep->declined);
+        if (!c->rdma_accepted && !rep->declined[0]) snprintf(rep->declined, sizeof rep->declined, "no RDMA here");
+        if (c->rdma_accepted) rep->declined[0] = '\0';
+    } else if (req->kind != TB_TRANSPORT_SHM) {
         snprintf(rep->declined, sizeof rep->declined, "the node knows no transport of kind %u", req->kind);
     } else if (c->node->serve_mode == SERVE_THREAD) {
         snprintf(rep->declined, sizeof rep->declined, "the node serves clients in threads (--isolation thread)");
@@ -1223,6 +1232,20 @@ static int handle_transport_switch(struct node_conn * c, const struct tb_header 
     if (!shm) { *io_failed = true; return -1; }
     node_log(c->node, "client %s: transport %s", shm->peer, shm->describe);
     return 0;
+}
+
+// Right after accepting an RDMA offer: the symmetric bring-up over TCP
+// (transport/rdma.h). It switches both sides or leaves both on TCP; either
+// way the session goes on. The watchdog waits on send_lock meanwhile.
+static void upgrade_to_rdma(struct node_conn * c) {
+    char why[256];
+    pthread_mutex_lock(&c->send_lock);
+    struct tb_transport * rdma = tb_rdma_upgrade(c->tp, NULL, why, sizeof why);
+    if (rdma) c->tp = rdma;
+    else if (c->tp->error_kind == TB_IO_OK) snprintf(c->tp->describe, sizeof c->tp->describe, "tcp: %s", why);
+    pthread_mutex_unlock(&c->send_lock);
+    if (rdma) node_log(c->node, "client %s: transport %s", rdma->peer, rdma->describe);
+    else node_log(c->node, "client %s: stays on tcp: %s", c->tp->peer, why);
 }
 
 static int dispatch(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
@@ -1372,7 +1395,12 @@ static int serve_one(struct node_conn * c) {
                                                tb_cmd_name(h.cmd), (unsigned long long) h.id, err);
         return 0;
     }
-    return send_reply(c, &h, rc, &r, err) == 0 ? 0 : -1;
+    if (send_reply(c, &h, rc, &r, err) != 0) return -1;
+    if (c->rdma_accepted) {
+        c->rdma_accepted = false;
+        upgrade_to_rdma(c);
+    }
+    return 0;
 }
 
 static void conn_free(struct node_conn * c) {

@@ -139,10 +139,13 @@ struct tb_hello {            // request and reply share it; the node fills the d
 #define TB_CAP_SUPPORTS_OP_IS_CPU   2u
 // The node offers shared memory (TRANSPORT_OFFER) to a head on its own host.
 #define TB_CAP_SHM                  4u
+// The node has an RDMA device: a head on another host may offer RDMA
+// (TRANSPORT_OFFER kind 2, docs/protocol.md).
+#define TB_CAP_RDMA                 8u
 // The node has a cluster secret: it serves nothing before AUTH. Its HELLO
 // reply then carries only abi, caps and nonce; the device facts come in the
 // AUTH reply.
-#define TB_CAP_AUTH                 8u
+#define TB_CAP_AUTH                 16u
 
 // AUTH: each side proves it knows the cluster secret K with an HMAC-SHA256
 // over both HELLO nonces (auth.h), the head first. The secret never crosses
@@ -170,6 +173,10 @@ void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint
 // TRANSPORT_OFFER: the ring the head asks for. The node may answer another
 // geometry (tb_shm_offer says which); kind 1 is shared memory, the only one yet.
 #define TB_TRANSPORT_SHM 1u
+// Kind 2: RDMA. The node answers with declined[] empty to accept; right after
+// that reply both sides run tb_rdma_upgrade over the raw TCP stream
+// (transport/rdma.h), which either switches both or leaves both on TCP.
+#define TB_TRANSPORT_RDMA 2u
 struct tb_transport_req { uint32_t kind; uint32_t slots; uint32_t stride; uint32_t reserved; };
 // The answer: a segment made for this connection, or why not (declined[0] != 0).
 struct tb_transport_reply { struct tb_shm_offer offer; char declined[160]; };

@@ -28,9 +28,10 @@ from cffi import FFI
 
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "ggml_backend"
-TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "transport/shm.c"]
-# shm_open lives in librt on C libraries older than glibc 2.34
-SYSTEM_LIBS = ["-pthread"] + (["-lrt"] if sys.platform.startswith("linux") else [])
+TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "transport/shm.c",
+                     "transport/verbs_load.c", "transport/rdma.c"]
+# shm_open lives in librt, dlopen (of the verbs library) in libdl, on C libraries older than glibc 2.34
+SYSTEM_LIBS = ["-pthread"] + (["-lrt", "-ldl"] if sys.platform.startswith("linux") else [])
 # what needs no ggml: the transports and the shared-secret proofs (C tests build them alone)
 PLAIN_SOURCES = [*TRANSPORT_SOURCES, "auth.c"]
 C_SOURCES = ["proto.c", "client.c", "client_node.c", "split_rules.c", "node.c", "node_session.c", "model_file.c",
@@ -127,13 +128,14 @@ def ggml_link(lib: Path) -> list[str]:
     return [f"-L{lib}", "-l:libggml.so.0", "-l:libggml-base.so.0"]
 
 
-def build_program(source: Path, exe: Path, with_ggml: bool = True) -> Path:
+def build_program(source: Path, exe: Path, with_ggml: bool = True, defines: tuple[str, ...] = ()) -> Path:
     """Compile a C test or benchmark program with tbrpc's C sources: all of
     them against llama-cpp-python's ggml, or (with_ggml=False) those that need
-    no ggml (transports, auth). Warnings are errors."""
+    no ggml (transports, auth). Warnings are errors. `defines` ("NAME" or "NAME=VALUE") build
+    variants, e.g. the deliberately broken RDMA wires the negative tests use."""
     import subprocess
 
-    cmd = ["cc", "-std=gnu11", "-O2", *WARNINGS, "-Werror", f"-I{C_DIR}", str(source)]
+    cmd = ["cc", "-std=gnu11", "-O2", *WARNINGS, "-Werror", *[f"-D{d}" for d in defines], f"-I{C_DIR}", str(source)]
     if with_ggml:
         include, lib, _ = llama_cpp_paths()
         cmd += [f"-I{include}", *[str(C_DIR / s) for s in C_SOURCES], *ggml_link(lib), f"-Wl,-rpath,{lib}"]
@@ -141,6 +143,26 @@ def build_program(source: Path, exe: Path, with_ggml: bool = True) -> Path:
         cmd += [str(C_DIR / s) for s in PLAIN_SOURCES]
     subprocess.run([*cmd, *SYSTEM_LIBS, "-o", str(exe)], check=True)
     return exe
+
+
+def build_verbs_sim(out: Path) -> Path:
+    """The stand-in verbs provider (tests/c/verbs_sim.c) as a shared library,
+    for TBRPC_VERBS_LIB. Needs the verbs headers (Debian: libibverbs-dev)."""
+    import subprocess
+
+    source = ROOT / "tests" / "c" / "verbs_sim.c"
+    subprocess.run(["cc", "-std=gnu11", "-O2", *WARNINGS, "-Werror", "-fPIC", "-shared", "-fvisibility=hidden",
+                    str(source), "-pthread", "-o", str(out)], check=True)
+    return out
+
+
+def have_verbs_headers() -> bool:
+    """Whether this machine's C compiler finds <infiniband/verbs.h>."""
+    import subprocess
+
+    probe = subprocess.run(["cc", "-E", "-x", "c", "-"], input="#include <infiniband/verbs.h>\n",
+                           capture_output=True, text=True)
+    return probe.returncode == 0
 
 
 def make_ffi() -> FFI:

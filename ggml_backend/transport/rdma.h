@@ -1,0 +1,76 @@
+// transport/rdma.h - the frame ring (ring.h) over verbs SEND/RECV.
+//
+// A connection starts on TCP; both sides then run the bring-up over it
+// (tb_rdma_upgrade): each opens the RDMA device whose GID matches its TCP
+// address, creates one QP with its rings registered, and sends a
+// tb_rdma_info. If both infos say yes (same profile, different hosts), both
+// go RTR/RTS once, post their receives, and exchange a readiness byte each
+// way over TCP. Only when both are ready do both switch; otherwise both stay
+// on TCP and both know why. The TCP connection stays open under the RDMA
+// transport as its liveness anchor (end of file = the peer is gone).
+//
+// Profiles (TBRPC_RDMA_PROFILE, default apple-uc on macOS, linux-rc elsewhere):
+//   apple-uc   UC QPs, SEND/RECV only, queues counted in 4 KiB frames; every
+//              SEND carries a whole stride because sender and receiver must
+//              post the same number of frames (TN3205). 128 KiB x 16.
+//   linux-rc   RC; a SEND carries only the bytes used. 256 KiB x 16.
+//   linux-uc   UC (fabrics without RC, and tests): as linux-rc, but an
+//              unmatched SEND is lost, which the ring's credits rule out.
+// TBRPC_RDMA_STRIDE / TBRPC_RDMA_SLOTS override the geometry (tests),
+// TBRPC_RDMA_DEVICE names the device, TBRPC_HOST_ID overrides the host id.
+#pragma once
+
+#include "../transport.h"
+
+#include <stdint.h>
+
+enum tb_rdma_profile { TB_RDMA_APPLE_UC = 1, TB_RDMA_LINUX_RC = 2, TB_RDMA_LINUX_UC = 3 };
+
+#define TB_RDMA_INFO_MAGIC   0x41445254u   // "TRDA"
+#define TB_RDMA_INFO_VERSION 1
+#define TB_RDMA_PREFIX       64u           // wire bytes before each ring frame: seq, length, checksum
+
+// What each side tells the other over TCP (fixed layout, 256 bytes).
+struct tb_rdma_info {
+    uint32_t magic;
+    uint16_t version;
+    uint16_t profile;
+    uint32_t ok;            // 0: this side declines; reason says why
+    uint32_t qpn, psn;
+    uint32_t stride;        // wire bytes per slot (ring frame + TB_RDMA_PREFIX)
+    uint32_t slots;
+    uint32_t mtu;           // enum ibv_mtu
+    uint16_t lid;
+    uint8_t  port, gid_index;
+    uint8_t  gid[16];
+    uint64_t host_id;
+    char     device[32];
+    char     reason[136];
+};
+
+const char * tb_rdma_profile_name(int profile);
+int tb_rdma_profile_default(void);   // from TBRPC_RDMA_PROFILE, else the platform's
+
+// A prepared endpoint: device open, rings registered, QP in INIT.
+struct tb_rdma;
+// local_host: this side's address on the link (the TCP connection's own
+// address); its GID picks the device. NULL on failure, with the reason in
+// mine->reason (mine is always filled, ok=0 on failure, so it can be sent).
+struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * mine);
+// RTR, RTS (once), post the receive ring. 0, or -1 with err.
+int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char * err, size_t err_len);
+// The transport over a connected endpoint and its TCP connection (owns both on
+// success; on failure discards d and leaves tcp to the caller).
+struct tb_transport * tb_rdma_transport(struct tb_rdma * d, struct tb_transport * tcp, char * err, size_t err_len);
+void tb_rdma_discard(struct tb_rdma * d);
+
+// The whole symmetric bring-up over `tcp` (both sides call it at the same
+// point of their conversation). Returns the RDMA transport (which now owns
+// tcp), or NULL with the reason in `reason`; tcp is then still usable and the
+// peer stayed on TCP too.
+// local_host NULL: the TCP connection's own address.
+struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len);
+
+// Whether this process could offer RDMA at all: a verbs library loads and
+// lists a device. 1, or 0 with why not (a node sets TB_CAP_RDMA from this).
+int tb_rdma_available(char * why, size_t why_len);

@@ -1,0 +1,299 @@
+"""The RDMA wire (ggml_backend/transport/rdma.c) over the stand-in verbs
+provider (tests/c/verbs_sim.c), between two real processes: tests/c/rdma_tests.c,
+one process pair per case, for each profile the stand-in models.
+
+The stand-in is only worth something if it refuses what real hardware
+refuses, so the negative tests build deliberately broken wires and assert that
+they FAIL under it: no credits under linux-uc loses frames, a short send under
+apple-uc is a length error, a receive posted before RTS under apple-uc is
+EINVAL. Everything here runs on Linux against the stand-in; nothing says
+anything about a Mac or a NIC."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tbrpc._build import build_program, build_verbs_sim, have_verbs_headers
+
+pytestmark = pytest.mark.skipif(not have_verbs_headers(), reason="no <infiniband/verbs.h> (apt-get install libibverbs-dev)")
+
+PROFILES = ["apple-uc", "linux-uc", "linux-rc"]
+C_TEST = Path(__file__).parent / "c" / "rdma_tests.c"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("rdma")
+    progs = {"good": build_program(C_TEST, out / "rdma_tests", with_ggml=False)}
+    for broken in ("NO_CREDITS", "SHORT_APPLE_SEND", "POST_RECV_BEFORE_RTS", "REUSE_SLOT"):
+        progs[broken] = build_program(C_TEST, out / f"rdma_tests_{broken.lower()}", with_ggml=False,
+                                      defines=(f"TB_RDMA_BROKEN_{broken}",))
+    progs["sim"] = build_verbs_sim(out / "libtbverbs_sim.so")
+    return progs
+
+
+def run(built: dict[str, Path], case: str, profile: str, tmp_path: Path, prog: str = "good",
+        **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("TBVSIM_", "TBRPC_", "CHILD_", "RDMA_TEST_"))}
+    full.update(TBRPC_VERBS_LIB=str(built["sim"]), TBVSIM_DIR=str(tmp_path), TBVSIM_PROFILE=profile,
+                TBRPC_RDMA_PROFILE=profile)
+    full.update(env)
+    return subprocess.run([str(built[prog]), case], capture_output=True, text=True, timeout=120, env=full)
+
+
+def passed(proc: subprocess.CompletedProcess[str], case: str) -> None:
+    assert proc.returncode == 0 and f"PASS {case}" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_stream_both_ways_identical_bytes(built, profile, tmp_path) -> None:
+    proc = run(built, "stream", profile, tmp_path)
+    passed(proc, "stream")
+    assert "changed before its completion" not in proc.stderr   # the stand-in's late read saw no slot reused
+    kind = "RC" if profile == "linux-rc" else "UC"
+    geometry = "128Kx16" if profile == "apple-uc" else "256Kx16"
+    assert f"parent: rdma simbolt0 {kind} {geometry}" in proc.stdout
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_slow_reader_loses_nothing(built, profile, tmp_path) -> None:
+    """The reader starts 300 ms late: credits hold the sender back (linux-uc would drop)."""
+    passed(run(built, "slow_reader", profile, tmp_path), "slow_reader")
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("fault,words", [("drop:5", "RDMA frame lost from parent (seq 6, expected 5)"),
+                                         ("drop:40", "RDMA frame lost from parent (seq 41, expected 40)"),
+                                         ("corrupt:7", "RDMA frame from parent is corrupt (seq 7")])
+def test_lost_or_corrupt_frame_is_a_named_error(built, profile, fault, words, tmp_path) -> None:
+    proc = run(built, "fault", profile, tmp_path, CHILD_TBVSIM_FAULT=fault)
+    passed(proc, "fault")
+    assert "WRONG BYTES" not in proc.stderr
+    assert f"child: {words}" in proc.stdout
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_killed_peer_is_closed_fast(built, profile, tmp_path) -> None:
+    proc = run(built, "peer_killed", profile, tmp_path)
+    passed(proc, "peer_killed")
+    assert "connection closed by peer" in proc.stdout
+
+
+@pytest.mark.parametrize("profile", ["apple-uc", "linux-rc"])   # backoff sleeps; the completion channel
+def test_idle_wait_sleeps(built, profile, tmp_path) -> None:
+    passed(run(built, "idle", profile, tmp_path), "idle")
+
+
+@pytest.mark.parametrize("env,reason", [
+    ({"CHILD_TBVSIM_PORT": "down"}, "port 1 is not active"),
+    ({"CHILD_TBRPC_HOST_ID": "host-a"}, "peer is on this host"),
+    ({"CHILD_TBRPC_RDMA_PROFILE": "linux-uc"}, "profiles differ"),
+    ({"CHILD_TBVSIM_FAIL_RTR": "1"}, "RTR on simbolt0 failed: Invalid argument"),
+    ({"CHILD_TBRPC_VERBS_LIB": "/nonexistent/libibverbs.so"}, "cannot load TBRPC_VERBS_LIB"),
+    ({"CHILD_RDMA_TEST_LOCAL": "127.0.0.9"}, "no RDMA device has a GID for 127.0.0.9"),
+    ({"CHILD_TBVSIM_MAX_QPS": "0"}, "ibv_create_qp on simbolt0 failed: Cannot allocate memory"),   # QP budget spent
+])
+def test_any_failure_leaves_both_on_tcp_with_a_reason(built, env, reason, tmp_path) -> None:
+    proc = run(built, "stays_on_tcp", "linux-rc", tmp_path, **env)
+    passed(proc, "stays_on_tcp")
+    assert "parent: tcp" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if "stays on tcp" in line]
+    assert len(lines) == 2 and all(reason in line for line in lines), proc.stdout
+
+
+def test_apple_profile_refuses_rc_and_loopback(built, tmp_path) -> None:
+    """apple-uc has no RC QPs; a peer GID equal to our own (one Mac to itself) is refused at RTR."""
+    proc = run(built, "stays_on_tcp", "apple-uc", tmp_path, TBRPC_RDMA_PROFILE="linux-rc",
+               CHILD_TBRPC_RDMA_PROFILE="linux-rc")
+    passed(proc, "stays_on_tcp")
+    assert proc.stdout.count("ibv_create_qp") == 2
+    proc = run(built, "stays_on_tcp", "apple-uc", tmp_path, CHILD_TBVSIM_ADDR="127.0.0.1")
+    passed(proc, "stays_on_tcp")
+    assert "RTR on simbolt0 failed: Invalid argument" in proc.stdout
+
+
+# --- negative tests: broken wires must fail under the stand-in ---------------------------
+
+def test_broken_no_credits_loses_frames_under_linux_uc(built, tmp_path) -> None:
+    proc = run(built, "slow_reader", "linux-uc", tmp_path, prog="NO_CREDITS")
+    assert proc.returncode != 0
+    assert "WRONG BYTES" not in proc.stderr
+    assert "RDMA frame lost from parent" in proc.stderr, proc.stderr[-3000:]
+    # RC and Apple hold an unmatched SEND, so there the same wire survives: the rule, not luck
+    passed(run(built, "slow_reader", "linux-rc", tmp_path, prog="NO_CREDITS"), "slow_reader")
+
+
+def test_broken_short_apple_send_is_a_length_error(built, tmp_path) -> None:
+    proc = run(built, "stream", "apple-uc", tmp_path, prog="SHORT_APPLE_SEND")
+    assert proc.returncode != 0
+    assert "local length error" in proc.stderr, proc.stderr[-3000:]
+    passed(run(built, "stream", "linux-uc", tmp_path, prog="SHORT_APPLE_SEND"), "stream")
+
+
+def test_broken_post_recv_before_rts_is_einval_on_apple(built, tmp_path) -> None:
+    proc = run(built, "stream", "apple-uc", tmp_path, prog="POST_RECV_BEFORE_RTS")
+    assert proc.returncode != 0
+    assert "ibv_post_recv before RTS on simbolt0 failed: Invalid argument" in proc.stderr, proc.stderr[-3000:]
+    passed(run(built, "stream", "linux-rc", tmp_path, prog="POST_RECV_BEFORE_RTS"), "stream")
+
+
+@pytest.mark.parametrize("profile", ["apple-uc", "linux-rc"])
+def test_broken_slot_reuse_is_caught_by_the_late_read(built, profile, tmp_path) -> None:
+    """Two frames in flight share a send slot and nobody waits for completions: the stand-in's
+    NIC reads the slot late, says so, and the receiver names the frame it got instead."""
+    proc = run(built, "stream", profile, tmp_path, prog="REUSE_SLOT")
+    assert proc.returncode != 0
+    assert "changed before its completion" in proc.stderr, proc.stderr[-3000:]
+    assert "WRONG BYTES" not in proc.stderr
+    assert "RDMA frame lost from" in proc.stderr or "is corrupt" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_builds_without_verbs_headers(tmp_path) -> None:
+    """-DTB_NO_VERBS stands for a machine without the headers: rdma.c is a stub that says so."""
+    src = tmp_path / "stub.c"
+    src.write_text('#include "transport/rdma.h"\n#include <stdio.h>\n#include <string.h>\n'
+                   'int main(void) { char why[200]; struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", why, sizeof why);\n'
+                   '  printf("%s\\n", why); return t != NULL || strstr(why, "built without verbs headers") == NULL; }\n')
+    exe = build_program(src, tmp_path / "stub", with_ggml=False, defines=("TB_NO_VERBS",))
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- head and nodes: TRANSPORT_OFFER kind RDMA ---------------------------------------------
+
+def start_sim_node(tmp_path: Path, sim_env: dict[str, str], host_id: str) -> "NodeProcess":
+    """`tbrpc node` on 127.0.0.3, a second "host": its own host id and the stand-in's GID ::ffff:127.0.0.3."""
+    import re
+    import sys
+    import time
+
+    from helpers import ROOT, NodeProcess
+
+    log = tmp_path / f"node-{host_id}.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TBVSIM_", "TBRPC_"))}
+    env.update(sim_env, TBVSIM_ADDR="127.0.0.3", TBRPC_HOST_ID=host_id)
+    proc = subprocess.Popen([sys.executable, "-I", "-m", "tbrpc.cli", "node", "--host", "127.0.0.3", "--port", "0",
+                             "--threads", "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
+                            start_new_session=True, env=env)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))
+        if m:
+            return NodeProcess(proc, int(m.group(1)), log)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"node did not start: {log.read_text(errors='replace')}")
+
+
+@pytest.fixture
+def sim_nodes(built, tmp_path):
+    from helpers import stop_nodes
+
+    started: list = []
+
+    def factory(n: int, profile: str, **extra: str) -> list:
+        sim_env = dict(TBRPC_VERBS_LIB=str(built["sim"]), TBVSIM_DIR=str(tmp_path / "sim"), TBVSIM_PROFILE=profile,
+                       TBRPC_RDMA_PROFILE=profile)
+        sim_env.update(extra)
+        new = [start_sim_node(tmp_path, sim_env, f"node-{len(started) + i}") for i in range(n)]
+        started.extend(new)
+        return new
+
+    yield factory
+    stop_nodes(started)
+
+
+def head_env(monkeypatch: pytest.MonkeyPatch, built: dict[str, Path], tmp_path: Path, profile: str) -> None:
+    for key in [k for k in os.environ if k.startswith(("TBVSIM_", "TBRPC_"))]:
+        monkeypatch.delenv(key)
+    for key, value in dict(TBRPC_VERBS_LIB=str(built["sim"]), TBVSIM_DIR=str(tmp_path / "sim"), TBVSIM_PROFILE=profile,
+                           TBRPC_RDMA_PROFILE=profile, TBVSIM_ADDR="127.0.0.1", TBRPC_HOST_ID="head").items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("profile,describe", [("apple-uc", "rdma simbolt0 UC 128Kx16"),
+                                              ("linux-rc", "rdma simbolt0 RC 256Kx16")])
+def test_generation_over_rdma_matches_tcp(built, sim_nodes, monkeypatch, profile, describe, tmp_path) -> None:
+    import numpy as np
+
+    import models
+    from helpers import run_head
+
+    started = sim_nodes(2, profile)
+    head_env(monkeypatch, built, tmp_path, profile)
+    spec = dict(model=str(models.ensure("llama")), prompt="The capital of France is", n_predict=8,
+                nodes=[f"127.0.0.3:{n.port}" for n in started])
+    over_tcp, tcp_logits = run_head(tmp_path, transport="tcp", **spec)
+    assert over_tcp["error"] is None, over_tcp["error"]
+    assert [n["transport"] for n in over_tcp["nodes"]] == ["tcp: asked for"] * 2
+    over_rdma, rdma_logits = run_head(tmp_path, **spec)
+    assert over_rdma["error"] is None, over_rdma["error"]
+    assert [n["transport"] for n in over_rdma["nodes"]] == [describe] * 2, over_rdma["nodes"]
+    assert over_rdma["tokens"] == over_tcp["tokens"]
+    assert np.array_equal(rdma_logits, tcp_logits)
+    for node in started:
+        assert f"transport {describe}" in node.log_text(), node.log_text()[-2000:]
+
+
+def test_node_without_rdma_keeps_tcp_and_says_why(built, sim_nodes, monkeypatch, tmp_path) -> None:
+    from helpers import run_head
+
+    import models
+
+    started = sim_nodes(1, "linux-rc", TBRPC_VERBS_LIB="/nonexistent/libibverbs.so.1")
+    head_env(monkeypatch, built, tmp_path, "linux-rc")
+    result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="Hello", n_predict=2,
+                         nodes=[f"127.0.0.3:{started[0].port}"])
+    assert result["error"] is None, result["error"]
+    assert [n["transport"] for n in result["nodes"]] == ["tcp: peer has no RDMA device"]
+
+
+@pytest.mark.parametrize("profile", ["apple-uc", "linux-rc"])
+def test_node_killed_mid_generation_over_rdma(built, sim_nodes, monkeypatch, profile, tmp_path) -> None:
+    """As tests/test_failures.py over TCP: NodeError naming the killed node, the head survives, the other node serves."""
+    import time
+
+    import models
+    from helpers import run_head
+
+    a, b = sim_nodes(2, profile)
+    head_env(monkeypatch, built, tmp_path, profile)
+    endpoints = [f"127.0.0.3:{a.port}", f"127.0.0.3:{b.port}"]
+    t0 = time.monotonic()
+    result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is", n_predict=12,
+                         nodes=endpoints, kill={"pid": b.proc.pid, "after_tokens": 3})
+    assert result["error"] is not None and result["error"]["type"] == "NodeError", result["error"]
+    assert endpoints[1] in result["error"]["message"]
+    assert time.monotonic() - t0 < 60
+    assert b.proc.wait(timeout=10) == -9
+    assert list(result["survivor_status"]) == [endpoints[0]]
+
+
+def test_stalled_node_times_out_over_rdma(built, sim_nodes, monkeypatch, tmp_path) -> None:
+    """Only silence times out, as over TCP: a SIGSTOPped node is named with the same words."""
+    import signal
+    import time
+
+    import models
+    from helpers import run_head
+
+    a, b = sim_nodes(2, "apple-uc")
+    head_env(monkeypatch, built, tmp_path, "apple-uc")
+    endpoints = [f"127.0.0.3:{a.port}", f"127.0.0.3:{b.port}"]
+    try:
+        started = time.time()
+        result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is",
+                             n_predict=12, nodes=endpoints, timeout=2.0,
+                             kill={"pid": b.proc.pid, "after_tokens": 2, "signal": int(signal.SIGSTOP)})
+        assert result["error"]["type"] == "NodeError", result["error"]
+        message = result["error"]["message"]
+        assert endpoints[1] in message and "no answer within 2000 ms (rdma simbolt0 UC 128Kx16)" in message, message
+        assert time.time() - started < 60
+    finally:
+        os.killpg(b.proc.pid, signal.SIGCONT)
