@@ -268,7 +268,7 @@ def test_node_killed_mid_generation_over_rdma(built, sim_nodes, monkeypatch, pro
     t0 = time.monotonic()
     result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is", n_predict=12,
                          nodes=endpoints, kill={"pid": b.proc.pid, "after_tokens": 3})
-    assert result["error"] is not None and result["error"]["type"] == "NodeError", result["error"]
+    assert result["error"] is not None and result["error"]["type"] == "NodeFailed", result["error"]
     assert endpoints[1] in result["error"]["message"]
     assert time.monotonic() - t0 < 60
     assert b.proc.wait(timeout=10) == -9
@@ -291,7 +291,7 @@ def test_stalled_node_times_out_over_rdma(built, sim_nodes, monkeypatch, tmp_pat
         result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is",
                              n_predict=12, nodes=endpoints, timeout=2.0,
                              kill={"pid": b.proc.pid, "after_tokens": 2, "signal": int(signal.SIGSTOP)})
-        assert result["error"]["type"] == "NodeError", result["error"]
+        assert result["error"]["type"] == "NodeFailed", result["error"]
         message = result["error"]["message"]
         assert endpoints[1] in message and "no answer within 2000 ms (rdma simbolt0 UC 128Kx16)" in message, message
         assert time.time() - started < 60
