@@ -7,6 +7,7 @@
 #include "ggml_abi.h"
 #include "model_file.h"
 #include "node_internal.h"
+#include "op_rules.h"
 #include "transport/ring.h"
 
 #include <errno.h>
@@ -22,6 +23,7 @@
 #define MAX_FILES    256       // model files one client may have open (shards of a 1T model: ~13-60)
 #define MAX_PEERS    16        // node-to-node links of one session (neighbours in the split)
 #define FILE_CHUNK   (64u << 20)
+#define SCRATCH_KEEP (4u << 20)    // request scratch kept between requests; more is freed after a smaller one
 
 struct node_buffer {
     uint64_t handle;
@@ -38,6 +40,7 @@ struct node_conn {
     struct node_buffer *  buffers;   // dense array; few per client (weights, KV, compute)
     size_t   n_buffers, cap_buffers;
     uint64_t next_handle;
+    uint64_t next_fake_base;        // what ALLOC_BUFFER tells the client its next buffer's "base" is
     uint8_t * payload;              // scratch for request payloads
     size_t   payload_cap;
     char     sticky[512];           // first failure of a posted request, reported with the next reply
@@ -202,6 +205,18 @@ static int handle_alloc(struct node_conn * c, const struct tb_header * h, struct
         snprintf(err, err_len, "ALLOC_BUFFER of %llu bytes exceeds the device's maximum buffer size", (unsigned long long) req->size);
         return -1;
     }
+    // One client holds at most what the device has: a request for more is
+    // refused here, before the allocator (or the kernel's overcommit) sees it.
+    size_t free_mem = 0, total_mem = 0;
+    ggml_backend_dev_memory(c->node->dev, &free_mem, &total_mem);
+    uint64_t held = 0;
+    for (size_t i = 0; i < c->n_buffers; i++) held += c->buffers[i].size;
+    if (total_mem > 0 && (req->size > total_mem || held > total_mem - req->size)) {
+        snprintf(err, err_len, "ALLOC_BUFFER of %llu bytes refused: this client would hold %llu bytes, more than the %llu bytes of device %s",
+                 (unsigned long long) req->size, (unsigned long long) (held + req->size), (unsigned long long) total_mem,
+                 ggml_backend_dev_name(c->node->dev));
+        return -1;
+    }
     if (c->n_buffers == c->cap_buffers) {
         size_t cap = c->cap_buffers ? 2 * c->cap_buffers : 16;
         struct node_buffer * nb = realloc(c->buffers, cap * sizeof *nb);
@@ -220,12 +235,16 @@ static int handle_alloc(struct node_conn * c, const struct tb_header * h, struct
     b->buf = buf;
     b->base = ggml_backend_buffer_get_base(buf);
     b->size = ggml_backend_buffer_get_size(buf);
+    // Threads of one process share a heap: memory another client freed may
+    // come back here, so it starts cleared (a worker process gets fresh pages).
+    if (c->node->serve_mode == SERVE_THREAD) ggml_backend_buffer_clear(buf, 0);
     prefer_huge_pages(buf, b->base, b->size);
     count(&c->slot->buffers, 1);
     count(&c->slot->bytes_allocated, (int64_t) b->size);
     struct tb_alloc_reply * rep = (struct tb_alloc_reply *) r->small;
     rep->handle = b->handle;
-    rep->base = (uint64_t) (uintptr_t) b->base;
+    rep->base = c->next_fake_base;   // never an address of ours: see TB_FAKE_BASE in proto.h
+    c->next_fake_base += (b->size + TB_FAKE_BASE_GAP - 1) / TB_FAKE_BASE_GAP * TB_FAKE_BASE_GAP + TB_FAKE_BASE_GAP;
     rep->size = b->size;
     r->data = rep;
     r->len = sizeof *rep;
@@ -324,6 +343,7 @@ static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_
     };
     struct ggml_context * ctx = ggml_init(ip);
     struct ggml_tensor ** tensors = calloc(nt, sizeof *tensors);
+    uint8_t * seen = NULL;
     if (!ctx || !tensors) {
         snprintf(err, err_len, "out of memory decoding %u tensors", nt);
         goto fail;
@@ -331,9 +351,24 @@ static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_
     if (tb_decode_tensors(ctx, wire, nt, lookup_buffer, c, with_nodes, tensors, err, err_len) != 0) goto fail;
     if (with_nodes) {
         struct ggml_cgraph * g = ggml_new_graph_custom(ctx, nn, false);
+        // a tensor computed twice in one graph costs twice for nothing: refused (the cost of a graph is bounded by its size)
+        seen = calloc((nt + 7) / 8, 1);
+        if (!seen) { snprintf(err, err_len, "out of memory decoding %u nodes", nn); goto fail; }
         for (uint32_t i = 0; i < nn; i++) {
             if (node_idx[i] >= nt) {
                 snprintf(err, err_len, "GRAPH_COMPUTE: node %u refers to tensor %u of %u", i, node_idx[i], nt);
+                goto fail;
+            }
+            if (seen[node_idx[i] / 8] & (1u << (node_idx[i] % 8))) {
+                snprintf(err, err_len, "GRAPH_COMPUTE: node %u repeats tensor %u", i, node_idx[i]);
+                goto fail;
+            }
+            seen[node_idx[i] / 8] |= (uint8_t) (1u << (node_idx[i] % 8));
+            // what the node will compute must pass the op rules (op_rules.c) and the device's own supports_op
+            if (tb_op_check(tensors[node_idx[i]], node_idx[i], err, err_len) != 0) goto fail;
+            if (!ggml_backend_dev_supports_op(c->node->dev, tensors[node_idx[i]])) {
+                snprintf(err, err_len, "tensor %u (%s): device %s does not support it", node_idx[i],
+                         ggml_op_name(tensors[node_idx[i]]->op), ggml_backend_dev_name(c->node->dev));
                 goto fail;
             }
             ggml_graph_add_node(g, tensors[node_idx[i]]);
@@ -343,10 +378,12 @@ static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_
         }
         *graph_out = g;
     }
+    free(seen);
     *tensors_out = tensors;
     *n_tensors_out = nt;
     return ctx;
 fail:
+    free(seen);
     free(tensors);
     if (ctx) ggml_free(ctx);
     return NULL;
@@ -384,11 +421,12 @@ static void * watchdog_thread(void * arg) {
 
 static int run_graph(struct node_conn * c, char * err, size_t err_len) {
     set_computing(c, true);
-    enum ggml_status st = ggml_backend_graph_compute(c->backend, c->graph);
+    char why[400] = "";
+    const int rc = tb_graph_compute_checked(c->backend, c->graph, why, sizeof why);   // row indices checked before each op
     set_computing(c, false);
     count(&c->slot->graphs_computed, 1);
-    if (st != GGML_STATUS_SUCCESS) {
-        snprintf(err, err_len, "graph compute on %s failed with status %d", ggml_backend_dev_name(c->node->dev), (int) st);
+    if (rc != 0) {
+        snprintf(err, err_len, "graph compute on %s: %s", ggml_backend_dev_name(c->node->dev), why);
         return -1;
     }
     return 0;
@@ -421,7 +459,11 @@ static int handle_supports_op(struct node_conn * c, const struct tb_header * h, 
     uint32_t nt = 0;
     struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, &nt, err, err_len);
     if (!ctx) return -1;
-    r->small[0] = ggml_backend_dev_supports_op(c->node->dev, tensors[nt - 1]) ? 1 : 0;
+    // an op the node's rules refuse is one it does not support (and the
+    // device's supports_op may dereference sources the rules require)
+    char why[256];
+    r->small[0] = tb_op_check(tensors[nt - 1], nt - 1, why, sizeof why) == 0 &&
+                  ggml_backend_dev_supports_op(c->node->dev, tensors[nt - 1]) ? 1 : 0;
     free(tensors);
     ggml_free(ctx);
     r->data = r->small;
@@ -434,6 +476,7 @@ static int handle_alloc_size(struct node_conn * c, const struct tb_header * h, s
     uint32_t nt = 0;
     struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, &nt, err, err_len);
     if (!ctx) return -1;
+    if (tb_op_check(tensors[nt - 1], nt - 1, err, err_len) != 0) { free(tensors); ggml_free(ctx); return -1; }
     uint64_t size = ggml_backend_buft_get_alloc_size(ggml_backend_dev_buffer_type(c->node->dev), tensors[nt - 1]);
     memcpy(r->small, &size, sizeof size);
     free(tensors);
@@ -893,6 +936,13 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
         if (rc != 0) { send_reply(c, &h, rc, &r, err); return -1; }
         *said_hello = true;
     }
+    // A large message (a rejected 255 MiB SET_TENSOR, a big graph) must not
+    // pin its scratch for the rest of the session.
+    if (c->payload_cap > SCRATCH_KEEP && h.len < c->payload_cap / 4) {
+        free(c->payload);
+        c->payload = NULL;
+        c->payload_cap = 0;
+    }
     if (tb_cmd_posted(h.cmd)) {
         if (rc != 0 && !c->sticky[0]) snprintf(c->sticky, sizeof c->sticky, "earlier %s (request %llu) failed: %s",
                                                tb_cmd_name(h.cmd), (unsigned long long) h.id, err);
@@ -930,7 +980,7 @@ static void serve_connection(struct node_conn * c) {
     struct tb_node * n = c->node;
     char peer[sizeof c->tp->peer];
     snprintf(peer, sizeof peer, "%s", c->tp->peer);
-    node_log(n, "client %s connected%s", peer, c->slot->pid ? " (own worker process)" : "");
+    node_log(n, "client %s connected%s", peer, n->serve_mode != SERVE_THREAD ? " (own worker process)" : "");
     bool said_hello = false;
     // A peer that never says HELLO (a port scanner, a stuck client) must not
     // hold one of the MAX_CLIENTS slots forever.
@@ -960,8 +1010,8 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     }
     c->node = n;
     c->slot = slot;
-    snprintf(slot->peer, sizeof slot->peer, "%s", c->tp->peer);
     c->next_handle = 1;
+    c->next_fake_base = TB_FAKE_BASE;
     c->keepalive_ms = 1000;
     c->peer_listen_fd = -1;
     pthread_mutex_init(&c->send_lock, NULL);

@@ -30,7 +30,7 @@ C_DIR = ROOT / "ggml_backend"
 TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "transport/shm.c"]
 # shm_open lives in librt on C libraries older than glibc 2.34
 SYSTEM_LIBS = ["-pthread"] + (["-lrt"] if sys.platform.startswith("linux") else [])
-C_SOURCES = ["proto.c", "client.c", "client_node.c", "node.c", "node_session.c", "model_file.c", *TRANSPORT_SOURCES]
+C_SOURCES = ["proto.c", "op_rules.c", "client.c", "client_node.c", "node.c", "node_session.c", "model_file.c", *TRANSPORT_SOURCES]
 
 CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;
@@ -122,13 +122,14 @@ def ggml_link(lib: Path) -> list[str]:
     return [f"-L{lib}", "-l:libggml.so.0", "-l:libggml-base.so.0"]
 
 
-def build_program(source: Path, exe: Path, with_ggml: bool = True) -> Path:
+def build_program(source: Path, exe: Path, with_ggml: bool = True, defines: tuple[str, ...] = ()) -> Path:
     """Compile a C test or benchmark program with tbrpc's C sources: all of
     them against llama-cpp-python's ggml, or (with_ggml=False) the transports
-    alone. Warnings are errors."""
+    alone. Warnings are errors. `defines` (NAME or NAME=VALUE) go to every
+    source: tests switch on test-only hooks with them (TB_OP_RULES_TESTING)."""
     import subprocess
 
-    cmd = ["cc", "-std=gnu11", "-O2", *WARNINGS, "-Werror", f"-I{C_DIR}", str(source)]
+    cmd = ["cc", "-std=gnu11", "-O2", *WARNINGS, "-Werror", *[f"-D{d}" for d in defines], f"-I{C_DIR}", str(source)]
     if with_ggml:
         include, lib, _ = llama_cpp_paths()
         cmd += [f"-I{include}", *[str(C_DIR / s) for s in C_SOURCES], *ggml_link(lib), f"-Wl,-rpath,{lib}"]
