@@ -59,7 +59,7 @@ bool tb_op_allowed(enum ggml_op op) {
         case GGML_OP_MUL_MAT: case GGML_OP_MUL_MAT_ID:
         case GGML_OP_GET_ROWS: case GGML_OP_SET_ROWS:
         case GGML_OP_SET: case GGML_OP_ACC: case GGML_OP_CONCAT: case GGML_OP_REPEAT:
-        case GGML_OP_PAD: case GGML_OP_ROLL:
+        case GGML_OP_PAD: case GGML_OP_ROLL: case GGML_OP_FILL:
         case GGML_OP_DIAG_MASK_INF: case GGML_OP_SOFT_MAX: case GGML_OP_ROPE: case GGML_OP_FLASH_ATTN_EXT:
             return true;
         default:
@@ -463,6 +463,12 @@ static int check_op(const struct ggml_tensor * t, uint32_t index, char * err, si
             if (RULE_ON(TB_RULE_SHAPES) && (!ggml_are_same_shape(a, t) || a->type != GGML_TYPE_F32 || t->type != GGML_TYPE_F32))
                 FAIL("destination must be source 0's shape, both F32");
             if (RULE_ON(TB_RULE_LAYOUT) && (!rows_contiguous(a) || !rows_contiguous(t))) FAIL("rows must be contiguous");
+            return 0;
+        case GGML_OP_FILL:
+            // the kernel picks its element type from source 0 and writes the destination with it
+            if (RULE_ON(TB_RULE_SHAPES) && (a->type != t->type || (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16)))
+                FAIL("source 0 and destination must both be F32 or both F16");
+            if (RULE_ON(TB_RULE_LAYOUT) && !rows_contiguous(t)) FAIL("destination rows must be contiguous");
             return 0;
         case GGML_OP_SOFT_MAX: return check_soft_max(t, index, err, err_len);
         case GGML_OP_ROPE: return check_rope(t, index, err, err_len);

@@ -122,7 +122,7 @@ static const enum ggml_op OPS[] = {
     GGML_OP_LEAKY_RELU, GGML_OP_UNARY, GGML_OP_GLU, GGML_OP_NORM, GGML_OP_RMS_NORM, GGML_OP_L2_NORM, GGML_OP_SUM_ROWS,
     GGML_OP_MEAN, GGML_OP_ARGMAX, GGML_OP_ARGSORT, GGML_OP_TOP_K, GGML_OP_MUL_MAT, GGML_OP_MUL_MAT_ID, GGML_OP_GET_ROWS,
     GGML_OP_SET_ROWS, GGML_OP_SET, GGML_OP_ACC, GGML_OP_CONCAT, GGML_OP_REPEAT, GGML_OP_PAD, GGML_OP_ROLL,
-    GGML_OP_DIAG_MASK_INF, GGML_OP_SOFT_MAX, GGML_OP_ROPE, GGML_OP_FLASH_ATTN_EXT,
+    GGML_OP_DIAG_MASK_INF, GGML_OP_SOFT_MAX, GGML_OP_ROPE, GGML_OP_FLASH_ATTN_EXT, GGML_OP_FILL,
     GGML_OP_VIEW, GGML_OP_RESHAPE, GGML_OP_PERMUTE, GGML_OP_TRANSPOSE,
 };
 #define N_OPS ((int) (sizeof OPS / sizeof *OPS))
@@ -217,6 +217,7 @@ static struct ggml_tensor * make_op(struct ggml_context * c, enum ggml_op op) {
             struct ggml_tensor * m = chance(50) ? ggml_new_tensor_2d(c, GGML_TYPE_F16, nkv, nq) : NULL;
             return ggml_flash_attn_ext(c, q, k, v, m, 0.5f, 0.0f, 0.0f);
         }
+        case GGML_OP_FILL: return ggml_fill(c, a, 0.25f);
         case GGML_OP_VIEW: return ggml_view_2d(c, a, n0 / 2, n1, a->nb[1], sizeof(float) * (size_t) rint_in(0, (int) (n0 / 2)));
         case GGML_OP_RESHAPE: return ggml_reshape_2d(c, a, n0 * n1, n2 * n3);
         case GGML_OP_PERMUTE: return ggml_permute(c, a, 1, 0, 2, 3);
