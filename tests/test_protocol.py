@@ -248,7 +248,7 @@ def test_huge_alloc_is_refused_not_attempted(node: Any) -> None:
     w = ready(node)
     w.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=2**62))
     status, body = w.reply()
-    assert status != 0 and ("could not allocate" in body.decode() or "exceeds" in body.decode())
+    assert status != 0 and any(why in body.decode() for why in ("could not allocate", "exceeds", "refused"))
 
 
 # ---- graphs -------------------------------------------------------------------------
@@ -384,8 +384,10 @@ def test_a_spawned_worker_does_not_outlive_its_node(nodes: Any) -> None:
     cmdline = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
     assert any(b"tbrpc._worker" in arg for arg in cmdline), cmdline
     inherited = sorted(int(fd.name) for fd in Path(f"/proc/{worker}/fd").iterdir())
-    named = {int(cmdline[cmdline.index(flag) + 1]) for flag in (b"--client-fd", b"--status-fd", b"--parent-fd")}
+    named = {int(cmdline[cmdline.index(flag) + 1]) for flag in (b"--client-fd", b"--parent-fd")}
     assert named <= set(inherited)
+    # the status table's descriptor is closed once the worker mapped its view of it (node.c, map_worker_view)
+    assert int(cmdline[cmdline.index(b"--status-fd") + 1]) not in inherited
     node.proc.kill()
     node.proc.wait(timeout=10)
     deadline = time.time() + 10
@@ -402,17 +404,17 @@ def test_host_buffers_ask_for_huge_pages(node: Any) -> None:
     w.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=64 << 20))
     status, body = w.reply()
     assert status == 0, body
-    _handle, base, size = struct.unpack("<QQQ", body[:24])
+    _handle, _base, size = struct.unpack("<QQQ", body[:24])   # base is synthetic: find the buffer by its size
     workers = _workers(node)
     assert len(workers) == 1, workers
-    flags = None
+    flagged = []
     for line in Path(f"/proc/{workers[0]}/smaps").read_text().splitlines():
         if "-" in line.split()[0] and ":" not in line.split()[0]:
             start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            inside = start <= base + size // 2 < end
-        elif line.startswith("VmFlags:") and inside:
-            flags = line.split()[1:]
-    assert flags is not None and "hg" in flags, flags
+            big = end - start >= size
+        elif line.startswith("VmFlags:") and big:
+            flagged.append(line.split()[1:])
+    assert any("hg" in flags for flags in flagged), flagged
 
 
 def test_recompute_without_graph(node: Any) -> None:
