@@ -411,7 +411,7 @@ def test_host_buffers_ask_for_huge_pages(node: Any) -> None:
     for line in Path(f"/proc/{workers[0]}/smaps").read_text().splitlines():
         if "-" in line.split()[0] and ":" not in line.split()[0]:
             start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            big = end - start >= size
+            big = end - start >= size // 2   # the madvise()d part of the buffer is its own mapping
         elif line.startswith("VmFlags:") and big:
             flagged.append(line.split()[1:])
     assert any("hg" in flags for flags in flagged), flagged
