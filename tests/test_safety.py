@@ -171,3 +171,47 @@ def test_scratch_shrinks_after_a_large_message(nodes: Any) -> None:
         w.sock.sendall(chunk)
     w.sync_error()
     assert rss() < 100 << 20, rss()
+
+
+# ---- --isolation thread (issue 10 item 7) ---------------------------------------------
+
+def test_thread_isolation_survives_a_null_source(nodes: Any) -> None:
+    """A MUL_MAT without its second source used to segfault the whole node
+    when clients are served by threads; now the rules refuse it, also when asked
+    through SUPPORTS_OP (whose device answer dereferences the sources)."""
+    node = nodes(1, "--isolation", "thread")[0]
+    w = ready(node)
+    h = w.alloc(4096)
+    a = tensor(buffer=h, offset=0, ne=[4, 2, 1, 1], nb=[4, 16, 32, 32])
+    mm = tensor(buffer=h, offset=256, ne=[2, 1, 1, 1], nb=[4, 8, 8, 8], op=_ggml_op_index("MUL_MAT"),
+                src=[0] + [-1] * 9, flags=GGML_TENSOR_FLAG_COMPUTE)
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, graph([a, mm], [1]))
+    error = w.sync_error()
+    assert "tensor 1 (MUL_MAT" in error and "source 1 is missing" in error, error
+    shapes_only = [tensor(ne=[4, 2, 1, 1], nb=[4, 16, 32, 32]),
+                   tensor(ne=[2, 1, 1, 1], nb=[4, 8, 8, 8], op=_ggml_op_index("MUL_MAT"), src=[0] + [-1] * 9)]
+    w.send(lib.TB_CMD_SUPPORTS_OP, graph(shapes_only, []))
+    assert w.reply() == (0, b"\x00")
+    assert node.proc.poll() is None
+    assert ready(node).alloc(64)
+
+
+def test_thread_isolation_hands_out_cleared_buffers(nodes: Any) -> None:
+    """Threads share one heap: a buffer another client freed must not reach
+    the next one with its bytes."""
+    node = nodes(1, "--isolation", "thread")[0]
+    size = 1 << 16
+    first = ready(node)
+    h = first.alloc(size)
+    secret = b"\xa5" * size
+    first.sock.sendall(struct.pack("<IHHQQ", lib.TB_MAGIC, lib.TB_CMD_SET_TENSOR, 0, 77, 24 + size)
+                       + pack("struct tb_range", handle=h, offset=0, size=size) + secret)
+    assert first.sync_error() == ""
+    first.send(lib.TB_CMD_FREE_BUFFER, struct.pack("<Q", h))
+    assert first.sync_error() == ""
+    second = ready(node)
+    for _ in range(4):   # whichever allocation the heap hands back
+        h2 = second.alloc(size)
+        second.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=h2, offset=0, size=size))
+        status, body = second.reply()
+        assert status == 0 and body == b"\0" * size
