@@ -200,7 +200,7 @@ def test_thread_isolation_hands_out_cleared_buffers(nodes: Any) -> None:
     """Threads share one heap: a buffer another client freed must not reach
     the next one with its bytes."""
     node = nodes(1, "--isolation", "thread")[0]
-    size = 1 << 16
+    size = 4096
     first = ready(node)
     h = first.alloc(size)
     secret = b"\xa5" * size
