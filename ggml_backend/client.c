@@ -30,6 +30,7 @@ static void buffer_free(ggml_backend_buffer_t buffer) {
     node_post_locked(n, TB_CMD_FREE_BUFFER, &req, sizeof req, NULL, 0);
     if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "FREE_BUFFER", n->tp->error);
     pthread_mutex_unlock(&n->lock);
+    __atomic_sub_fetch(&n->live_buffers, 1, __ATOMIC_RELAXED);
     free(cb);
 }
 
@@ -76,7 +77,9 @@ static uint64_t node_file_for(struct client_node * n, const void * data, size_t 
     uint64_t id = 0;
     struct tb_file_identity identity;
     const char * base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
-    if (head_file_identity(n->client, path, &identity) == 0 && strlen(base) < sizeof req.name) {
+    char why[256];
+    if (head_file_identity(n->client, path, &identity) == 0 && strlen(base) < sizeof req.name &&
+        tb_file_proof_path(path, identity.size, n->info.file_nonce, req.proof, why, sizeof why) == 0) {
         req.size = identity.size;
         memcpy(req.fingerprint, identity.fingerprint, sizeof req.fingerprint);
         snprintf(req.name, sizeof req.name, "%s", base);
@@ -188,6 +191,7 @@ static ggml_backend_buffer_t buft_alloc_buffer(ggml_backend_buffer_type_t buft, 
         return NULL;
     }
     *cb = (struct client_buffer) { .node = n, .handle = rep.handle, .base = rep.base, .size = rep.size };
+    __atomic_add_fetch(&n->live_buffers, 1, __ATOMIC_RELAXED);
     return ggml_backend_buffer_init(buft, buffer_iface, cb, size);
 }
 
@@ -321,6 +325,81 @@ static bool backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t 
     node_post_locked(b, TB_CMD_PEER_RECV, &recv, sizeof recv, NULL, 0);
     pthread_mutex_unlock(&b->lock);
     return true;
+}
+
+// ---- all-reduce for llama.cpp's tensor split -----------------------------------
+// llama.cpp's meta backend asks backend 0's registry for these. With them,
+// each all-reduce is one posted ALLREDUCE per node, and the partial sums go
+// node to node over the peer links; without them (NULL from comm_init, or
+// false from allreduce) the meta backend falls back to its butterfly of
+// cpy_tensor_async copies and one-node ADD graphs.
+
+struct comm { struct client_node * nodes[TB_MAX_ALLREDUCE_NODES]; size_t n; };
+
+static void * comm_init(ggml_backend_t * backends, size_t n) {
+    if (n < 2 || n > TB_MAX_ALLREDUCE_NODES || getenv("TBRPC_NO_ALLREDUCE")) return NULL;
+    struct comm * cm = calloc(1, sizeof *cm);
+    if (!cm) return NULL;
+    cm->n = n;
+    for (size_t i = 0; i < n; i++) {
+        if (backends[i]->iface.get_name != backend_get_name) { free(cm); return NULL; }
+        cm->nodes[i] = backend_node(backends[i]);
+        for (size_t k = 0; k < i; k++) {
+            if (cm->nodes[k] == cm->nodes[i]) { free(cm); return NULL; }
+        }
+    }
+    for (size_t i = 0; i < n; i++) {       // the whole mesh now, not on the first token
+        for (size_t k = 0; k < n; k++) {
+            if (i != k && !peer_link(cm->nodes[i], cm->nodes[k])) { free(cm); return NULL; }
+        }
+    }
+    return cm;
+}
+
+static void comm_free(void * ctx) { free(ctx); }
+
+static bool comm_allreduce_tensor(void * ctx, struct ggml_tensor ** tensors) {
+    struct comm * cm = ctx;
+    const size_t size = ggml_nbytes(tensors[0]);
+    for (size_t j = 0; j < cm->n; j++) {
+        const struct ggml_tensor * t = tensors[j];
+        if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t) || ggml_nbytes(t) != size || !is_our_buffer(t->buffer) ||
+            ((struct client_buffer *) t->buffer->context)->node != cm->nodes[j] || cm->nodes[j]->failed)
+            return false;
+    }
+    if (size == 0) return true;
+    for (size_t j = 0; j < cm->n; j++) {
+        struct client_node * n = cm->nodes[j];
+        struct client_buffer * cb = tensors[j]->buffer->context;
+        struct tb_allreduce req;
+        memset(&req, 0, sizeof req);
+        req.handle = cb->handle;
+        req.offset = tensor_offset(cb, tensors[j]);
+        req.size = size;
+        req.type = GGML_TYPE_F32;
+        req.flags = (tensors[j]->flags & GGML_TENSOR_FLAG_COMPUTE) ? TB_ALLREDUCE_COMPUTED : 0;
+        req.n = (uint32_t) cm->n;
+        req.self = (uint32_t) j;
+        for (size_t k = 0; k < cm->n; k++) {
+            if (k == j) continue;
+            req.peer_out[k] = peer_link(n, cm->nodes[k])->out_id;      // made by comm_init, so never NULL here
+            req.peer_in[k] = peer_link(cm->nodes[k], n)->in_id;
+        }
+        pthread_mutex_lock(&n->lock);
+        node_post_locked(n, TB_CMD_ALLREDUCE, &req, sizeof req, NULL, 0);
+        if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "ALLREDUCE", n->tp->error);
+        n->allreduces++;
+        pthread_mutex_unlock(&n->lock);
+    }
+    return true;
+}
+
+static void * reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
+    (void) reg;
+    if (strcmp(name, "ggml_backend_comm_init") == 0) return (void *) comm_init;
+    if (strcmp(name, "ggml_backend_comm_free") == 0) return (void *) comm_free;
+    if (strcmp(name, "ggml_backend_comm_allreduce_tensor") == 0) return (void *) comm_allreduce_tensor;
+    return NULL;
 }
 
 static const struct ggml_backend_i backend_iface = {
@@ -474,7 +553,7 @@ static const struct ggml_backend_reg_i reg_iface = {
     .get_name = reg_get_name,
     .get_device_count = reg_get_device_count,
     .get_device = reg_get_device,
-    .get_proc_address = NULL,
+    .get_proc_address = reg_get_proc_address,
 };
 
 struct tbrpc_client * tbrpc_client_new(void) {
@@ -487,6 +566,13 @@ struct tbrpc_client * tbrpc_client_new(void) {
     return c;
 }
 
+static struct client_node * node_at(struct tbrpc_client * c, size_t i);
+
+static void describe_node(struct client_node * n) {
+    snprintf(n->description, sizeof n->description, "tbrpc node %s at %s: %s (%s)", n->info.node_name, n->endpoint,
+             n->info.device_name, n->info.device_description);
+}
+
 int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
                           char * err, size_t err_len) {
     char name[32];
@@ -497,8 +583,7 @@ int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int ti
     struct client_node * n = node_open(endpoint, name, timeout_ms, transport, err, err_len);
     if (!n) return -1;
     n->client = c;
-    snprintf(n->description, sizeof n->description, "tbrpc node %s at %s: %s (%s)", n->info.node_name, endpoint,
-             n->info.device_name, n->info.device_description);
+    describe_node(n);
     n->buft = (struct ggml_backend_buffer_type) { .iface = buft_iface, .device = &n->dev, .context = n };
     n->dev = (struct ggml_backend_device) { .iface = dev_iface, .reg = &c->reg, .context = n };
 
@@ -515,6 +600,49 @@ int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int ti
     pthread_mutex_unlock(&c->lock);
     if (registered) ggml_backend_device_register(&n->dev);
     return (int) index;
+}
+
+int tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * transport, char * err, size_t err_len) {
+    struct client_node * n = node_at(c, i);
+    if (!n) { snprintf(err, err_len, "no node %zu", i); return -1; }
+    const uint64_t live = __atomic_load_n(&n->live_buffers, __ATOMIC_RELAXED);
+    if (live > 0) {
+        snprintf(err, err_len, "tbrpc node %s: %llu buffer(s) of the model that used it are still open on this head; "
+                 "close that model (Llama.close()) before loading again", n->endpoint, (unsigned long long) live);
+        return -1;
+    }
+    struct client_node * fresh = node_open(n->endpoint, n->name, n->timeout_ms, transport, err, err_len);
+    if (!fresh) return -1;
+    pthread_mutex_lock(&n->lock);
+    struct tb_transport * old = n->tp;
+    n->tp = fresh->tp;
+    fresh->tp = old;                       // closed with `fresh` below
+    n->info = fresh->info;
+    n->cpu_twin = fresh->cpu_twin;
+    n->next_id = fresh->next_id;
+    n->dirty = false;
+    n->failed = false;
+    n->error[0] = '\0';
+    n->last_graph_len = 0;                 // the new session holds no graph, file or link of the old one
+    n->last_graph_uid = 0;
+    n->n_files = 0;
+    n->n_links = 0;
+    describe_node(n);
+    pthread_mutex_unlock(&n->lock);
+    node_destroy(fresh);
+    // Links from other nodes to this one ended with its old session.
+    for (size_t k = 0; k < tbrpc_client_node_count(c); k++) {
+        struct client_node * m = node_at(c, k);
+        if (m == n) continue;
+        pthread_mutex_lock(&m->lock);
+        size_t kept = 0;
+        for (size_t j = 0; j < m->n_links; j++) {
+            if (m->links[j].to != n) m->links[kept++] = m->links[j];
+        }
+        m->n_links = kept;
+        pthread_mutex_unlock(&m->lock);
+    }
+    return 0;
 }
 
 int tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len) {
@@ -553,6 +681,7 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
     out->graphs_reused = n->graphs_reused;
     out->bytes_from_files = n->bytes_from_files;
     out->peer_copies = n->peer_copies;
+    out->allreduces = n->allreduces;
     pthread_mutex_unlock(&n->lock);
     return 0;
 }
@@ -584,6 +713,7 @@ void tbrpc_client_reset_stats(struct tbrpc_client * c) {
         struct client_node * n = node_at(c, i);
         pthread_mutex_lock(&n->lock);
         n->round_trips = n->messages = n->graphs_sent = n->graphs_reused = n->bytes_from_files = n->peer_copies = 0;
+        n->allreduces = 0;
         n->tp->bytes_sent = n->tp->bytes_received = 0;
         pthread_mutex_unlock(&n->lock);
     }

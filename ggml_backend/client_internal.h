@@ -54,7 +54,8 @@ struct client_node {
     struct peer_link { struct client_node * to; uint64_t out_id, in_id; bool usable; } links[16];
     size_t n_links;
 
-    uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files, peer_copies;
+    uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files, peer_copies, allreduces;
+    uint64_t live_buffers;                   // buffers allocated and not yet freed (atomic)
 };
 
 struct tbrpc_client {

@@ -6,7 +6,7 @@
 // answer) or node_post (does not). A node that fails is marked failed; from
 // then on its operations are no-ops that report failure where ggml lets them
 // (graph_compute returns GGML_STATUS_FAILED, alloc returns NULL), and Python
-// turns that into an exception naming the node (tbrpc/_errors.py).
+// turns that into an exception naming the node (tbrpc/client.py, _install_error_hooks).
 #include "client_internal.h"
 
 #include <stdio.h>

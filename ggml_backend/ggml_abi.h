@@ -7,10 +7,9 @@
 // ships (GGML_BACKEND_API_VERSION 2). The field order below must match that
 // ggml exactly: a mismatch would make ggml call the wrong function pointer.
 //
-// The run-time guard is tbrpc_abi_check() in client.c: it refuses to register
-// anything unless the loaded ggml reports the version string we were written
-// for (TBRPC_GGML_VERSION). docs/architecture.md explains how to move this
-// file to a new llama-cpp-python release.
+// The run-time guard is tbrpc.native.load(): it refuses to load this library
+// into any llama-cpp-python but the release it was written for.
+// docs/architecture.md explains how to move this file to a new release.
 #pragma once
 
 #include "ggml.h"

@@ -76,6 +76,57 @@ int tb_file_identity_path(const char * path, struct tb_file_identity * out, char
     return rc;
 }
 
+#define PROOF_BLOCK 4096u
+
+// splitmix64: the block offsets are a pure function of the nonce, so both
+// sides read the same blocks.
+static uint64_t next_offset_seed(uint64_t * state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+int tb_file_proof_fd(int fd, uint64_t size, const uint8_t nonce[TB_FILE_NONCE_LEN], uint8_t out[TB_FILE_PROOF_LEN],
+                     char * err, size_t err_len) {
+    struct fnv2 h = { 0xcbf29ce484222325ull, 0x84222325cbf29ce4ull };
+    fnv2_add(&h, nonce, TB_FILE_NONCE_LEN);
+    fnv2_add(&h, (const uint8_t *) &size, sizeof size);
+    uint64_t state;
+    memcpy(&state, nonce, sizeof state);
+    uint64_t mix;
+    memcpy(&mix, nonce + 8, sizeof mix);
+    state ^= next_offset_seed(&mix);
+    const uint64_t n_blocks = size / PROOF_BLOCK + (size % PROOF_BLOCK != 0);
+    uint8_t buf[PROOF_BLOCK];
+    for (int i = 0; i < TB_FILE_PROOF_BLOCKS && n_blocks > 0; i++) {
+        const uint64_t offset = next_offset_seed(&state) % n_blocks * PROOF_BLOCK;
+        const size_t want = size - offset < PROOF_BLOCK ? (size_t) (size - offset) : PROOF_BLOCK;
+        size_t got = 0;
+        while (got < want) {
+            ssize_t r = pread(fd, buf + got, want - got, (off_t) (offset + got));
+            if (r <= 0) {
+                snprintf(err, err_len, "read failed: %s", r == 0 ? "the file is shorter than it was" : strerror(errno));
+                return -1;
+            }
+            got += (size_t) r;
+        }
+        fnv2_add(&h, buf, want);
+    }
+    memcpy(out, &h.a, 8);
+    memcpy(out + 8, &h.b, 8);
+    return 0;
+}
+
+int tb_file_proof_path(const char * path, uint64_t size, const uint8_t nonce[TB_FILE_NONCE_LEN],
+                       uint8_t out[TB_FILE_PROOF_LEN], char * err, size_t err_len) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) { snprintf(err, err_len, "%s: %s", path, strerror(errno)); return -1; }
+    int rc = tb_file_proof_fd(fd, size, nonce, out, err, err_len);
+    close(fd);
+    return rc;
+}
+
 #if defined(__linux__)
 // /proc/self/maps: "start-end perms offset dev inode path". Parsing it costs
 // ~100 us, paid once per weight tensor at load time only.

@@ -506,6 +506,8 @@ void tb_node_get_status(struct tb_node * n, struct tb_status * s) {
         s->graphs_computed += __atomic_load_n(&slot->graphs_computed, __ATOMIC_RELAXED);
         s->bytes_received += __atomic_load_n(&slot->bytes_received, __ATOMIC_RELAXED);
         s->bytes_from_files += __atomic_load_n(&slot->bytes_from_files, __ATOMIC_RELAXED);
+        s->allreduces += __atomic_load_n(&slot->allreduces, __ATOMIC_RELAXED);
+        s->allreduce_ns += __atomic_load_n(&slot->allreduce_ns, __ATOMIC_RELAXED);
     }
     s->mem_free = free_mem;
     s->mem_total = total_mem;

@@ -21,6 +21,7 @@
 // other clients' counters and the parent's in_use flags) read-only.
 struct client_slot {
     uint64_t buffers, bytes_allocated, graphs_computed, bytes_received, bytes_from_files;
+    uint64_t allreduces, allreduce_ns;   // tensor split: all-reduces done, and the time they took
 };
 
 // What only the parent knows and writes about a slot: in its private memory,

@@ -12,9 +12,11 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -23,7 +25,8 @@
 #define MAX_FILES    256       // model files one client may have open (shards of a 1T model: ~13-60)
 #define MAX_PEERS    16        // node-to-node links of one session (neighbours in the split)
 #define FILE_CHUNK   (64u << 20)
-#define SCRATCH_KEEP (4u << 20)    // request scratch kept between requests; more is freed after a smaller one
+#define SCRATCH_KEEP (4u << 20)    // request scratch always kept between requests
+#define SCRATCH_IDLE 16            // more is freed after this many requests in a row that needed under a quarter of it
 
 struct node_buffer {
     uint64_t handle;
@@ -43,6 +46,8 @@ struct node_conn {
     uint64_t next_fake_base;        // what ALLOC_BUFFER tells the client its next buffer's "base" is
     uint8_t * payload;              // scratch for request payloads
     size_t   payload_cap;
+    size_t   scratch_need;          // the most of it the current request asked for (scratch_reserve)
+    uint32_t scratch_idle;          // requests in a row that needed under a quarter of payload_cap
     char     sticky[512];           // first failure of a posted request, reported with the next reply
     struct ggml_context * graph_ctx; // the last graph, kept for GRAPH_RECOMPUTE
     struct ggml_cgraph *  graph;
@@ -67,7 +72,18 @@ struct node_conn {
     bool      has_watchdog;
 
     struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
+    uint8_t   file_nonce[TB_FILE_NONCE_LEN];   // OPEN_FILE proofs answer this (sent at HELLO)
+    bool      has_file_nonce;
 };
+
+// The request scratch: grown on demand, shrunk by serve_one after a run of
+// requests that needed much less (a rejected 255 MiB SET_TENSOR must not pin
+// 255 MiB for the rest of the session; a prompt's all-reduces must not
+// reallocate it every time either).
+static int scratch_reserve(struct node_conn * c, size_t need) {
+    if (need > c->scratch_need) c->scratch_need = need;
+    return tb_reserve(&c->payload, &c->payload_cap, need);
+}
 
 // ---- buffers ----------------------------------------------------------------
 
@@ -143,6 +159,13 @@ static int expect_len(uint64_t got, size_t want, const char * what, char * err, 
     return -1;
 }
 
+static int reply_u64(struct reply * r, uint64_t v) {
+    memcpy(r->small, &v, sizeof v);
+    r->data = r->small;
+    r->len = sizeof v;
+    return 0;
+}
+
 static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
     ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(n->dev);
     size_t free_mem = 0, total_mem = 0;
@@ -176,6 +199,7 @@ static int handle_hello(struct node_conn * c, const struct tb_header * h, struct
     c->keepalive_ms = req->keepalive_ms > TB_KEEPALIVE_MIN_MS ? req->keepalive_ms : TB_KEEPALIVE_MIN_MS;
     pthread_mutex_unlock(&c->busy_lock);
     fill_device_info(c->node, rep);
+    memcpy(rep->file_nonce, c->file_nonce, sizeof rep->file_nonce);
     r->data = rep;
     r->len = sizeof *rep;
     return 0;
@@ -292,7 +316,7 @@ static int handle_get(struct node_conn * c, const struct tb_header * h, struct r
     if (ggml_backend_buffer_is_host(b->buf)) {
         r->data = b->base + req.offset;    // reply straight from the buffer, no copy
     } else {
-        if (tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+        if (scratch_reserve(c, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
         struct ggml_tensor t = byte_view(b, req.offset, req.size);
         ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
         r->data = c->payload;
@@ -492,24 +516,72 @@ static bool is_model_file_name(const char * name) {
     return len > 5 && name[0] != '.' && strchr(name, '/') == NULL && strcmp(name + len - 5, ".gguf") == 0;
 }
 
+// Whether `real` (a resolved path) lies inside one of the node's model directories.
+static bool inside_model_dirs(const struct tb_node * n, const char * real) {
+    char dirs[sizeof n->model_dirs];
+    snprintf(dirs, sizeof dirs, "%s", n->model_dirs);
+    char * save = NULL;
+    for (char * dir = strtok_r(dirs, ":", &save); dir; dir = strtok_r(NULL, ":", &save)) {
+        char root[PATH_MAX];
+        if (!realpath(dir, root)) continue;
+        const size_t len = strlen(root);
+        if (strncmp(real, root, len) == 0 && (real[len] == '/' || (len == 1 && root[0] == '/'))) return true;
+    }
+    return false;
+}
+
+// Open `dir/name` for reading if it is a regular file whose real path lies
+// inside a model directory: a symlink may point to another model directory,
+// never elsewhere. Opened without blocking, so a FIFO cannot stall the worker.
+// Returns the fd, or -1 with why (empty when there is simply no such file).
+static int open_served_file(const struct tb_node * n, const char * dir, const char * name, char * path, size_t path_len,
+                            char * why, size_t why_len) {
+    why[0] = '\0';
+    char given[PATH_MAX];
+    snprintf(given, sizeof given, "%s/%s", dir, name);
+    if (!realpath(given, path)) return -1;
+    if (!inside_model_dirs(n, path)) {
+        snprintf(why, why_len, "%s leads to %s, outside the model directories", given, path);
+        return -1;
+    }
+    (void) path_len;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+    struct stat st;
+    if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))) {
+        snprintf(why, why_len, "%s is not a regular file", path);
+        close(fd);
+        return -1;
+    }
+    if (fd >= 0) (void) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    return fd;
+}
+
 // Look for the client's file in our model directories; return its id or 0.
+// The file must match the head's size and fingerprint, and the head must
+// prove it holds the whole file (model_file.h): a client cannot read out a
+// file it does not already have.
 static uint64_t open_model_file(struct node_conn * c, const struct tb_open_file * req) {
     for (size_t i = 0; i < c->n_files; i++) {
         if (strcmp(c->files[i].name, req->name) == 0) return i + 1;
     }
-    if (c->n_files == MAX_FILES) return 0;
+    if (c->n_files == MAX_FILES || !c->has_file_nonce) return 0;
     char dirs[sizeof c->node->model_dirs];
     snprintf(dirs, sizeof dirs, "%s", c->node->model_dirs);
     char * save = NULL;
     for (char * dir = strtok_r(dirs, ":", &save); dir; dir = strtok_r(NULL, ":", &save)) {
-        char path[4096 + TB_FILE_NAME_LEN];
-        snprintf(path, sizeof path, "%s/%s", dir, req->name);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0) continue;
+        char path[PATH_MAX], why[PATH_MAX + 128];
+        int fd = open_served_file(c->node, dir, req->name, path, sizeof path, why, sizeof why);
+        if (fd < 0) {
+            if (why[0]) node_log(c->node, "client %s: refused to serve %s: %s", c->tp->peer, req->name, why);
+            continue;
+        }
         struct tb_file_identity mine;
-        char why[128];
-        if (tb_file_identity_fd(fd, &mine, why, sizeof why) == 0 && mine.size == req->size &&
-            memcmp(mine.fingerprint, req->fingerprint, TB_FINGERPRINT_LEN) == 0) {
+        uint8_t proof[TB_FILE_PROOF_LEN];
+        char read_err[128];
+        const bool same = tb_file_identity_fd(fd, &mine, read_err, sizeof read_err) == 0 && mine.size == req->size &&
+                          memcmp(mine.fingerprint, req->fingerprint, TB_FINGERPRINT_LEN) == 0;
+        if (same && tb_file_proof_fd(fd, mine.size, c->file_nonce, proof, read_err, sizeof read_err) == 0 &&
+            memcmp(proof, req->proof, sizeof proof) == 0) {
             size_t i = c->n_files++;
             c->files[i].fd = fd;
             c->files[i].size = mine.size;
@@ -517,15 +589,28 @@ static uint64_t open_model_file(struct node_conn * c, const struct tb_open_file 
             node_log(c->node, "client %s: weights of %s come from this node's %s", c->tp->peer, req->name, path);
             return i + 1;
         }
-        node_log(c->node, "client %s: %s differs from the head's copy (size or fingerprint); its weights will stream",
+        node_log(c->node, same ? "client %s: %s matches the head's fingerprint, but the head could not prove it holds "
+                                 "the whole file; its weights will stream"
+                               : "client %s: %s differs from the head's copy (size or fingerprint); its weights will stream",
                  c->tp->peer, path);
         close(fd);
     }
     return 0;
 }
 
+// Whether and how fast a file is found must not tell a client which files
+// a node holds: every answer takes at least this long.
+#define OPEN_FILE_MIN_NS (10 * 1000000ll)
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t) ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
+
 static int handle_open_file(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     if (expect_len(h->len, sizeof(struct tb_open_file), "OPEN_FILE", err, err_len) != 0) return -1;
+    const int64_t started = now_ns();
     struct tb_open_file * req = (struct tb_open_file *) c->payload;
     req->name[TB_FILE_NAME_LEN - 1] = '\0';
     uint64_t id = 0;
@@ -534,10 +619,12 @@ static int handle_open_file(struct node_conn * c, const struct tb_header * h, st
     } else if (c->node->model_dirs[0]) {
         id = open_model_file(c, req);
     }
-    memcpy(r->small, &id, sizeof id);
-    r->data = r->small;
-    r->len = sizeof id;
-    return 0;
+    const int64_t left = OPEN_FILE_MIN_NS - (now_ns() - started);
+    if (left > 0) {
+        struct timespec pause = { .tv_sec = (time_t) (left / 1000000000ll), .tv_nsec = (long) (left % 1000000000ll) };
+        while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {}
+    }
+    return reply_u64(r, id);
 }
 
 // Fill [offset, offset+size) of a buffer from an open model file.
@@ -558,7 +645,7 @@ static int handle_load_from_file(struct node_conn * c, const struct tb_header * 
     struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
     if (!b) return -1;
     const bool host = ggml_backend_buffer_is_host(b->buf);
-    if (!host && tb_reserve(&c->payload, &c->payload_cap, FILE_CHUNK) != 0) {   // device memory: read through the scratch buffer
+    if (!host && scratch_reserve(c, FILE_CHUNK) != 0) {   // device memory: read through the scratch buffer
         snprintf(err, err_len, "out of memory");
         return -1;
     }
@@ -588,17 +675,9 @@ static int handle_load_from_file(struct node_conn * c, const struct tb_header * 
 // requests) happens once per pair; a pair that cannot connect answers 0 and
 // the head keeps relaying.
 
-static int reply_u64(struct reply * r, uint64_t v) {
-    memcpy(r->small, &v, sizeof v);
-    r->data = r->small;
-    r->len = sizeof v;
-    return 0;
-}
-
 static uint64_t random_token(void) {
     uint64_t t = 0;
-    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) { if (read(fd, &t, sizeof t) != (ssize_t) sizeof t) t = 0; close(fd); }
+    while (t == 0 && tb_random(&t, sizeof t) == 0) {}
     return t ? t : (uint64_t) time(NULL) * 0x9e3779b97f4a7c15ull;
 }
 
@@ -695,6 +774,32 @@ static struct node_buffer * peer_range(struct node_conn * c, const struct tb_pee
     return checked_range(c, req->handle, req->offset, req->size, err, err_len);
 }
 
+// One PEER_SEND frame of `size` bytes on an outgoing link.
+static int send_to_peer(struct node_conn * c, struct tb_transport * tp, const void * data, uint64_t size) {
+    pthread_mutex_lock(&c->send_lock);     // the watchdog sends keepalives on peer links too
+    int rc = tb_msg_send(tp, TB_CMD_PEER_SEND, 0, 0, data, (size_t) size, NULL, 0);
+    if (rc == 0) rc = tb_flush(tp);
+    pthread_mutex_unlock(&c->send_lock);
+    return rc;
+}
+
+// The next PEER_SEND frame on an incoming link, which must carry `size`
+// bytes, into dst. The sending node's keepalives reset our timeout while it computes.
+static int recv_from_peer(struct tb_transport * tp, void * dst, uint64_t size, char * err, size_t err_len) {
+    struct tb_header ph;
+    int rc;
+    do {
+        rc = tb_msg_recv_header(tp, &ph, err, err_len);
+    } while (rc == 0 && ph.cmd == TB_CMD_KEEPALIVE && ph.len == 0);
+    if (rc == 0 && (ph.cmd != TB_CMD_PEER_SEND || ph.len != size)) {
+        snprintf(err, err_len, "the peer sent %s of %llu bytes, expected %llu", tb_cmd_name(ph.cmd),
+                 (unsigned long long) ph.len, (unsigned long long) size);
+        return -1;
+    }
+    if (rc == 0 && tb_recv(tp, dst, (size_t) size) != 0) { snprintf(err, err_len, "%s", tp->error); return -1; }
+    return rc;
+}
+
 static int handle_peer_send(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
     if (expect_len(h->len, sizeof(struct tb_peer_range), "PEER_SEND", err, err_len) != 0) return -1;
     const struct tb_peer_range req = *(const struct tb_peer_range *) c->payload;
@@ -703,17 +808,13 @@ static int handle_peer_send(struct node_conn * c, const struct tb_header * h, ch
     if (!b) return -1;
     const uint8_t * data = b->base + req.offset;
     if (!ggml_backend_buffer_is_host(b->buf)) {
-        if (tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+        if (scratch_reserve(c, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
         struct ggml_tensor t = byte_view(b, req.offset, req.size);
         ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
         data = c->payload;
     }
-    pthread_mutex_lock(&c->send_lock);
-    int rc = tb_msg_send(tp, TB_CMD_PEER_SEND, 0, 0, data, (size_t) req.size, NULL, 0);
-    if (rc == 0) rc = tb_flush(tp);
-    pthread_mutex_unlock(&c->send_lock);
-    if (rc != 0) snprintf(err, err_len, "PEER_SEND: %s", tp->error);
-    return rc;
+    if (send_to_peer(c, tp, data, req.size) != 0) { snprintf(err, err_len, "PEER_SEND: %s", tp->error); return -1; }
+    return 0;
 }
 
 static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
@@ -723,31 +824,122 @@ static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, ch
     struct node_buffer * b = peer_range(c, &req, false, &tp, err, err_len);
     if (!b) return -1;
     set_computing(c, true);   // waiting for the peer's compute: keep the head informed
-    struct tb_header ph;
-    int rc;
-    do {   // the sending node's keepalives reset our timeout while it computes
-        rc = tb_msg_recv_header(tp, &ph, err, err_len);
-    } while (rc == 0 && ph.cmd == TB_CMD_KEEPALIVE && ph.len == 0);
-    if (rc == 0 && (ph.cmd != TB_CMD_PEER_SEND || ph.len != req.size)) {
-        snprintf(err, err_len, "PEER_RECV: the peer sent %s of %llu bytes, expected %llu", tb_cmd_name(ph.cmd),
-                 (unsigned long long) ph.len, (unsigned long long) req.size);
-        rc = -1;
-    }
-    if (rc == 0 && ggml_backend_buffer_is_host(b->buf)) {
-        rc = tb_recv(tp, b->base + req.offset, (size_t) req.size);
-    } else if (rc == 0) {
-        rc = tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size) == 0 ? tb_recv(tp, c->payload, (size_t) req.size) : -1;
-        if (rc == 0) {
-            struct ggml_tensor t = byte_view(b, req.offset, req.size);
-            ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
-        }
+    const bool host = ggml_backend_buffer_is_host(b->buf);
+    char why[256] = "";
+    int rc = host ? 0 : scratch_reserve(c, (size_t) req.size);
+    if (rc != 0) snprintf(why, sizeof why, "out of memory");
+    if (rc == 0) rc = recv_from_peer(tp, host ? b->base + req.offset : c->payload, req.size, why, sizeof why);
+    if (rc == 0 && !host) {
+        struct ggml_tensor t = byte_view(b, req.offset, req.size);
+        ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
     }
     set_computing(c, false);
-    if (rc != 0) {
-        char why[256];
-        snprintf(why, sizeof why, "%s", err[0] ? err : tp->error);
-        snprintf(err, err_len, "waiting for activations from node %s: %s", c->peers[req.peer_id - 1].name, why);
+    if (rc != 0) snprintf(err, err_len, "waiting for activations from node %s: %s", c->peers[req.peer_id - 1].name, why);
+    return rc;
+}
+
+// ALLREDUCE: a thread sends our partial to every peer, in node order, while
+// this one receives theirs in node order and adds all of them, ours at our
+// place, in node order: the same additions on every node, so the same bits.
+// Sending and receiving in ascending node order on every node cannot
+// deadlock: node 0 is every sender's first target and reads them in turn,
+// and so on up.
+// Partials up to this size are sent before receiving, from this thread:
+// each fits the kernel's socket buffers (or a shared-memory ring) without
+// the peer reading yet, and a decoded token's partials (n_embd floats: 28 KiB
+// for Kimi K2) skip a thread start. Larger ones (prompts) use the thread.
+#define ALLREDUCE_INLINE (32u << 10)
+
+struct reduce_send {
+    struct node_conn * c;
+    const struct tb_allreduce * req;
+    const void * mine;
+    int rc;
+    char err[256];
+};
+
+static void * reduce_send_thread(void * arg) {
+    struct reduce_send * s = arg;
+    for (uint32_t k = 0; k < s->req->n && s->rc == 0; k++) {
+        if (k == s->req->self) continue;
+        struct tb_transport * tp = s->c->peers[s->req->peer_out[k] - 1].tp;
+        if (send_to_peer(s->c, tp, s->mine, s->req->size) != 0) {
+            snprintf(s->err, sizeof s->err, "sending to node %s: %s", s->c->peers[s->req->peer_out[k] - 1].name, tp->error);
+            s->rc = -1;
+        }
     }
+    return NULL;
+}
+
+static int allreduce_check(struct node_conn * c, const struct tb_allreduce * req, char * err, size_t err_len) {
+    if (req->n < 2 || req->n > TB_MAX_ALLREDUCE_NODES || req->self >= req->n) {
+        snprintf(err, err_len, "ALLREDUCE: node %u of %u", req->self, req->n);
+        return -1;
+    }
+    if (req->type != GGML_TYPE_F32 || req->size % sizeof(float) != 0 || req->size > TB_MAX_PAYLOAD) {
+        snprintf(err, err_len, "ALLREDUCE: %llu bytes of type %u (F32 up to the message limit only)",
+                 (unsigned long long) req->size, req->type);
+        return -1;
+    }
+    for (uint32_t k = 0; k < req->n; k++) {
+        if (k == req->self) continue;
+        const uint64_t out = req->peer_out[k], in = req->peer_in[k];
+        if (out == 0 || out > c->n_peers || !c->peers[out - 1].outgoing || in == 0 || in > c->n_peers ||
+            c->peers[in - 1].outgoing) {
+            snprintf(err, err_len, "ALLREDUCE: no link to and from node %u (peer ids %llu, %llu)", k,
+                     (unsigned long long) out, (unsigned long long) in);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int handle_allreduce(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_allreduce), "ALLREDUCE", err, err_len) != 0) return -1;
+    const struct tb_allreduce req = *(const struct tb_allreduce *) c->payload;
+    if (allreduce_check(c, &req, err, err_len) != 0) return -1;
+    struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
+    if (!b) return -1;
+    // Scratch: ours, then a peer's, then (for device memory) the sum. In host
+    // memory the sum is made in the buffer itself, ours having been copied out.
+    const bool host = ggml_backend_buffer_is_host(b->buf);
+    const size_t size = (size_t) req.size, n_floats = size / sizeof(float);
+    if (scratch_reserve(c, (host ? 2 : 3) * size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+    float * mine = (float *) c->payload, * part_buf = mine + n_floats;
+    float * acc = host ? (float *) (b->base + req.offset) : part_buf + n_floats;
+    struct ggml_tensor t = byte_view(b, req.offset, req.size);
+    if (req.flags & TB_ALLREDUCE_COMPUTED) ggml_backend_tensor_get(&t, mine, 0, size);
+    else memset(mine, 0, size);
+    const int64_t started = now_ns();
+    set_computing(c, true);
+    struct reduce_send s = { .c = c, .req = &req, .mine = mine, .rc = 0 };
+    pthread_t sender;
+    const bool inline_send = size <= ALLREDUCE_INLINE;
+    if (inline_send) {
+        reduce_send_thread(&s);
+    } else if (pthread_create(&sender, NULL, reduce_send_thread, &s) != 0) {
+        set_computing(c, false);
+        snprintf(err, err_len, "ALLREDUCE: cannot start a thread");
+        return -1;
+    }
+    int rc = 0;
+    for (uint32_t k = 0; k < req.n && rc == 0; k++) {
+        const float * part = mine;
+        if (k != req.self) {
+            char why[256] = "";
+            rc = recv_from_peer(c->peers[req.peer_in[k] - 1].tp, part_buf, req.size, why, sizeof why);
+            if (rc != 0) { snprintf(err, err_len, "ALLREDUCE: from node %s: %s", c->peers[req.peer_in[k] - 1].name, why); break; }
+            part = part_buf;
+        }
+        if (k == 0) memcpy(acc, part, size);
+        else for (size_t i = 0; i < n_floats; i++) acc[i] += part[i];
+    }
+    if (!inline_send) pthread_join(sender, NULL);
+    set_computing(c, false);
+    if (rc == 0 && s.rc != 0) { snprintf(err, err_len, "ALLREDUCE: %s", s.err); rc = -1; }
+    if (rc == 0 && !host) ggml_backend_tensor_set(&t, acc, 0, size);
+    count(&c->slot->allreduces, 1);
+    count(&c->slot->allreduce_ns, now_ns() - started);
     return rc;
 }
 
@@ -775,7 +967,7 @@ static int handle_memory(struct node_conn * c, const struct tb_header * h, struc
 // ---- the connection loop ----------------------------------------------------
 
 static int read_payload(struct node_conn * c, size_t len) {
-    if (tb_reserve(&c->payload, &c->payload_cap, len) != 0) return -1;
+    if (scratch_reserve(c, len) != 0) return -1;
     return len ? tb_recv(c->tp, c->payload, len) : 0;
 }
 
@@ -874,6 +1066,7 @@ static int dispatch(struct node_conn * c, const struct tb_header * h, struct rep
         case TB_CMD_PEER_ACCEPT:     return handle_peer_accept(c, h, r, err, err_len);
         case TB_CMD_PEER_SEND:       return handle_peer_send(c, h, err, err_len);
         case TB_CMD_PEER_RECV:       return handle_peer_recv(c, h, err, err_len);
+        case TB_CMD_ALLREDUCE:       return handle_allreduce(c, h, err, err_len);
         case TB_CMD_SYNC:            return expect_len(h->len, 0, "SYNC", err, err_len);
         case TB_CMD_STATUS:          return handle_status(c, h, r, err, err_len);
         case TB_CMD_TRANSPORT_OFFER: return handle_transport_offer(c, h, r, err, err_len);
@@ -938,11 +1131,17 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
     }
     // A large message (a rejected 255 MiB SET_TENSOR, a big graph) must not
     // pin its scratch for the rest of the session.
-    if (c->payload_cap > SCRATCH_KEEP && h.len < c->payload_cap / 4) {
-        free(c->payload);
-        c->payload = NULL;
-        c->payload_cap = 0;
+    if (c->payload_cap > SCRATCH_KEEP && c->scratch_need < c->payload_cap / 4) {
+        if (++c->scratch_idle >= SCRATCH_IDLE) {
+            free(c->payload);
+            c->payload = NULL;
+            c->payload_cap = 0;
+            c->scratch_idle = 0;
+        }
+    } else {
+        c->scratch_idle = 0;
     }
+    c->scratch_need = 0;
     if (tb_cmd_posted(h.cmd)) {
         if (rc != 0 && !c->sticky[0]) snprintf(c->sticky, sizeof c->sticky, "earlier %s (request %llu) failed: %s",
                                                tb_cmd_name(h.cmd), (unsigned long long) h.id, err);
@@ -1014,6 +1213,7 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     c->next_fake_base = TB_FAKE_BASE;
     c->keepalive_ms = 1000;
     c->peer_listen_fd = -1;
+    c->has_file_nonce = tb_random(c->file_nonce, sizeof c->file_nonce) == 0;
     pthread_mutex_init(&c->send_lock, NULL);
     pthread_mutex_init(&c->busy_lock, NULL);
     pthread_cond_init(&c->busy_changed, NULL);

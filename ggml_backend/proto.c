@@ -3,9 +3,12 @@
 #include "proto.h"
 #include "ggml_abi.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 _Static_assert(sizeof(struct tb_header) == 24, "header is 24 bytes on the wire");
 _Static_assert(sizeof(struct tb_wire_tensor) % 8 == 0, "wire tensor keeps 8-byte alignment");
@@ -22,13 +25,14 @@ static const char * const cmd_names[TB_CMD_COUNT_] = {
     [TB_CMD_PEER_LISTEN] = "PEER_LISTEN", [TB_CMD_PEER_CONNECT] = "PEER_CONNECT", [TB_CMD_PEER_ACCEPT] = "PEER_ACCEPT",
     [TB_CMD_PEER_SEND] = "PEER_SEND", [TB_CMD_PEER_RECV] = "PEER_RECV",
     [TB_CMD_TRANSPORT_OFFER] = "TRANSPORT_OFFER", [TB_CMD_TRANSPORT_SWITCH] = "TRANSPORT_SWITCH",
+    [TB_CMD_ALLREDUCE] = "ALLREDUCE",
 };
 
 bool tb_cmd_posted(uint16_t cmd) {
     switch (cmd) {
         case TB_CMD_FREE_BUFFER: case TB_CMD_BUFFER_CLEAR: case TB_CMD_SET_TENSOR: case TB_CMD_MEMSET_TENSOR:
         case TB_CMD_COPY_TENSOR: case TB_CMD_GRAPH_COMPUTE: case TB_CMD_GRAPH_RECOMPUTE: case TB_CMD_LOAD_FROM_FILE:
-        case TB_CMD_PEER_SEND: case TB_CMD_PEER_RECV: case TB_CMD_TRANSPORT_SWITCH:
+        case TB_CMD_PEER_SEND: case TB_CMD_PEER_RECV: case TB_CMD_TRANSPORT_SWITCH: case TB_CMD_ALLREDUCE:
             return true;
         default:
             return false;
@@ -70,6 +74,20 @@ int tb_reserve(uint8_t ** buf, size_t * cap, size_t need) {
     *buf = p;
     *cap = need;
     return 0;
+}
+
+int tb_random(void * out, size_t n) {
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, (uint8_t *) out + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (size_t) r;
+    }
+    close(fd);
+    return got == n ? 0 : -1;
 }
 
 void tb_ggml_build(char * out, size_t len) {

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define TB_MAGIC            0x43504254u   // "TBPC" on the wire
-#define TB_PROTO_VERSION    3u
+#define TB_PROTO_VERSION    4u
 #define TB_MAX_PAYLOAD      (256ull << 20) // one message; larger tensor writes are split by the client
 #define TB_MAX_GRAPH_TENSORS (1u << 20)
 #define TB_MAX_GRAPH_NODES   (1u << 20)
@@ -63,6 +63,7 @@ enum tb_cmd {
     TB_CMD_PEER_RECV,        // tb_peer_range       posted: receive the peer's next range into a buffer range
     TB_CMD_TRANSPORT_OFFER,  // tb_transport_req    reply: tb_transport_reply (a segment for this connection, or why not)
     TB_CMD_TRANSPORT_SWITCH, // u32 1: attached, switch now; 0: could not, stay  posted, always over TCP
+    TB_CMD_ALLREDUCE,        // tb_allreduce        posted: sum a range across nodes over their peer links
     TB_CMD_COUNT_,
 };
 
@@ -104,6 +105,7 @@ struct tb_hello {            // request and reply share it; the node fills the d
     uint32_t device_type;      // enum ggml_backend_dev_type of the node's device
     uint32_t keepalive_ms;     // request: how often a computing node must say so (the client's timeout / 3)
     uint64_t caps;             // reply: TB_CAP_* facts about the node's device
+    uint8_t  file_nonce[TB_FILE_NONCE_LEN];  // reply: this session's challenge for OPEN_FILE proofs (model_file.h)
     char     device_name[TB_NAME_LEN];
     char     device_description[128];
     char     node_name[TB_NAME_LEN];
@@ -133,6 +135,9 @@ bool tb_cmd_posted(uint16_t cmd);
 // 0, or -1 (out of memory) with *buf and *cap unchanged.
 int  tb_reserve(uint8_t ** buf, size_t * cap, size_t need);
 
+// n unpredictable bytes (the kernel's random source). 0, or -1.
+int  tb_random(void * out, size_t n);
+
 // "version commit" of the ggml this process runs, for tb_hello.ggml_build.
 void tb_ggml_build(char * out, size_t len);
 
@@ -152,7 +157,9 @@ struct tb_copy_req    { uint64_t src_handle, src_offset, dst_handle, dst_offset,
 
 // A model file the head has mapped; the node looks for `name` in its model
 // directories and accepts it only with the same size and fingerprint.
-struct tb_open_file   { uint64_t size; uint8_t fingerprint[TB_FINGERPRINT_LEN]; char name[TB_FILE_NAME_LEN]; };
+// The proof answers the session's file_nonce: the head holds the whole file.
+struct tb_open_file   { uint64_t size; uint8_t fingerprint[TB_FINGERPRINT_LEN]; uint8_t proof[TB_FILE_PROOF_LEN];
+                        char name[TB_FILE_NAME_LEN]; };
 struct tb_file_range  { uint64_t handle, offset, size, file_id, file_offset; };
 
 // Node-to-node links: activations go from the node that computed them
@@ -161,6 +168,23 @@ struct tb_peer_listen_reply { uint64_t token, port; };
 struct tb_peer_connect      { char host[256]; uint64_t port, token; };
 struct tb_peer_range        { uint64_t peer_id, handle, offset, size; };
 
+// llama.cpp's tensor split: each of `n` nodes holds a partial F32 sum in a
+// buffer range; every node sends its partial to every other one, receives
+// theirs, and adds all n in node order (so every node ends with the same
+// bits). peer_out[k]/peer_in[k]: this session's peer ids of the links to and
+// from node k (unused at k == self). Without TB_ALLREDUCE_COMPUTED the range
+// holds nothing computed and counts as zeros.
+#define TB_MAX_ALLREDUCE_NODES 16
+#define TB_ALLREDUCE_COMPUTED  1u
+struct tb_allreduce {
+    uint64_t handle, offset, size;
+    uint32_t type;            // GGML_TYPE_F32, the only one yet
+    uint32_t flags;
+    uint32_t n, self;
+    uint64_t peer_out[TB_MAX_ALLREDUCE_NODES];
+    uint64_t peer_in[TB_MAX_ALLREDUCE_NODES];
+};
+
 struct tb_status {
     uint64_t buffers;            // live buffers, all clients
     uint64_t bytes_allocated;    // sum of their sizes
@@ -168,6 +192,8 @@ struct tb_status {
     uint64_t graphs_computed;
     uint64_t bytes_received;     // payload bytes received from all clients
     uint64_t bytes_from_files;   // bytes loaded from the node's own model files
+    uint64_t allreduces;         // ALLREDUCE requests done (tensor split)
+    uint64_t allreduce_ns;       // time spent in them: sending, waiting for the peers, adding
     uint64_t mem_free, mem_total;
     char     device_name[TB_NAME_LEN];
 };

@@ -32,6 +32,7 @@ struct tbrpc_node_info {
     uint64_t graphs_reused;          // GRAPH_RECOMPUTE (the node still had it)
     uint64_t bytes_from_files;       // weights the node read from its own copy of the model
     uint64_t peer_copies;            // activations this node sent straight to another node
+    uint64_t allreduces;             // ALLREDUCE requests posted to it (tensor split)
 };
 
 struct tbrpc_client * tbrpc_client_new(void);
@@ -39,6 +40,10 @@ struct tbrpc_client * tbrpc_client_new(void);
 // transport: "tcp" forces TCP; NULL or "auto": shared memory with a node on this host, else TCP.
 int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
                              char * err, size_t err_len);
+// Connect node i again after it failed (a node restarted on its endpoint),
+// keeping its device. Refused while buffers of the failed session are open
+// on this head: their handles mean nothing to the new session. 0, or -1 with err.
+int    tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * transport, char * err, size_t err_len);
 // Register the registry and its devices with the ggml this library is
 // linked against (once; later nodes are registered as they are added).
 int    tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len);

@@ -2,7 +2,7 @@
 //
 // The protocol (proto.h) speaks in whole messages; a transport only moves
 // bytes. It knows nothing of ggml. Every implementation offers the same
-// six operations:
+// five operations:
 //   send   queue bytes (may buffer; a message is complete only after flush)
 //   flush  push everything queued so far to the peer (called at message
 //          boundaries where the sender is about to wait for an answer)

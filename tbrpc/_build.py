@@ -19,6 +19,7 @@ libllama already loaded.
 
 from __future__ import annotations
 
+import re
 import sys
 import sysconfig
 from pathlib import Path
@@ -32,14 +33,15 @@ TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "tran
 SYSTEM_LIBS = ["-pthread"] + (["-lrt"] if sys.platform.startswith("linux") else [])
 C_SOURCES = ["proto.c", "op_rules.c", "client.c", "client_node.c", "node.c", "node_session.c", "model_file.c", *TRANSPORT_SOURCES]
 
-CDEF = """
+PROTO_CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;
                 uint32_t ggml_type_count; uint64_t type_table_hash; ...; };
 struct tb_hello { struct tb_abi abi; uint64_t mem_free; uint64_t mem_total; uint64_t alignment;
-                  uint64_t max_size; uint32_t device_type; uint64_t caps; char device_name[...];
+                  uint64_t max_size; uint32_t device_type; uint64_t caps; uint8_t file_nonce[16]; char device_name[...];
                   char device_description[...]; char node_name[...]; char ggml_build[...]; ...; };
 struct tb_status { uint64_t buffers; uint64_t bytes_allocated; uint64_t clients; uint64_t graphs_computed;
-                   uint64_t bytes_received; uint64_t bytes_from_files; uint64_t mem_free; uint64_t mem_total; char device_name[...]; ...; };
+                   uint64_t bytes_received; uint64_t bytes_from_files; uint64_t allreduces; uint64_t allreduce_ns;
+                   uint64_t mem_free; uint64_t mem_total; char device_name[...]; ...; };
 struct tb_header { uint32_t magic; uint16_t cmd; uint16_t flags; uint64_t id; uint64_t len; };
 struct tb_reply_status { int32_t status; uint32_t reserved; };
 struct tb_range { uint64_t handle, offset, size; };
@@ -57,44 +59,29 @@ enum tb_cmd { TB_CMD_HELLO, TB_CMD_GET_MEMORY, TB_CMD_ALLOC_BUFFER, TB_CMD_FREE_
               TB_CMD_SET_TENSOR, TB_CMD_GET_TENSOR, TB_CMD_MEMSET_TENSOR, TB_CMD_COPY_TENSOR,
               TB_CMD_GRAPH_COMPUTE, TB_CMD_GRAPH_RECOMPUTE, TB_CMD_SUPPORTS_OP, TB_CMD_SYNC, TB_CMD_STATUS,
               TB_CMD_KEEPALIVE, TB_CMD_GET_ALLOC_SIZE, TB_CMD_OPEN_FILE, TB_CMD_LOAD_FROM_FILE, ... };
-struct tb_open_file { uint64_t size; uint8_t fingerprint[16]; char name[256]; };
+struct tb_open_file { uint64_t size; uint8_t fingerprint[16]; uint8_t proof[16]; char name[256]; };
 struct tb_file_range { uint64_t handle, offset, size, file_id, file_offset; };
 void tb_abi_fill(struct tb_abi * abi);
 void tb_ggml_build(char * out, size_t len);
 
-struct tb_node_config { const char * host; int port; const char * device; int threads; const char * name;
-                        const char * log_path; int timeout_ms; const char * model_dirs; int isolation;
-                        const char * const * worker_argv; };
-struct tb_node;
-struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, size_t err_len);
-int  tb_node_port(const struct tb_node * node);
-int  tb_node_serve(struct tb_node * node);
-void tb_node_stop(struct tb_node * node);
-void tb_node_get_status(struct tb_node * node, struct tb_status * out);
-void tb_node_free(struct tb_node * node);
-int  tb_node_worker_serve(const struct tb_node_config * cfg, int client_fd, int status_fd, int slot, int parent_fd,
-                          char * err, size_t err_len);
-
-struct tbrpc_node_info { char endpoint[...]; char device_name[...]; struct tb_hello hello; int failed;
-                         char error[...]; char transport[...]; uint64_t bytes_sent; uint64_t bytes_received; uint64_t round_trips;
-                         uint64_t messages; uint64_t graphs_sent; uint64_t graphs_reused;
-                         uint64_t bytes_from_files; uint64_t peer_copies; ...; };
 struct tb_file_identity { uint64_t size; uint8_t fingerprint[16]; };
-int tbrpc_file_identity(const char * path, struct tb_file_identity * out, char * err, size_t err_len);
-struct tbrpc_client;
-struct tbrpc_client * tbrpc_client_new(void);
-int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
-                             char * err, size_t err_len);
-int    tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len);
-size_t tbrpc_client_node_count(struct tbrpc_client * c);
-int    tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out);
-int    tbrpc_client_node_status(struct tbrpc_client * c, size_t i, struct tb_status * out, char * err, size_t err_len);
-int    tbrpc_client_failed(struct tbrpc_client * c, char * err, size_t err_len);
-void   tbrpc_client_reset_stats(struct tbrpc_client * c);
-int    tbrpc_probe(const char * endpoint, int timeout_ms, struct tb_hello * hello, struct tb_status * status,
-                   char * err, size_t err_len);
-const char * tbrpc_runtime_ggml_version(void);
+int tb_file_proof_path(const char * path, uint64_t size, const uint8_t nonce[16], uint8_t out[16], char * err, size_t err_len);
 """
+
+
+def _declarations(header: str) -> str:
+    """The C declarations of one of our plain headers, for cffi: without
+    comments, preprocessor lines and the C++ guard. node.h and tbrpc.h are
+    read this way, so the binding cannot drift from them; proto.h's structs,
+    which need ggml's headers, are declared above as far as Python uses them."""
+    text = (C_DIR / header).read_text()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r"#ifdef __cplusplus.*?#endif", "", text, flags=re.S)
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+CDEF = PROTO_CDEF + _declarations("node.h") + _declarations("tbrpc.h")
 
 
 def llama_cpp_paths() -> tuple[Path, Path, bool]:

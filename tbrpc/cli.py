@@ -183,15 +183,16 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, endpoints
 @main.command()
 @_cluster_option
 @click.option("--timeout", default=5.0, show_default=True, type=float, help="Seconds per node.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON list (sizes in bytes).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: nodes and serving launches (sizes in bytes).")
 @click.argument("endpoints", nargs=-1)
 def status(cluster_file: str | None, timeout: float, as_json: bool, endpoints: tuple[str, ...]) -> None:
-    """Nodes with their memory in use and clients (default: the launches running here, then ./tbrpc.toml)."""
+    """Nodes with their memory in use and clients, and what serving launches show on their page
+    (default: the launches running here, then ./tbrpc.toml)."""
     import json
 
     from tbrpc.node_memory import ClusterError
     from tbrpc.spec import default_cluster_file, load_specs
-    from tbrpc.status import format_rows, query, rows_json, targets
+    from tbrpc.status import format_rows, format_serving, query, rows_json, serving, targets
 
     if endpoints:
         listed = [(e, e) for e in endpoints]
@@ -201,11 +202,18 @@ def status(cluster_file: str | None, timeout: float, as_json: bool, endpoints: t
             listed = [(s.name, s.endpoint) for s in load_specs(path)] if path else []
         except ClusterError as e:
             raise click.UsageError(str(e)) from e
-    nodes = targets(listed, with_launches=not endpoints and not cluster_file)
+    with_launches = not endpoints and not cluster_file
+    nodes = targets(listed, with_launches, timeout)
     if not nodes:
         raise click.UsageError("no nodes: pass --cluster FILE or host:port, or start `tbrpc launch` first")
     rows = query(nodes, timeout)
-    click.echo(json.dumps(rows_json(rows), indent=1) if as_json else format_rows(rows))
+    launches = serving(timeout) if with_launches else []
+    if as_json:
+        click.echo(json.dumps(rows_json(rows, launches), indent=1))
+    else:
+        click.echo(format_rows(rows))
+        if launches:
+            click.echo("\n" + format_serving(launches))
     raise SystemExit(1 if any(r.status is None for r in rows) else 0)
 
 

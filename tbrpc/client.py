@@ -45,6 +45,7 @@ class NodeInfo:
     bytes_from_files: int     # weights the node read from its own copy of the model
     peer_copies: int = 0      # activations it sent straight to the next node
     transport: str = ""       # what carries the bytes, and why: "shm 16x64K", "tcp: the node is on another host"
+    allreduces: int = 0       # tensor split: all-reduces it took part in, node to node
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class NodeStatus:
     mem_free: int
     mem_total: int
     device: str
+    allreduces: int = 0        # tensor split: all-reduces done, and the seconds they took
+    allreduce_s: float = 0.0
 
 
 def _status_from_c(s: Any) -> NodeStatus:
@@ -65,6 +68,7 @@ def _status_from_c(s: Any) -> NodeStatus:
         buffers=s.buffers, bytes_allocated=s.bytes_allocated, clients=s.clients,
         graphs_computed=s.graphs_computed, bytes_received=s.bytes_received, bytes_from_files=s.bytes_from_files,
         mem_free=s.mem_free, mem_total=s.mem_total, device=text(s.device_name),
+        allreduces=s.allreduces, allreduce_s=s.allreduce_ns / 1e9,
     )
 
 
@@ -88,10 +92,12 @@ class Cluster:
             raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
         with self._lock:
             if endpoint in self._endpoints:
-                info = self.info(self._endpoints.index(endpoint))
-                if info.failed:
-                    raise NodeError(f"{info.error}; restart this process to reconnect to {endpoint}")
-                return info.device_name
+                index = self._endpoints.index(endpoint)
+                if self.info(index).failed:   # restarted since? connect again, as the same device
+                    err = error_buffer()
+                    if self._lib.tbrpc_client_reconnect_node(self._client, index, transport.encode(), err, len(err)) != 0:
+                        raise NodeError(text(err))
+                return self.info(index).device_name
             err = error_buffer()
             index = self._lib.tbrpc_client_add_node(self._client, endpoint.encode(), int(timeout * 1000),
                                                     transport.encode(), err, len(err))
@@ -122,6 +128,7 @@ class Cluster:
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, round_trips=out.round_trips,
             messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
             bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies, transport=text(out.transport),
+            allreduces=out.allreduces,
         )
 
     def device_names(self) -> list[str]:
@@ -232,6 +239,7 @@ def _install_error_hooks(c: Cluster) -> None:
             result = original(*args)
             new = {e: m for e, m in c.failures().items() if e not in before}
             if new:
+                _free_result(llama_lib, name, result)
                 raise NodeError(next(iter(new.values())))
             if before and _call_failed(name, result):   # it may have run on a node that failed earlier
                 raise NodeError("; ".join(before.values()))
@@ -242,6 +250,16 @@ def _install_error_hooks(c: Cluster) -> None:
 
     for entry_point in ("llama_decode", "llama_model_load_from_file", "llama_init_from_model"):
         wrap(entry_point)
+
+
+def _free_result(llama_lib: Any, name: str, result: Any) -> None:
+    """A model or context that a failed node left half made is freed here:
+    the caller gets an exception, not the pointer, so nobody else could free
+    it, and the surviving nodes would keep its buffers for as long as the
+    process lives."""
+    free = {"llama_model_load_from_file": "llama_model_free", "llama_init_from_model": "llama_free"}.get(name)
+    if free and result:
+        getattr(llama_lib, free)(result)
 
 
 def _call_failed(name: str, result: Any) -> bool:

@@ -25,7 +25,7 @@ from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve
 from tbrpc.native import TbrpcError
 from tbrpc.node_processes import LaunchError, Nodes, start_nodes
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
-from tbrpc.status import launch_record, note_transports
+from tbrpc.status import launch_record, note_serving, note_transports
 from tbrpc.units import format_size
 
 EXIT_OK, EXIT_FAILED, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -135,9 +135,11 @@ def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[s
     return llm
 
 
-def _serve(opts: LaunchOptions, llm: Llama, nodes: Nodes, say: Callable[[str], None]) -> int:
+def _serve(opts: LaunchOptions, llm: Llama, nodes: Nodes, record: Path, say: Callable[[str], None]) -> int:
     sock = listen(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
+    reachable = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)   # how status here asks
+    note_serving(record, f"http://{f'[{reachable}]' if ':' in reachable else reachable}:{port}", opts.api_key)
     alias = opts.alias or Path(opts.gguf).name.removesuffix(".gguf")
     say(f"serving OpenAI-compatible API on http://{host}:{port}/v1 (model {alias!r}); Ctrl-C stops it")
     failure = serve_http(llm, sock, alias, lambda: _cluster_failure(nodes), opts.api_key)
@@ -186,7 +188,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 chat(llm, opts.max_tokens, opts.temperature, out=out)
                 return EXIT_OK
             step = "serve"
-            return _serve(opts, llm, nodes, say)
+            return _serve(opts, llm, nodes, record, say)
         except (_Interrupted, KeyboardInterrupt) as exc:
             if step == "serve":   # the normal way to stop a server
                 say(f"stopping ({exc or 'SIGINT'}): the model, then the nodes started here")

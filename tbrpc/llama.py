@@ -225,7 +225,7 @@ class Llama(llama_cpp.Llama):
         try:
             self._tbrpc_load(model_path, nodes, progress, plan_options or {}, say, kwargs)
         except BaseException:
-            self._tbrpc_stop()
+            self.close()   # now, not at garbage collection: the nodes that survived free this load's buffers
             raise
 
     def _tbrpc_load(self, model_path: str, nodes: Nodes, progress: bool | Progress, plan_options: dict[str, Any],

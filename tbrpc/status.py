@@ -5,7 +5,10 @@ launches running on this machine: ``tbrpc launch`` records its nodes in a
 small JSON file for as long as it runs (``launch-<pid>.json`` in
 ``runtime_dir()``), so ``tbrpc status`` alone finds nodes on free ports too.
 Once its model is loaded a launch adds what carries each of its connections
-("shm 16x64K", "tcp: the node is on another host"), which status shows.
+("shm 16x64K", "tcp: the node is on another host"), and once it serves, where
+its ``/tbrpc/status.json`` is: status then shows what the launch's page shows
+(layers and planned bytes per node, round trips and bytes per token, the last
+error, recent requests' speed), asking the launch, never the nodes.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -30,6 +35,7 @@ class Target:
     endpoint: str
     launch: str = ""      # "launch <pid> (<model>)" when a running launch uses it
     transport: str = ""   # that launch's connection to it
+    served: dict[str, Any] | None = None   # that launch's page's record of the node (dashboard.snapshot)
 
 
 @dataclass(frozen=True)
@@ -46,17 +52,26 @@ def runtime_dir() -> Path:
 
 
 @contextmanager
-def launch_record(model: str, names: Sequence[str], endpoints: Sequence[str], http: str = "") -> Iterator[Path]:
-    """Record a running launch (its nodes) until the block ends."""
+def launch_record(model: str, names: Sequence[str], endpoints: Sequence[str]) -> Iterator[Path]:
+    """Record a running launch (its nodes) until the block ends. The file is
+    the user's alone (it may come to hold the launch's --api-key)."""
     directory = runtime_dir()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / f"launch-{os.getpid()}.json"
-    path.write_text(json.dumps({"pid": os.getpid(), "model": model, "http": http,
-                                "nodes": [{"name": n, "endpoint": e} for n, e in zip(names, endpoints)]}))
+    _write_record(path, {"pid": os.getpid(), "model": model,
+                         "nodes": [{"name": n, "endpoint": e} for n, e in zip(names, endpoints)]})
     try:
         yield path
     finally:
         path.unlink(missing_ok=True)
+
+
+def _write_record(path: Path, data: dict[str, Any]) -> None:
+    partial = path.with_suffix(".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    partial.replace(path)
 
 
 def note_transports(record: Path, transports: dict[str, str]) -> None:
@@ -64,9 +79,29 @@ def note_transports(record: Path, transports: dict[str, str]) -> None:
     data = json.loads(record.read_text())
     for node in data["nodes"]:
         node["transport"] = transports.get(node["endpoint"], "")
-    partial = record.with_suffix(".partial")
-    partial.write_text(json.dumps(data))
-    partial.replace(record)
+    _write_record(record, data)
+
+
+def note_serving(record: Path, url: str, api_key: str | None) -> None:
+    """Add to a launch record where its HTTP server answers (and the key it wants)."""
+    data = json.loads(record.read_text())
+    data.update(http=url, api_key=api_key)
+    _write_record(record, data)
+
+
+def served_snapshot(launch: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+    """What a serving launch's /tbrpc/status.json says, or None (not serving, or no answer)."""
+    if not launch.get("http"):
+        return None
+    request = urllib.request.Request(launch["http"] + "/tbrpc/status.json")
+    if launch.get("api_key"):
+        request.add_header("Authorization", f"Bearer {launch['api_key']}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            snap: dict[str, Any] = json.loads(answer.read())
+            return snap
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
 
 
 def running_launches() -> list[dict[str, Any]]:
@@ -85,7 +120,7 @@ def running_launches() -> list[dict[str, Any]]:
     return found
 
 
-def targets(listed: Sequence[tuple[str, str]], with_launches: bool) -> list[Target]:
+def targets(listed: Sequence[tuple[str, str]], with_launches: bool, timeout: float = 5.0) -> list[Target]:
     """The (name, endpoint) nodes listed, then (if asked) the running launches'
     other nodes; a listed node that a launch uses carries that launch's facts."""
     found = [Target(name, endpoint) for name, endpoint in listed]
@@ -93,14 +128,26 @@ def targets(listed: Sequence[tuple[str, str]], with_launches: bool) -> list[Targ
         return found
     for launch in running_launches():
         tag = f"launch {launch['pid']} ({launch['model']})"
+        snap = served_snapshot(launch, timeout)
+        served = {n["endpoint"]: n for n in snap["nodes"]} if snap else {}
         for node in launch["nodes"]:
             known = next((i for i, t in enumerate(found) if t.endpoint == node["endpoint"]), None)
             target = Target(found[known].name if known is not None else node["name"], node["endpoint"], tag,
-                            node.get("transport", ""))
+                            node.get("transport", ""), served.get(node["endpoint"]))
             if known is None:
                 found.append(target)
             elif not found[known].launch:
                 found[known] = target
+    return found
+
+
+def serving(timeout: float = 5.0) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(launch record, its page's snapshot) of each launch here that serves HTTP and answers."""
+    found = []
+    for launch in running_launches():
+        snap = served_snapshot(launch, timeout)
+        if snap is not None:
+            found.append((launch, snap))
     return found
 
 
@@ -116,33 +163,66 @@ def query(nodes: Sequence[Target], timeout: float = 5.0) -> list[Row]:
     return rows
 
 
+def _per_token(served: dict[str, Any] | None) -> str:
+    if not served or served.get("round_trips_per_token") is None:
+        return "-"
+    return f"{served['round_trips_per_token']:.2f} trips, {format_size(int(served['bytes_per_token']))}"
+
+
+def _layers(served: dict[str, Any] | None) -> str:
+    layers = (served or {}).get("layers")
+    return f"{layers[0]}-{layers[-1]}" if layers else "-"
+
+
 def format_rows(rows: Sequence[Row]) -> str:
-    header = ("node", "endpoint", "device", "in use", "from files", "buffers", "clients", "graphs", "free/total",
-              "transport", "")
+    header = ("node", "endpoint", "device", "layers", "in use", "planned", "from files", "buffers", "clients", "graphs",
+              "free/total", "transport", "per token", "")
     table = [header]
     for r in rows:
         t = r.target
+        served = t.served or {}
+        planned = format_size(served["memory_planned"]) if served.get("memory_planned") else "-"
         if r.status is None or r.info is None:
-            table.append((t.name, t.endpoint, "-", "-", "-", "-", "-", "-", "-", "-", f"DOWN: {r.error}"))
+            table.append((t.name, t.endpoint, "-", _layers(t.served), "-", planned, "-", "-", "-", "-", "-", "-", "-",
+                          f"DOWN: {r.error}"))
             continue
         s = r.status
-        table.append((t.name, t.endpoint, s.device, format_size(s.bytes_allocated), format_size(s.bytes_from_files),
-                      str(s.buffers), str(s.clients), str(s.graphs_computed),
-                      f"{format_size(s.mem_free)}/{format_size(s.mem_total)}", t.transport or "-", t.launch))
+        note = t.launch + (f"; its last error: {served['error']}" if served.get("error") else "")
+        table.append((t.name, t.endpoint, s.device, _layers(t.served), format_size(s.bytes_allocated), planned,
+                      format_size(s.bytes_from_files), str(s.buffers), str(s.clients), str(s.graphs_computed),
+                      f"{format_size(s.mem_free)}/{format_size(s.mem_total)}", t.transport or "-", _per_token(t.served),
+                      note))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
 
 
-def rows_json(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """The rows as `tbrpc status --json` prints them: sizes in bytes, a node that
-    did not answer with "up": false and its error."""
+def format_serving(launches: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    """One paragraph per serving launch: model, context, requests and their speed."""
+    lines = []
+    for launch, snap in launches:
+        model, q = snap["model"], snap["requests"]
+        lines.append(f"launch {launch['pid']}: {model['alias']} (context {model['context'] or '?'}) at {launch['http']}/v1; "
+                     f"{q['count']} request(s), {q['in_flight']} running or waiting, {q['tokens']} token(s)")
+        for x in q["recent"][:5]:
+            first = f", first token {x['first_token_s'] * 1000:.0f} ms" if x.get("first_token_s") is not None else ""
+            lines.append(f"  {x['path']}: {x['tokens']} token(s), {x['tokens_per_s']:.1f} tok/s{first}, HTTP {x['status']}")
+    return "\n".join(lines)
+
+
+def rows_json(rows: Sequence[Row], launches: Sequence[tuple[dict[str, Any], dict[str, Any]]] = ()) -> dict[str, Any]:
+    """What `tbrpc status --json` prints: the nodes (sizes in bytes; a node that
+    did not answer with "up": false and its error; "served": what the launch
+    using it shows on its page) and the serving launches' models and requests."""
     out = []
     for r in rows:
         row: dict[str, Any] = {"name": r.target.name, "endpoint": r.target.endpoint, "up": r.status is not None,
-                               "launch": r.target.launch or None, "transport": r.target.transport or None}
+                               "launch": r.target.launch or None, "transport": r.target.transport or None,
+                               "served": r.target.served}
         if r.status is not None and r.info is not None:
             row.update(node_name=r.info.node_name, description=r.info.description, **asdict(r.status))
         else:
             row["error"] = r.error
         out.append(row)
-    return out
+    return {"nodes": out,
+            "launches": [{"pid": launch["pid"], "http": launch["http"], "model": snap["model"],
+                          "requests": snap["requests"]} for launch, snap in launches]}

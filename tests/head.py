@@ -47,6 +47,7 @@ def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None,
 
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    os.environ.update(spec.get("env", {}))   # before tbrpc reads any of it
     import llama_cpp
 
     import tbrpc

@@ -149,6 +149,15 @@ class Launch:
     def node_pids(self) -> list[int]:
         return node_pids(self.log_dir)
 
+    def __enter__(self) -> "Launch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """A launch a test leaves running (it failed midway) is killed, not left behind."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
 
 def start_launch(tmp_path: Path, *args: str, stdin_text: str | None = None, shadow: Path | None = None,
                  env: dict[str, str] | None = None) -> Launch:

@@ -6,6 +6,7 @@ Every scenario runs a real head process against real node processes.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import struct
@@ -174,3 +175,67 @@ def test_two_nodes_on_one_host_are_independent(nodes: Any) -> None:
     ib, sb = tbrpc.probe(b.endpoint)
     assert ia.node_name != ib.node_name
     assert sa.bytes_allocated == sb.bytes_allocated == 0
+
+
+@pytest.mark.parametrize("when", ["weights", "context"])
+def test_a_failed_load_leaves_nothing_on_the_surviving_node(when: str, nodes: Any) -> None:
+    """A node killed while the drop-in loads (during the weights, or after them,
+    when the context is made): the NodeError names it, and the node that
+    survives holds none of that load's buffers once the error is raised."""
+    a, b = nodes(2)
+    threshold = 0.5 if when == "weights" else 1.0
+    script = (
+        "import os, signal\n"
+        "import models, tbrpc\n"
+        "from tbrpc import Llama, NodeError\n"
+        f"def progress(f):\n    if f >= {threshold}: os.kill({b.proc.pid}, signal.SIGKILL)\n"
+        "try:\n"
+        f"    Llama(str(models.ensure('gemma')), cluster=['{a.endpoint}', '{b.endpoint}'], n_ctx=256,\n"
+        "          progress=progress, verbose=False)\n"
+        "except NodeError as e:\n"
+        "    print('FAILED', e)\n"
+        f"    print('LEFT', tbrpc.probe('{a.endpoint}')[1].buffers)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FAILED node" in proc.stdout and b.endpoint in proc.stdout, proc.stdout
+    assert "LEFT 0" in proc.stdout, proc.stdout
+
+
+def test_a_node_restarted_on_its_endpoint_serves_this_process_again(nodes: Any, tmp_path: Path) -> None:
+    """A long-running head outlives a node: after the NodeError, a new model
+    loads onto the node restarted on the same endpoint (the same ggml device)
+    and gives the tokens the first one gave. While the failed model is open,
+    loading again is refused with what to do."""
+    a, b = nodes(2)
+    killed, restarted = tmp_path / "killed", tmp_path / "restarted"
+    script = (
+        "import os, signal, time\n"
+        "from pathlib import Path\n"
+        "import models, tbrpc\n"
+        "from tbrpc import Llama, NodeError\n"
+        f"m, eps = str(models.ensure('llama')), ['{a.endpoint}', '{b.endpoint}']\n"
+        "def run(llm):\n    return llm('Once upon a time', max_tokens=8, temperature=0)['choices'][0]['text']\n"
+        "first = Llama(m, cluster=eps, n_ctx=256, verbose=False)\n"
+        "want = run(first)\n"
+        f"os.kill({b.proc.pid}, signal.SIGKILL); time.sleep(0.3)\n"
+        "try:\n    run(first)\nexcept NodeError as e:\n    print('FAILED', e)\n"
+        f"Path('{killed}').touch()\n"
+        f"while not Path('{restarted}').exists():\n    time.sleep(0.05)\n"
+        "try:\n    Llama(m, cluster=eps, n_ctx=256, verbose=False)\nexcept NodeError as e:\n    print('REFUSED', e)\n"
+        "first.close()\n"
+        "second = Llama(m, cluster=eps, n_ctx=256, verbose=False)\n"
+        "print('DEVICES', second.tbrpc_devices == first.tbrpc_devices, 'SAME', run(second) == want)\n"
+        "second.close()\n")
+    head = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 180
+    while not killed.exists() and head.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    b.proc.wait(timeout=10)
+    nodes(1, "--port", str(b.port))
+    restarted.touch()
+    out, err = head.communicate(timeout=180)
+    assert head.returncode == 0, err[-3000:]
+    assert re.search(rf"^FAILED .*{b.endpoint}", out, re.M), out
+    assert "REFUSED" in out and "close that model (Llama.close())" in out, out
+    assert "DEVICES True SAME True" in out, out

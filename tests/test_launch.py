@@ -132,9 +132,8 @@ def test_cluster_file_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_http_api_answers_like_one_process(model_name: str, n_nodes: int, tmp_path: Path) -> None:
     want = expected(model_name)
     chat_format = ["--chat-format", CHAT_FORMAT[model_name]] if model_name in CHAT_FORMAT else []
-    launch = start_launch(tmp_path, "--gguf", str(models.ensure(model_name)), "--local", str(n_nodes),
-                          "--ctx", "256", "--port", "0", "--alias", "m", *chat_format)
-    try:
+    with start_launch(tmp_path, "--gguf", str(models.ensure(model_name)), "--local", str(n_nodes),
+                      "--ctx", "256", "--port", "0", "--alias", "m", *chat_format) as launch:
         base = launch.http_base()
         assert len(launch.node_pids()) == n_nodes
         if model_name == "gemma":   # local nodes read the weights from the model file, not from the socket
@@ -158,18 +157,14 @@ def test_http_api_answers_like_one_process(model_name: str, n_nodes: int, tmp_pa
             assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == whole
         stop_and_check(launch, signal.SIGINT, 0)
         assert "stopping (SIGINT)" in launch.stderr
-    finally:
-        if launch.proc.poll() is None:
-            launch.proc.kill()
 
 
 def test_concurrent_requests_take_turns(tmp_path: Path) -> None:
     """Three clients at once, streaming and not: each gets its whole answer, the
     one a lone request gets; none is cut short or interleaved with another."""
     want = expected("gemma", 16)["text"]   # Gemma: clean text, and slow enough that the requests overlap
-    launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
-                          "--port", "0", "--alias", "m", "--chat-format", "gemma")
-    try:
+    with start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
+                      "--port", "0", "--alias", "m", "--chat-format", "gemma") as launch:
         base = launch.http_base()
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "repeat_penalty": 1.0}
         texts: dict[str, str] = {}
@@ -208,15 +203,12 @@ def test_concurrent_requests_take_turns(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"{root}/tbrpc", timeout=30) as r:
             assert b"tbrpc/status.json" in r.read()
         stop_and_check(launch, signal.SIGINT, 0)
-    finally:
-        if launch.proc.poll() is None:
-            launch.proc.kill()
 
 
 def test_api_key_guards_the_api_and_the_dashboard(tmp_path: Path) -> None:
-    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "1", "--ctx", "256",
-                          "--port", "0", "--api-key", "s3cret")
-    try:
+    env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "1", "--ctx", "256",
+                      "--port", "0", "--api-key", "s3cret", env=env) as launch:
         root = launch.http_base().removesuffix("/v1")
 
         def code(path: str, key: str | None = None) -> int:
@@ -231,10 +223,13 @@ def test_api_key_guards_the_api_and_the_dashboard(tmp_path: Path) -> None:
         assert [code("/v1/models", "wrong"), code("/metrics", "wrong")] == [401, 401]
         assert [code("/v1/models", "s3cret"), code("/metrics", "s3cret"), code("/tbrpc?api_key=s3cret"),
                 code("/tbrpc/status.json?api_key=s3cret")] == [200] * 4
+        # tbrpc status on this machine reads the key from the launch's record (the user's alone)
+        shown = json.loads(subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=env,
+                                          capture_output=True, text=True, timeout=60).stdout)
+        assert [x["pid"] for x in shown["launches"]] == [launch.proc.pid], shown
+        (record,) = (tmp_path / "run").glob(f"tbrpc-*/launch-{launch.proc.pid}.json")
+        assert record.stat().st_mode & 0o077 == 0
         stop_and_check(launch, signal.SIGINT, 0)
-    finally:
-        if launch.proc.poll() is None:
-            launch.proc.kill()
 
 
 def _chromium() -> str | None:
@@ -256,9 +251,8 @@ def test_dashboard_in_a_browser(tmp_path: Path) -> None:
     browser = _chromium()
     if browser is None:
         pytest.skip("no chromium: .ci/run installs it (apt-get install chromium)")
-    launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
-                          "--port", "0", "--alias", "gemma-3-270m")
-    try:
+    with start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
+                      "--port", "0", "--alias", "gemma-3-270m") as launch:
         base = launch.http_base()
         page = base.removesuffix("/v1") + "/tbrpc"
         before = _rendered(browser, page, tmp_path)
@@ -270,9 +264,6 @@ def test_dashboard_in_a_browser(tmp_path: Path) -> None:
         if os.environ.get("TBRPC_SCREENSHOT"):   # how docs/dashboard.png is made
             shutil.copy(tmp_path / "dashboard.png", os.environ["TBRPC_SCREENSHOT"])
         stop_and_check(launch, signal.SIGINT, 0)
-    finally:
-        if launch.proc.poll() is None:
-            launch.proc.kill()
 
 
 def test_prompt_prints_one_completion(tmp_path: Path) -> None:
@@ -342,28 +333,45 @@ def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
     cluster.write_text('[[node]]\nname = "near"\nhost = "127.0.0.1"\nport = 0\nthreads = 1\n\n'
                        '[[node]]\nname = "far"\nhost = "127.0.0.1"\nport = 0\nthreads = 1\ntransport = "tcp"\n')
     env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
-    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster), "--ctx", "256",
-                          "--port", "0", env=env)
-    try:
+    with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster), "--ctx", "256",
+                      "--port", "0", env=env) as launch:
         launch.http_base()
         assert re.search(r"connected: TBRPC\d+=near \(shm \d+x\d+K\), TBRPC\d+=far \(tcp: asked for\)", launch.stderr), \
             launch.stderr
         status = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status"], cwd=tmp_path, env=env,
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
-        rows = {line.split()[0]: line for line in status.stdout.splitlines()[1:]}
+        table = status.stdout.split("\n\n")[0]   # the node table; a serving launch's paragraph follows
+        rows = {line.split()[0]: line for line in table.splitlines()[1:]}
         assert set(rows) == {"near", "far"}, status.stdout
-        assert re.search(r"shm \d+x\d+K\s+launch \d+", rows["near"]), status.stdout
+        assert re.search(r"shm \d+x\d+K\s+-\s+launch \d+", rows["near"]), status.stdout   # no request yet: no per-token figures
         assert "tcp: asked for" in rows["far"], status.stdout
         as_json = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=env,
                                  capture_output=True, text=True, timeout=60)
-        by_name = {r["name"]: r for r in json.loads(as_json.stdout)}
+        by_name = {r["name"]: r for r in json.loads(as_json.stdout)["nodes"]}
         assert by_name["far"]["transport"] == "tcp: asked for" and by_name["near"]["transport"].startswith("shm ")
         assert all(r["up"] and r["clients"] >= 1 and r["bytes_allocated"] > 0 for r in by_name.values()), by_name
+
+        # after a request, status shows what the launch's page shows, taken from the launch itself
+        base = launch.http_base()
+        http_json(f"{base}/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        page = http_json(f"{base.removesuffix('/v1')}/tbrpc/status.json")
+        shown = json.loads(subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=env,
+                                          capture_output=True, text=True, timeout=60).stdout)
+        page_nodes = {n["endpoint"]: n for n in page["nodes"]}
+        for row in shown["nodes"]:
+            served, on_page = row["served"], page_nodes[row["endpoint"]]
+            assert served["layers"] == on_page["layers"] and served["memory_planned"] == on_page["memory_planned"]
+            assert served["round_trips_per_token"] > 0 and served["bytes_per_token"] > 0, served
+        (serving,) = shown["launches"]
+        assert serving["pid"] == launch.proc.pid and serving["requests"]["count"] == 1, serving
+        assert serving["requests"]["tokens"] == page["requests"]["tokens"] > 0, (serving, page)
+        text = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60).stdout
+        layers = page_nodes[by_name["near"]["endpoint"]]["layers"]
+        assert re.search(rf"^near .*{layers[0]}-{layers[-1]} .* trips, ", text, re.M), text
+        assert f"launch {launch.proc.pid}: " in text and "1 request(s)" in text and "tok/s" in text, text
         stop_and_check(launch, signal.SIGINT, 0)
-    finally:
-        if launch.proc.poll() is None:
-            launch.proc.kill()
 
 
 def test_context_options_are_planned_and_applied(tmp_path: Path) -> None:
@@ -459,9 +467,9 @@ def _pause_node_1(launch: Launch) -> list[int]:
 
 
 def test_ctrl_c_during_load(tmp_path: Path) -> None:
-    launch = start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256", "--port", "0")
     pids_before = None
-    try:
+    with start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
+                      "--port", "0") as launch:
         paused = _pause_node_1(launch)
         pids_before = with_descendants(launch.node_pids())
         launch.proc.send_signal(signal.SIGINT)
@@ -471,9 +479,6 @@ def test_ctrl_c_during_load(tmp_path: Path) -> None:
         assert launch.finish() == 130, launch.stderr
         assert "interrupted (SIGINT) during step load" in launch.stderr
         assert "serving" not in launch.stderr
-    finally:
-        if launch.proc.poll() is None:
-            launch.proc.kill()
     assert_gone(pids_before or [])
 
 

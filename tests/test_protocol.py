@@ -468,19 +468,105 @@ def test_open_file_only_serves_plain_gguf_names_from_model_dirs(nodes: Any, tmp_
     assert open_file(ready(node), name) == 0
 
 
+def hello_nonce(w: Wire) -> bytes:
+    """HELLO, returning the session's OPEN_FILE challenge."""
+    status, body = w.hello()
+    assert status == 0, body
+    return bytes(ffi.from_buffer("struct tb_hello *", bytearray(body)).file_nonce)
+
+
+def open_held_file(w: Wire, nonce: bytes, path: Path, name: str | None = None, proof_of: Path | None = None) -> int:
+    """OPEN_FILE for `path` as the head does it: size, fingerprint, and the
+    proof for this session (computed over `proof_of`, by default the file itself)."""
+    identity = ffi.new("struct tb_file_identity *")
+    err = ffi.new("char[]", 256)
+    assert lib.tbrpc_file_identity(str(path).encode(), identity, err, 256) == 0, ffi.string(err)
+    proof = ffi.new("uint8_t[16]")
+    assert lib.tb_file_proof_path(str(proof_of or path).encode(), identity.size, nonce, proof, err, 256) == 0
+    w.send(lib.TB_CMD_OPEN_FILE, pack("struct tb_open_file", size=identity.size, fingerprint=bytes(identity.fingerprint),
+                                      proof=bytes(proof), name=(name or path.name).encode()))
+    status, body = w.reply()
+    assert status == 0, body
+    return struct.unpack("<Q", body)[0]
+
+
+def sampled_only_copy(real: Path, forged: Path) -> None:
+    """What a client knowing only the fingerprint's samples can make: the
+    sampled ranges of `real` (model_file.c: first and last MiB, 14 evenly
+    spaced 64 KiB samples), zeros elsewhere. Same size, same fingerprint."""
+    data = real.read_bytes()
+    size, edge, sample = len(data), 1 << 20, 64 << 10
+    out = bytearray(size)
+    ranges = [(0, edge), (max(size - edge, 0), size)] + [(size // 15 * i, size // 15 * i + sample) for i in range(1, 15)]
+    for lo, hi in ranges:
+        out[lo:hi] = data[lo:hi]
+    forged.write_bytes(bytes(out))
+
+
+def test_open_file_wants_proof_of_the_whole_file(nodes: Any, tmp_path: Path) -> None:
+    served = tmp_path / "served"
+    served.mkdir()
+    real = served / "m.gguf"
+    real.write_bytes(os.urandom(8 << 20))
+    forged = tmp_path / "forged.gguf"
+    sampled_only_copy(real, forged)
+    identity = ffi.new("struct tb_file_identity *")
+    forged_identity = ffi.new("struct tb_file_identity *")
+    err = ffi.new("char[]", 256)
+    assert lib.tbrpc_file_identity(str(real).encode(), identity, err, 256) == 0
+    assert lib.tbrpc_file_identity(str(forged).encode(), forged_identity, err, 256) == 0
+    assert bytes(identity.fingerprint) == bytes(forged_identity.fingerprint), "the forgery must match the samples"
+    node = nodes(1, "--model-dir", str(served))[0]
+
+    w = Wire(node.endpoint)
+    nonce = hello_nonce(w)
+    assert open_held_file(w, nonce, real, proof_of=forged) == 0
+    assert "could not prove it holds the whole file" in node.log_text()
+    other = Wire(node.endpoint)
+    other_nonce = hello_nonce(other)
+    assert other_nonce != nonce
+    assert open_held_file(w, other_nonce, real) == 0, "a proof for another session must not open the file"
+    assert open_held_file(w, nonce, real) == 1
+
+
+def test_open_file_serves_only_regular_files_inside_the_model_dirs(nodes: Any, tmp_path: Path) -> None:
+    served, elsewhere, second = tmp_path / "served", tmp_path / "elsewhere", tmp_path / "second"
+    for d in (served, elsewhere, second):
+        d.mkdir()
+    (elsewhere / "private.gguf").write_bytes(os.urandom(1 << 20))
+    (served / "escape.gguf").symlink_to(elsewhere / "private.gguf")
+    (second / "shared.gguf").write_bytes(os.urandom(1 << 20))
+    (served / "linked.gguf").symlink_to(second / "shared.gguf")
+    os.mkfifo(served / "fifo.gguf")
+    node = nodes(1, "--model-dir", str(served), "--model-dir", str(second))[0]
+    w = Wire(node.endpoint)
+    nonce = hello_nonce(w)
+    assert open_held_file(w, nonce, elsewhere / "private.gguf", name="escape.gguf") == 0
+    assert "outside the model directories" in node.log_text()
+    started = time.monotonic()
+    assert open_file(w, "fifo.gguf") == 0            # answered, not blocked on a FIFO with no writer
+    assert time.monotonic() - started < 5
+    assert "fifo.gguf is not a regular file" in node.log_text()
+    assert open_held_file(w, nonce, second / "shared.gguf", name="linked.gguf") == 1
+
+
+def test_open_file_takes_as_long_whether_or_not_the_file_exists(nodes: Any, tmp_path: Path) -> None:
+    (tmp_path / "here.gguf").write_bytes(b"\0" * 4096)
+    node = nodes(1, "--model-dir", str(tmp_path))[0]
+    w = ready(node)
+    for name in ("here.gguf", "absent.gguf"):
+        started = time.monotonic()
+        assert open_file(w, name) == 0                  # size 100 matches neither
+        assert time.monotonic() - started >= 0.010      # the node's floor (node_session.c OPEN_FILE_MIN_NS)
+
+
 def test_load_from_file_checks_ids_and_ranges(nodes: Any, tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"\0" * 4096)
     node = nodes(1, "--model-dir", str(tmp_path))[0]
-    w = ready(node)
-    identity = ffi.new("struct tb_file_identity *")
-    err = ffi.new("char[]", 256)
-    assert lib.tbrpc_file_identity(str(model).encode(), identity, err, 256) == 0
-    w.send(lib.TB_CMD_OPEN_FILE, pack("struct tb_open_file", size=identity.size, fingerprint=bytes(identity.fingerprint),
-                                      name=b"m.gguf"))
-    status, body = w.reply()
-    file_id = struct.unpack("<Q", body)[0]
-    assert status == 0 and file_id == 1
+    w = Wire(node.endpoint)
+    file_id = open_held_file(w, hello_nonce(w), model)
+    assert file_id == 1
     handle = w.alloc(8192)
     w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=0, size=4096, file_id=7,
                                            file_offset=0))

@@ -29,6 +29,8 @@ from helpers import run_head
 PROMPT = "The capital of France is"
 N_PREDICT = 12
 LOGIT_TOLERANCE = 1e-2   # measured: at most 8e-4 on this model
+N_LAYER = 6              # models/tiny_llama.py
+STEADY_TOKENS = N_PREDICT - 1   # head.py counts from the second decode on
 
 
 @pytest.mark.parametrize("n_nodes", [2, 4])
@@ -45,8 +47,26 @@ def test_tensor_split_matches_single_process(n_nodes: int, nodes: Any, tmp_path:
     diff = float(np.max(np.abs(logits - base_logits)))
     assert diff <= LOGIT_TOLERANCE, diff
 
-    # Every node holds a slice of the weights, and the partial sums went node to node.
+    # Every node holds a slice of the weights, and the partial sums went node to
+    # node inside ALLREDUCE: two per layer (attention output, FFN down) per
+    # decoded token, each one posted request per node, and no butterfly copies.
     assert all(a > 0 for a in result["allocated_after_load"]), result["allocated_after_load"]
     for node in result["nodes"]:
-        assert node["peer_copies"] >= N_PREDICT - 1, node
+        assert node["allreduces"] == 2 * N_LAYER * STEADY_TOKENS, node
+        assert node["peer_copies"] == 0, node
         assert not node["failed"], node["error"]
+
+
+def test_without_the_allreduce_provider_the_butterfly_still_works(nodes: Any, tmp_path: Path) -> None:
+    """TBRPC_NO_ALLREDUCE=1: llama.cpp's own butterfly of node-to-node copies
+    and one-node ADD graphs; the same tokens."""
+    model = str(models.ensure("llama-f32"))
+    started = nodes(2)
+    spec = dict(model=model, prompt=PROMPT, n_predict=N_PREDICT, flash_attn=True, split_mode=3,
+                nodes=[n.endpoint for n in started])
+    with_provider, _ = run_head(tmp_path, **spec)
+    without, _ = run_head(tmp_path, **spec, env={"TBRPC_NO_ALLREDUCE": "1"})
+    assert with_provider["error"] is None and without["error"] is None, (with_provider["error"], without["error"])
+    assert without["tokens"] == with_provider["tokens"]
+    for node in without["nodes"]:
+        assert node["allreduces"] == 0 and node["peer_copies"] >= 2 * N_LAYER * STEADY_TOKENS, node

@@ -1,0 +1,151 @@
+"""Benchmark: layer split and tensor split side by side, with tbrpc's all-reduce.
+
+One model, one thread per process, in one run and in alternating order per
+round:
+
+  single            the model in one process (n_threads=1, flash attention)
+  layer             head + 2 local nodes, llama.cpp's layer split
+  tensor            head + 2 local nodes, split_mode=3 with tbrpc's ALLREDUCE
+  tensor-butterfly  the same with TBRPC_NO_ALLREDUCE=1: llama.cpp's own butterfly
+                    of node-to-node copies and one-node ADD graphs
+
+For each: prompt and decode tokens/s (greedy, fixed prompt), and for the
+tensor modes all-reduces per decoded token, bytes per all-reduce (n_embd
+floats per token) and the time the nodes spent in ALLREDUCE per token
+(from their STATUS counters, averaged over the nodes). Checks that every
+mode decoded the same tokens.
+
+The tiny llama with F32 weights is the model: llama.cpp's meta backend
+aborts on Gemma 3's attention and on the tiny quantized models (docs/
+architecture.md, Tensor split). On tiny models every mode measures
+per-graph overhead, not compute; a two-core machine runs head and nodes on
+the same cores.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tensor.py --rounds 3
+
+A benchmark, not a test: nothing here asserts on timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ("single", "layer", "tensor", "tensor-butterfly")
+PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+
+RUN = """
+import json, os, sys, time
+spec = json.loads(sys.argv[1])
+os.environ.update(spec["env"])
+import llama_cpp
+import numpy as np
+import tbrpc
+kwargs = dict(n_ctx=512, n_threads=1, n_batch=512, verbose=False, seed=0, flash_attn=True)
+if spec["nodes"]:
+    tbrpc.connect(spec["nodes"])
+    kwargs.update(n_gpu_layers=-1, tensor_split=[1.0] * len(spec["nodes"]), split_mode=spec["split_mode"])
+else:
+    kwargs.update(n_gpu_layers=0)
+llm = llama_cpp.Llama(spec["model"], **kwargs)
+prompt = llm.tokenize(spec["prompt"].encode())
+def status():
+    return [tbrpc.cluster().status(i) for i in range(len(spec["nodes"]))]
+t = time.perf_counter(); llm.eval(prompt); prompt_s = time.perf_counter() - t
+token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+before = status()
+tokens = []
+t = time.perf_counter()
+for _ in range(spec["n"]):
+    tokens.append(token)
+    llm.eval([token])
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+decode_s = time.perf_counter() - t
+after = status()
+print(json.dumps({
+    "prompt_tps": len(prompt) / prompt_s, "decode_tps": spec["n"] / decode_s, "tokens": tokens,
+    "allreduces": [a.allreduces - b.allreduces for a, b in zip(after, before)],
+    "allreduce_s": [a.allreduce_s - b.allreduce_s for a, b in zip(after, before)],
+    "n_embd": llm.n_embd()}))
+"""
+
+
+def start_node(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    log = log_dir / f"node-{time.monotonic_ns()}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))
+        if m:
+            return proc, f"127.0.0.1:{m.group(1)}"
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"node did not start: {log.read_text()}")
+
+
+def run(mode: str, model: str, endpoints: list[str], n: int) -> dict[str, Any]:
+    spec = {"model": model, "prompt": PROMPT, "n": n, "nodes": [] if mode == "single" else endpoints,
+            "split_mode": 1 if mode == "layer" else 3,
+            "env": {"TBRPC_NO_ALLREDUCE": "1"} if mode == "tensor-butterfly" else {}}
+    proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(spec)], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode}: {proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--nodes", type=int, default=2)
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    import models
+
+    model = str(models.ensure("llama-f32"))
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-tensor-"))
+    nodes = [start_node(log_dir) for _ in range(args.nodes)]
+    endpoints = [e for _, e in nodes]
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    try:
+        for r in range(args.rounds):
+            order = MODES if r % 2 == 0 else tuple(reversed(MODES))
+            for mode in order:
+                results[mode].append(run(mode, model, endpoints, args.tokens))
+    finally:
+        for proc, _ in nodes:
+            proc.terminate()
+    single = statistics.median(x["decode_tps"] for x in results["single"])
+    print(f"{Path(model).name}, {args.nodes} local nodes, 1 thread each, {args.tokens} decoded tokens, "
+          f"{args.rounds} rounds (medians); {os.cpu_count()} cores, load average "
+          + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+    print(f"{'mode':18} {'prompt t/s':>10} {'decode t/s':>10} {'vs single':>9} {'AR/token':>8} {'B/AR':>6} "
+          f"{'AR ms/token':>11}")
+    for mode in MODES:
+        rows = results[mode]
+        decode = statistics.median(x["decode_tps"] for x in rows)
+        prompt = statistics.median(x["prompt_tps"] for x in rows)
+        per_token = statistics.median(statistics.mean(x["allreduces"]) / args.tokens for x in rows) if rows[0]["allreduces"] else 0
+        ar_ms = statistics.median(statistics.mean(x["allreduce_s"]) / args.tokens * 1e3 for x in rows) if rows[0]["allreduces"] else 0
+        bytes_per = rows[0]["n_embd"] * 4 if per_token else 0
+        print(f"{mode:18} {prompt:10.1f} {decode:10.1f} {decode / single:9.2f} {per_token:8.1f} {bytes_per:6d} {ar_ms:11.3f}")
+    texts = {mode: {tuple(x["tokens"]) for x in rows} for mode, rows in results.items()}
+    same = len({t for ts in texts.values() for t in ts}) == 1
+    print("same tokens in every mode and round" if same else f"TOKENS DIFFER: {texts}")
+
+
+if __name__ == "__main__":
+    main()
