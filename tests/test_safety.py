@@ -77,6 +77,15 @@ def test_bad_row_indices_are_refused_before_the_op(safety_tests: Path) -> None:
     assert run(safety_tests, "bad_indices", str(RULE_FAMILIES["indices"])).returncode != 0
 
 
+def test_expert_ids_computed_in_the_graph_are_checked_before_use(safety_tests: Path) -> None:
+    """TOP_K makes the ids MUL_MAT_ID reads: the graph runs in two segments
+    and the ids are checked in between (valid ones run, bad ones are refused)."""
+    proc = run(safety_tests, "produced_indices")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS produced_indices" in proc.stdout
+    assert run(safety_tests, "produced_indices", str(RULE_FAMILIES["indices"])).returncode != 0
+
+
 # ---- over the wire ------------------------------------------------------------------
 
 def test_alloc_buffer_reply_carries_no_address(nodes: Any) -> None:

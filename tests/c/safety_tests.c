@@ -572,6 +572,57 @@ static int bad_indices(void) {
     return 0;
 }
 
+// MoE expert ids are computed in the graph (TOP_K of the router's logits):
+// the check must run between that node and MUL_MAT_ID, on the values the
+// graph made. Router logits over 8 "experts", but only 3 expert matrices.
+static int produced_indices(void) {
+    struct ggml_context * c = fresh();
+    struct ggml_tensor * logits = ggml_new_tensor_2d(c, GGML_TYPE_F32, 8, 2);
+    struct ggml_tensor * top = ggml_top_k(c, logits, 2);
+    struct ggml_tensor * out = ggml_mul_mat_id(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 4, 3),
+                                               ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 1, 2), top);
+    n_wire = 0;
+    collect(out);
+    to_wire();
+    struct bufs bs = { .n = 0 };
+    int i_logits = wire_index(logits), i_top = wire_index(top);
+    for (int i = 0; i < n_wire; i++) {
+        uint64_t nb = 0;
+        char e2[256];
+        CHECK(tb_wire_nbytes(&wire[i], &nb, e2, sizeof e2) == 0, "%s", e2);
+        gbuf_alloc(&bs.b[bs.n], (size_t) nb, (uint64_t) (i + 1));
+        memset(bs.b[bs.n].data, 0, bs.b[bs.n].size);
+        wire[i].buffer = (uint64_t) (i + 1);
+        bs.n++;
+    }
+    wire[i_top].flags |= GGML_TENSOR_FLAG_COMPUTE;
+    for (int pass = 0; pass < 2; pass++) {
+        // pass 0: the largest logits are experts 0 and 2 (valid); pass 1: experts 7 and 6
+        float * l = (float *) bs.b[i_logits].data;
+        for (int r = 0; r < 2; r++) for (int e = 0; e < 8; e++) l[r * 8 + e] = pass == 0 ? (e == 0 || e == 2 ? 1.0f : 0.0f) : (float) e;
+        snprintf(current_case, sizeof current_case, "produced indices, pass %d", pass);
+        struct ggml_context * ctx = ggml_init((struct ggml_init_params) { .mem_size = MAXT * ggml_tensor_overhead() + ggml_graph_overhead() + 4096, .no_alloc = true });
+        struct ggml_tensor * t[MAXT];
+        char err[512] = "";
+        CHECK(tb_decode_tensors(ctx, wire, (uint32_t) n_wire, lookup, &bs, true, t, err, sizeof err) == 0, "%s", err);
+        struct ggml_cgraph * g = ggml_new_graph(ctx);
+        ggml_graph_add_node(g, t[i_top]);
+        ggml_graph_add_node(g, t[n_wire - 1]);
+        for (int k = 0; k < ggml_graph_n_nodes(g); k++) CHECK(tb_op_check(ggml_graph_node(g, k), (uint32_t) k, err, sizeof err) == 0, "%s", err);
+        const int rc = tb_graph_compute_checked(cpu, g, err, sizeof err);
+        if (pass == 0) CHECK(rc == 0, "valid expert ids refused: %s", err);
+        else {
+            CHECK(rc != 0 && strstr(err, "MUL_MAT_ID") && strstr(err, "outside [0, 3)"), "bad expert ids: rc %d, %s", rc, err);
+            printf("refused %s\n", err);
+        }
+        ggml_free(ctx);
+    }
+    for (int i = 0; i < bs.n; i++) gbuf_free(&bs.b[i]);
+    ggml_free(c);
+    printf("PASS produced_indices\n");
+    return 0;
+}
+
 int main(int argc, char ** argv) {
     CHECK(argc >= 2, "usage: safety_tests property SEED N [DISABLED] | attacks | bad_indices");
     setup();
@@ -582,6 +633,7 @@ int main(int argc, char ** argv) {
     if (strcmp(argv[1], "attacks") == 0) return attacks();
     if (argc > 2 && strcmp(argv[1], "property") != 0) tb_op_rules_disabled = (unsigned) strtoul(argv[2], NULL, 0);
     if (strcmp(argv[1], "bad_indices") == 0) return bad_indices();
+    if (strcmp(argv[1], "produced_indices") == 0) return produced_indices();
     CHECK(0, "unknown case %s", argv[1]);
     return 1;
 }
