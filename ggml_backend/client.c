@@ -291,6 +291,9 @@ static struct peer_link * peer_link(struct client_node * a, struct client_node *
     memset(&conn, 0, sizeof conn);
     if (node_call(b, TB_CMD_PEER_LISTEN, NULL, 0, &listen, sizeof listen) != 0 || listen.port == 0) return NULL;
     endpoint_host(b, conn.host, sizeof conn.host);
+    for (size_t i = 0; i < b->n_addresses; i++) {
+        if (b->addresses[i].from == a) snprintf(conn.host, sizeof conn.host, "%s", b->addresses[i].host);
+    }
     conn.port = listen.port;
     conn.token = listen.token;
     if (node_call(a, TB_CMD_PEER_CONNECT, &conn, sizeof conn, &link->out_id, sizeof link->out_id) != 0 || !link->out_id) return NULL;
@@ -642,6 +645,25 @@ int tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * 
         m->n_links = kept;
         pthread_mutex_unlock(&m->lock);
     }
+    return 0;
+}
+
+int tbrpc_client_set_peer_address(struct tbrpc_client * c, size_t from, size_t to, const char * host, char * err,
+                                  size_t err_len) {
+    struct client_node * a = node_at(c, from), * b = node_at(c, to);
+    if (!a || !b || a == b) { snprintf(err, err_len, "no pair of nodes %zu, %zu", from, to); return -1; }
+    if (strlen(host) == 0 || strlen(host) >= sizeof b->addresses[0].host) { snprintf(err, err_len, "bad address '%s'", host); return -1; }
+    pthread_mutex_lock(&b->lock);
+    size_t i = 0;
+    while (i < b->n_addresses && b->addresses[i].from != a) i++;
+    const bool room = i < sizeof b->addresses / sizeof b->addresses[0];
+    if (room) {
+        b->addresses[i].from = a;
+        snprintf(b->addresses[i].host, sizeof b->addresses[i].host, "%s", host);
+        if (i == b->n_addresses) b->n_addresses++;
+    }
+    pthread_mutex_unlock(&b->lock);
+    if (!room) { snprintf(err, err_len, "node %s has addresses for 16 peers already", b->endpoint); return -1; }
     return 0;
 }
 

@@ -53,6 +53,10 @@ struct client_node {
     // Links from this node to others (activations go node to node); set up once per pair.
     struct peer_link { struct client_node * to; uint64_t out_id, in_id; bool usable; } links[16];
     size_t n_links;
+    // How other nodes dial this one for a link, where not at its endpoint's
+    // host: Thunderbolt links are point to point, one subnet per cable.
+    struct peer_address { struct client_node * from; char host[256]; } addresses[16];
+    size_t n_addresses;
 
     uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files, peer_copies, allreduces;
     uint64_t live_buffers;                   // buffers allocated and not yet freed (atomic)

@@ -74,6 +74,10 @@ struct node_conn {
     struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
     uint8_t   file_nonce[TB_FILE_NONCE_LEN];   // OPEN_FILE proofs answer this (sent at HELLO)
     bool      has_file_nonce;
+
+    int       client_fd;            // the client's TCP connection (kept by every transport as liveness)
+    int64_t   gone_checked_ms;      // when client_left() last looked
+    bool      gone;
 };
 
 // The request scratch: grown on demand, shrunk by serve_one after a run of
@@ -443,12 +447,30 @@ static void * watchdog_thread(void * arg) {
     return NULL;
 }
 
+// The device calls this between the ops of a graph: a client that has gone
+// (its connection closed) stops the computation it left behind, instead of
+// the node finishing a graph nobody will read. One look every 20 ms.
+static bool client_left(void * data) {
+    struct node_conn * c = data;
+    const int64_t now = tb_now_ms();
+    if (c->gone || now - c->gone_checked_ms < 20) return c->gone;
+    c->gone_checked_ms = now;
+    char byte;
+    const ssize_t got = recv(c->client_fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    c->gone = got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    return c->gone;
+}
+
 static int run_graph(struct node_conn * c, char * err, size_t err_len) {
     set_computing(c, true);
     char why[400] = "";
     const int rc = tb_graph_compute_checked(c->backend, c->graph, why, sizeof why);   // row indices checked before each op
     set_computing(c, false);
     count(&c->slot->graphs_computed, 1);
+    if (rc != 0 && c->gone) {   // the device's abort callback (client_left) stopped it
+        snprintf(err, err_len, "graph compute stopped: the client has gone");
+        return -1;
+    }
     if (rc != 0) {
         snprintf(err, err_len, "graph compute on %s: %s", ggml_backend_dev_name(c->node->dev), why);
         return -1;
@@ -1093,11 +1115,24 @@ static int send_reply(struct node_conn * c, const struct tb_header * h, int rc, 
     return io;
 }
 
+// How long a whole request may take to arrive: the node's timeout, plus its
+// payload at MIN_REQUEST_RATE. Without it a client sending one byte just
+// inside every timeout would hold its connection (and a client slot) forever.
+#define MIN_REQUEST_RATE (1u << 20)   // bytes per second
+
+static int64_t request_deadline(const struct node_conn * c, uint64_t payload) {
+    const int64_t base = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
+    return tb_now_ms() + base + (int64_t) (payload / (MIN_REQUEST_RATE / 1000));
+}
+
 // Serve one request. Returns -1 when the connection must be dropped.
 static int serve_one(struct node_conn * c, bool * said_hello) {
     struct tb_header h;
     char err[512] = "";
-    if (tb_msg_recv_header(c->tp, &h, err, sizeof err) != 0) {
+    c->tp->deadline_ms = request_deadline(c, 0);
+    const int header_rc = tb_msg_recv_header(c->tp, &h, err, sizeof err);
+    c->tp->deadline_ms = header_rc == 0 ? request_deadline(c, h.len) : 0;
+    if (header_rc != 0) {
         if (c->tp->error_kind != TB_IO_CLOSED) node_log(c->node, "client %s: %s; dropping it", c->tp->peer, err);
         return -1;
     }
@@ -1111,13 +1146,15 @@ static int serve_one(struct node_conn * c, bool * said_hello) {
     bool io_failed = false;
     int rc;
     if (h.cmd == TB_CMD_SET_TENSOR) {
-        rc = handle_set(c, &h, err, sizeof err, &io_failed);
-    } else if (read_payload(c, (size_t) h.len) != 0) {
-        io_failed = true;
-        rc = -1;
-    } else if (h.cmd == TB_CMD_TRANSPORT_SWITCH) {
-        rc = handle_transport_switch(c, &h, err, sizeof err, &io_failed);
+        rc = handle_set(c, &h, err, sizeof err, &io_failed);   // receives its payload straight into the buffer
     } else {
+        io_failed = read_payload(c, (size_t) h.len) != 0;
+        rc = io_failed ? -1 : 0;
+    }
+    c->tp->deadline_ms = 0;   // the request has arrived; carrying it out has no such bound
+    if (!io_failed && h.cmd == TB_CMD_TRANSPORT_SWITCH) {
+        rc = handle_transport_switch(c, &h, err, sizeof err, &io_failed);
+    } else if (!io_failed && h.cmd != TB_CMD_SET_TENSOR) {
         rc = dispatch(c, &h, &r, err, sizeof err);
     }
     if (io_failed) {
@@ -1209,6 +1246,7 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     }
     c->node = n;
     c->slot = slot;
+    c->client_fd = fd;
     c->next_handle = 1;
     c->next_fake_base = TB_FAKE_BASE;
     c->keepalive_ms = 1000;
@@ -1218,12 +1256,15 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     pthread_mutex_init(&c->busy_lock, NULL);
     pthread_cond_init(&c->busy_changed, NULL);
     c->has_watchdog = pthread_create(&c->watchdog, NULL, watchdog_thread, c) == 0;
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
     if (n->cfg.threads > 0) {
-        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(n->dev);
         ggml_backend_set_n_threads_t set_threads =
             (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
         if (set_threads) set_threads(c->backend, n->cfg.threads);
     }
+    ggml_backend_set_abort_callback_t set_abort =
+        (ggml_backend_set_abort_callback_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_abort_callback");
+    if (set_abort) set_abort(c->backend, client_left, c);
     return c;
 }
 

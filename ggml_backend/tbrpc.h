@@ -44,6 +44,19 @@ int    tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int
 // keeping its device. Refused while buffers of the failed session are open
 // on this head: their handles mean nothing to the new session. 0, or -1 with err.
 int    tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * transport, char * err, size_t err_len);
+// Node `from` reaches node `to` for a node-to-node link at `host` (to's
+// address on the cable between them) instead of to's endpoint host. Set
+// before the first link between them is made. 0, or -1 with err.
+int    tbrpc_client_set_peer_address(struct tbrpc_client * c, size_t from, size_t to, const char * host, char * err,
+                                     size_t err_len);
+// One ggml "meta" device over nodes `nodes` that cuts only the feed-forward
+// weights, in `shares` and in multiples of `granularity` (the largest
+// quantization block of those weights), and keeps every other tensor whole
+// on each node: a tensor split for architectures llama.cpp refuses one for
+// (deepseek2). Used as the only device of a layer split (split_rules.c).
+// Returns the device (a ggml_backend_dev_t, kept by ggml), or NULL with err.
+void * tbrpc_client_ffn_split_device(struct tbrpc_client * c, const size_t * nodes, size_t n, const float * shares,
+                                     int64_t granularity, char * err, size_t err_len);
 // Register the registry and its devices with the ggml this library is
 // linked against (once; later nodes are registered as they are added).
 int    tbrpc_client_register(struct tbrpc_client * c, char * err, size_t err_len);

@@ -48,6 +48,8 @@ struct tb_transport_ops {
 struct tb_transport {
     const struct tb_transport_ops * ops;
     int      timeout_ms;      // recv/send give up after this long without progress; <= 0 waits forever
+    int64_t  deadline_ms;     // recv also gives up at this tb_now_ms(), progress or not (0: no deadline):
+                              // a server's bound on one whole message, against a peer that trickles bytes
     char     peer[96];        // "host:port" of the other side, for messages
     char     error[256];      // reason of the last failure
     int      error_kind;      // enum tb_io_error of the last failure

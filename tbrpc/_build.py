@@ -31,7 +31,8 @@ C_DIR = ROOT / "ggml_backend"
 TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "transport/shm.c"]
 # shm_open lives in librt on C libraries older than glibc 2.34
 SYSTEM_LIBS = ["-pthread"] + (["-lrt"] if sys.platform.startswith("linux") else [])
-C_SOURCES = ["proto.c", "op_rules.c", "client.c", "client_node.c", "node.c", "node_session.c", "model_file.c", *TRANSPORT_SOURCES]
+C_SOURCES = ["proto.c", "op_rules.c", "client.c", "client_node.c", "split_rules.c", "node.c", "node_session.c",
+             "model_file.c", *TRANSPORT_SOURCES]
 
 PROTO_CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;

@@ -112,6 +112,28 @@ class Cluster:
     def __len__(self) -> int:
         return len(self._endpoints)
 
+    def ffn_split_device(self, endpoints: Sequence[str], shares: Sequence[float], granularity: int) -> int:
+        """A ggml meta device over these nodes that cuts only the feed-forward
+        weights by `shares` (in multiples of `granularity`) and keeps the rest
+        whole on each: llama.cpp's tensor split for architectures it refuses one
+        for (deepseek2). Returns the ggml_backend_dev_t, for llama_model_params.devices
+        with a layer split."""
+        indices = [self._endpoints.index(e) for e in endpoints]
+        err = error_buffer()
+        dev = self._lib.tbrpc_client_ffn_split_device(self._client, self._ffi.new("size_t[]", indices), len(indices),
+                                                      self._ffi.new("float[]", list(shares)), granularity, err, len(err))
+        if dev == self._ffi.NULL:
+            raise ValueError(text(err))
+        return int(self._ffi.cast("uintptr_t", dev))
+
+    def set_peer_address(self, source: str, target: str, host: str) -> None:
+        """Node `source` dials node `target` at `host` (target's address on the cable
+        between them) for activations, instead of target's endpoint host."""
+        err = error_buffer()
+        i, j = self._endpoints.index(source), self._endpoints.index(target)
+        if self._lib.tbrpc_client_set_peer_address(self._client, i, j, host.encode(), err, len(err)) != 0:
+            raise ValueError(text(err))
+
     @property
     def endpoints(self) -> list[str]:
         return list(self._endpoints)

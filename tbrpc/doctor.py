@@ -209,24 +209,37 @@ def _check_macos(n: _Node, mac: dict[str, Any]) -> None:
         n.add("rdma", WARN, "rdma_ctl not found: RDMA over Thunderbolt needs macOS 26.2 or later",
               "update macOS; tbrpc uses TCP meanwhile")
     elif "enabled" in rdma.get("output", "").lower() and "disabled" not in rdma.get("output", "").lower():
-        devices = mac.get("ibv_devices", {}).get("output", "")
-        n.add("rdma", OK, f"rdma_ctl: enabled; ibv_devices: {' '.join(devices.split()[-4:]) or 'none listed'}")
+        devices = [w for w in mac.get("ibv_devices", {}).get("output", "").split() if w.startswith("rdma_")]
+        if devices:
+            n.add("rdma", OK, f"rdma_ctl: enabled; devices {' '.join(devices)}")
+        else:
+            n.add("rdma", WARN, "rdma_ctl: enabled, but ibv_devices lists no device",
+                  "RDMA needs Thunderbolt 5 on both Macs and a TB5 cable (Thunderbolt 4 Macs list none); tbrpc uses TCP")
     else:
         n.add("rdma", WARN, f"rdma_ctl status: {rdma.get('output', '?')[:80]}",
               "boot into Recovery, run `rdma_ctl enable` in Terminal, restart (tbrpc uses TCP meanwhile)")
     link = mac.get("link")
     if link is not None:
+        ports = ", ".join(link.get("ports", []))
         if link.get("interface") is None:
             n.add("thunderbolt", FAIL, f"no interface on this Mac has {spec.host}",
-                  f"set `host` to this Mac's Thunderbolt Bridge address (ifconfig bridge0) or assign {spec.host} to it")
+                  f"assign {spec.host} to the port of the cable it names, or correct `host` (docs/cluster.md, Four Macs)")
+        elif str(link["interface"]).startswith("bridge"):
+            n.add("thunderbolt", WARN, f"{spec.host} is on the Thunderbolt Bridge ({link['interface']}: {ports})",
+                  "RDMA has no address on a bridge: turn it off (networksetup -setnetworkserviceenabled "
+                  "'Thunderbolt Bridge' off) and give each cable its own subnet (docs/cluster.md, Four Macs)")
         elif not link.get("thunderbolt"):
-            n.add("thunderbolt", WARN, f"{spec.host} is on {link['interface']} ({', '.join(link.get('ports', []))}), not Thunderbolt",
-                  "use the node's Thunderbolt Bridge address as `host` (System Settings > Network > Thunderbolt Bridge)")
+            if spec.links:
+                n.add("thunderbolt", OK, f"{spec.host} is on {link['interface']} ({ports}): the head's connection; "
+                      f"activations come over the cables in `links`")
+            else:
+                n.add("thunderbolt", WARN, f"{spec.host} is on {link['interface']} ({ports}), not Thunderbolt",
+                      "use this node's address on the cable from the head as `host`, or list its cables in `links`")
         elif not link.get("active"):
             n.add("thunderbolt", FAIL, f"{spec.host} is on {link['interface']} (Thunderbolt), link not active",
-                  "check the cable and that both Macs show the Thunderbolt Bridge as connected")
+                  "check the cable (a TB5 cable, not in the port next to Ethernet on a Mac Studio)")
         else:
-            n.add("thunderbolt", OK, f"{spec.host} on {link['interface']} ({', '.join(link.get('ports', []))}), active")
+            n.add("thunderbolt", OK, f"{spec.host} on {link['interface']} ({ports}), active")
     limit_mb, memsize = mac.get("wired_limit_mb"), mac.get("memsize")
     declared = spec.plan_node.usable_bytes if spec.plan_node else None
     if memsize:

@@ -25,6 +25,7 @@ from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve
 from tbrpc.native import TbrpcError
 from tbrpc.node_processes import LaunchError, Nodes, start_nodes
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
+from tbrpc.spec import cable_gaps
 from tbrpc.status import launch_record, note_serving, note_transports
 from tbrpc.units import format_size
 
@@ -164,6 +165,8 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     with _Signals() as signals, ExitStack() as records:
         try:
             specs = resolve_cluster(opts.cluster, opts.threads)
+            for gap in cable_gaps(specs):
+                say(f"warning: {gap}")
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything
                 load_gguf(opts.gguf)

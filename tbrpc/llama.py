@@ -241,6 +241,10 @@ class Llama(llama_cpp.Llama):
             self.tbrpc_devices = [connect([e], transport=s.transport)[0] for e, s in zip(nodes.endpoints, nodes.specs)]
         except TbrpcError as exc:
             raise type(exc)(nodes.explain("connect", str(exc))) from exc
+        by_name = {s.name: e for s, e in zip(nodes.specs, nodes.endpoints)}
+        for spec, endpoint in zip(nodes.specs, nodes.endpoints):
+            for source, host in spec.links:   # how the nodes reach each other over their own cables
+                client_cluster().set_peer_address(by_name[source], endpoint, host)
         carriers = {info.endpoint: info.transport for info in client_cluster().nodes()}
         say("connected: " + ", ".join(f"{d}={s.name} ({carriers.get(e, '?')})" for d, s, e
                                       in zip(self.tbrpc_devices, nodes.specs, nodes.endpoints)) + "; loading")

@@ -14,6 +14,9 @@ with ``name``, ``host``, ``port`` and optionally ``memory``, ...). ``tbrpc launc
     threads = 8
     listen  = "0.0.0.0"        # address the node binds (default: `host`)
     log_file = "/tmp/tbrpc-node.log"        # node log on that machine (default: sent to the head)
+    links   = { studio1 = "10.0.12.2" }     # how the named nodes reach this one for activations:
+                               # this node's address on the cable between them (Thunderbolt
+                               # links are point to point, one subnet per cable; default: `host`)
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class NodeSpec:
     listen: str | None = None
     node_log_file: str | None = None
     transport: str | None = None     # "tcp" keeps the head's connection on TCP; None: TBRPC_TRANSPORT, else "auto"
+    links: tuple[tuple[str, str], ...] = ()   # (other node's name, the address it dials this node at)
     plan_node: Node | None = field(default=None, compare=False)   # the cluster file's memory figure, a cap;
                                                                    # None: the planner uses what the node reports
 
@@ -136,11 +140,14 @@ def spec_from_table(table: dict[str, Any], plan_node: Node | None, where: str) -
     transport = table.get("transport")
     if transport is not None and transport not in TRANSPORTS:
         raise ClusterError(f"{where}: transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
+    links = table.get("links", {})
+    if not isinstance(links, dict) or not all(isinstance(v, str) and v for v in links.values()):
+        raise ClusterError(f'{where}: links must be a table of node name = "address", e.g. links = {{ studio1 = "10.0.12.2" }}')
     return NodeSpec(
         name=str(table["name"]), host=host, port=int(table.get("port", 0)), start=start, ssh=ssh,
         python=table.get("python"), model=table.get("model"), device=table.get("device"),
         threads=int(table.get("threads", 0)), listen=table.get("listen"), node_log_file=table.get("log_file"),
-        transport=transport, plan_node=plan_node,
+        transport=transport, links=tuple((str(k), v) for k, v in links.items()), plan_node=plan_node,
     )
 
 
@@ -148,7 +155,23 @@ def load_specs(path: str | Path) -> list[NodeSpec]:
     """The nodes of a cluster file, with the memory figure the file gives (if any) attached."""
     entries = read_cluster_file(path)
     tables = tomllib.loads(Path(path).read_text())["node"]
-    return [spec_from_table(t, e.given, f"{path}: node {e.name}") for t, e in zip(tables, entries)]
+    specs = [spec_from_table(t, e.given, f"{path}: node {e.name}") for t, e in zip(tables, entries)]
+    names = {s.name for s in specs}
+    for s in specs:
+        for other, _ in s.links:
+            if other not in names or other == s.name:
+                raise ClusterError(f"{path}: node {s.name}: links names {other!r}, which is not another node of the file")
+    return specs
+
+
+def cable_gaps(specs: list[NodeSpec]) -> list[str]:
+    """Where a file that lists cables (links) has none between two nodes that
+    run consecutive layers: their activations go to the next node's `host`,
+    which on a ring of Thunderbolt cables is not a cable of theirs."""
+    if not any(s.links for s in specs):
+        return []
+    return [f"no cable listed from {a.name} to {b.name} (links in {b.name}'s table): activations for "
+            f"{b.name} go to its host {b.host}" for a, b in zip(specs, specs[1:]) if a.name not in dict(b.links)]
 
 
 def local_specs(n: int, threads: int | None = None) -> list[NodeSpec]:

@@ -7,6 +7,7 @@ each scenario needs a fresh head. Usage: python tests/head.py SPEC.json OUT.json
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -51,21 +52,31 @@ def main(spec_path: str, out_path: str) -> None:
     import llama_cpp
 
     import tbrpc
+    from tbrpc.llama import model_params_patch
 
     result: dict[str, Any] = {"error": None}
     nodes = spec.get("nodes", [])
     kwargs: dict[str, Any] = dict(n_ctx=spec.get("n_ctx", 256), n_threads=1, n_batch=spec.get("n_batch", 512),
                                   verbose=False, seed=0, flash_attn=spec.get("flash_attn", False))
+    devices = None
     if nodes:
         tbrpc.connect(nodes, timeout=spec.get("timeout", 10.0), transport=spec.get("transport"))
         kwargs.update(n_gpu_layers=spec.get("n_gpu_layers", -1),
                       tensor_split=spec.get("tensor_split") or [1.0] * len(nodes),
                       split_mode=spec.get("split_mode", 1))
+        if spec.get("ffn_split"):   # tbrpc's own split rules: one meta device over all the nodes
+            meta = tbrpc.cluster().ffn_split_device(nodes, [1.0] * len(nodes), spec["ffn_split"])
+            devices = (ctypes.c_void_p * 2)(meta, None)
+            kwargs.update(split_mode=1, tensor_split=None)
     else:
         kwargs.update(n_gpu_layers=0)
     try:
         t0 = time.time()
-        llm = llama_cpp.Llama(spec["model"], **kwargs) if nodes else reference_llama(spec["model"], **kwargs)
+        if devices is not None:
+            with model_params_patch(devices):
+                llm = llama_cpp.Llama(spec["model"], **kwargs)
+        else:
+            llm = llama_cpp.Llama(spec["model"], **kwargs) if nodes else reference_llama(spec["model"], **kwargs)
         result["load_s"] = time.time() - t0
         if nodes:
             result["allocated_after_load"] = [tbrpc.cluster().status(i).bytes_allocated for i in range(len(nodes))]

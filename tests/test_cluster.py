@@ -191,3 +191,54 @@ def test_a_node_that_does_not_answer() -> None:
         "node a (10.0.0.1:50052) did not answer (connection refused) and the cluster file gives it no `memory`: "
         "start the node (`tbrpc node --host 10.0.0.1 --port 50052 --name a`), or add `memory = \"...\"` to its "
         "[[node]] table to plan without it")
+
+
+RING = """
+[[node]]
+name = "s1"
+host = "lan1"
+port = 50052
+memory = "1GiB"
+links = { s4 = "10.0.41.1" }
+
+[[node]]
+name = "s2"
+host = "lan2"
+port = 50052
+memory = "1GiB"
+links = { s1 = "10.0.12.2", s3 = "10.0.23.2" }
+
+[[node]]
+name = "s3"
+host = "lan3"
+port = 50052
+memory = "1GiB"
+{s3_links}
+
+[[node]]
+name = "s4"
+host = "lan4"
+port = 50052
+memory = "1GiB"
+links = {{ s3 = "10.0.34.4" }}
+"""
+
+
+def test_links_say_which_cable_each_pair_uses(tmp_path: Path) -> None:
+    from tbrpc.spec import cable_gaps, load_specs
+
+    path = tmp_path / "ring.toml"
+    path.write_text(RING.replace("{s3_links}", 'links = { s2 = "10.0.23.3", s4 = "10.0.34.3" }').replace("{{", "{")
+                    .replace("}}", "}"))
+    specs = load_specs(path)
+    assert dict(specs[1].links) == {"s1": "10.0.12.2", "s3": "10.0.23.2"}
+    assert cable_gaps(specs) == []
+    path.write_text(RING.replace("{s3_links}", "").replace("{{", "{").replace("}}", "}"))
+    assert cable_gaps(load_specs(path)) == [
+        "no cable listed from s2 to s3 (links in s3's table): activations for s3 go to its host lan3"]
+    path.write_text(RING.replace("{s3_links}", 'links = { s9 = "10.0.0.9" }').replace("{{", "{").replace("}}", "}"))
+    with pytest.raises(ClusterError, match="node s3: links names 's9', which is not another node of the file"):
+        load_specs(path)
+    path.write_text(RING.replace("{s3_links}", 'links = { s2 = 7 }').replace("{{", "{").replace("}}", "}"))
+    with pytest.raises(ClusterError, match='node s3: links must be a table of node name = "address"'):
+        load_specs(path)

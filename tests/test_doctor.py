@@ -276,20 +276,20 @@ MAC_FACTS: dict[str, Any] = {
     "wired_limit_mb": 0,
     "memsize": 512 << 30,
     "thunderbolt_ports": ["en2", "en3"],
-    "link": {"address": "10.0.0.2", "interface": "bridge0", "ports": ["Thunderbolt 1"], "thunderbolt": True,
+    "link": {"address": "10.0.12.2", "interface": "en2", "ports": ["Thunderbolt 1"], "thunderbolt": True,
              "active": True},
 }
 
 
 def test_macos_rows_from_recorded_facts(tmp_path: Path) -> None:
-    cluster = write_cluster(tmp_path / "c.toml", [{"name": "mac2", "host": "10.0.0.2", "port": 50052,
+    cluster = write_cluster(tmp_path / "c.toml", [{"name": "mac2", "host": "10.0.12.2", "port": 50052,
                                                    "memory": "512GiB", "usable_memory": "480GiB"}])
     (spec,) = load_specs(cluster)
     n = _Node(spec)
     _check_macos(n, MAC_FACTS)
     rows = {c.name: c for c in n.checks}
     assert rows["rdma"].status == WARN and "rdma_ctl enable" in rows["rdma"].fix
-    assert rows["thunderbolt"].status == OK and "bridge0" in rows["thunderbolt"].detail
+    assert rows["thunderbolt"].status == OK and "en2 (Thunderbolt 1), active" in rows["thunderbolt"].detail
     wired = rows["wired memory"]
     assert wired.status == FAIL and "sudo sysctl iogpu.wired_limit_mb=" in wired.fix   # default 75% < 480 GiB
 
@@ -297,8 +297,29 @@ def test_macos_rows_from_recorded_facts(tmp_path: Path) -> None:
     _check_macos(n, {**MAC_FACTS, "rdma_ctl": {"rc": 0, "output": "RDMA is enabled"}, "wired_limit_mb": 500 * 1024,
                      "link": {**MAC_FACTS["link"], "interface": "en0", "ports": ["Wi-Fi"], "thunderbolt": False}})
     rows = {c.name: c for c in n.checks}
-    assert rows["rdma"].status == OK and rows["wired memory"].status == OK
-    assert rows["thunderbolt"].status == WARN and "Thunderbolt Bridge" in rows["thunderbolt"].fix
+    assert rows["rdma"].status == WARN and "Thunderbolt 5" in rows["rdma"].fix   # enabled, but no device
+    assert rows["wired memory"].status == OK
+    assert rows["thunderbolt"].status == WARN and "`links`" in rows["thunderbolt"].fix
+
+    n = _Node(spec)
+    _check_macos(n, {**MAC_FACTS, "rdma_ctl": {"rc": 0, "output": "RDMA is enabled"},
+                     "ibv_devices": {"rc": 0, "output": "    device          node GUID\n    ------\n    rdma_en2   0000"},
+                     "link": {**MAC_FACTS["link"], "interface": "bridge0"}})
+    rows = {c.name: c for c in n.checks}
+    assert rows["rdma"].status == OK and "rdma_en2" in rows["rdma"].detail
+    assert rows["thunderbolt"].status == WARN and "'Thunderbolt Bridge' off" in rows["thunderbolt"].fix
+
+    # a node the head reaches over the LAN, whose activations come over its cables: fine
+    ring = write_cluster(tmp_path / "ring.toml", [
+        {"name": "mac2", "host": "10.0.12.2", "port": 50052, "memory": "512GiB"},
+        {"name": "mac3", "host": "192.168.1.3", "port": 50052, "memory": "512GiB", "links": '{ mac2 = "10.0.23.3" }'}])
+    text = ring.read_text().replace("links = \"{ mac2 = \"10.0.23.3\" }\"", 'links = { mac2 = "10.0.23.3" }')
+    ring.write_text(text)
+    n = _Node(load_specs(ring)[1])
+    _check_macos(n, {**MAC_FACTS, "link": {**MAC_FACTS["link"], "interface": "en0", "ports": ["Ethernet"],
+                                           "thunderbolt": False}})
+    rows = {c.name: c for c in n.checks}
+    assert rows["thunderbolt"].status == OK and "cables in `links`" in rows["thunderbolt"].detail
 
 
 def test_huge_pages_row(tmp_path: Path) -> None:

@@ -556,3 +556,20 @@ def test_cli_help_lists_commands() -> None:
     out = subprocess.run([sys.executable, "-m", "tbrpc.cli", "--help"], env=ENV, capture_output=True, text=True).stdout
     for command in ("launch", "doctor", "status", "node"):
         assert command in out
+
+
+def test_links_choose_the_address_a_node_is_dialled_at(tmp_path: Path) -> None:
+    """`links` in b's table: a reaches b at that address for activations. At an
+    address where b does not listen, a says so in its log and the activations
+    go through the head: the same text either way."""
+    want = expected("llama")
+    cluster = tmp_path / "two.toml"
+    cluster.write_text('[[node]]\nname = "a"\nhost = "127.0.0.1"\nport = 0\nthreads = 1\n\n'
+                       '[[node]]\nname = "b"\nhost = "127.0.0.1"\nport = 0\nthreads = 1\n'
+                       'links = { a = "127.0.0.9" }\n')
+    with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster), "--ctx", "256",
+                      "--prompt", PROMPT, "--max-tokens", str(N_TOKENS)) as launch:
+        assert launch.finish() == 0, launch.stderr
+        assert launch.stdout == want["text"] + "\n"
+    logs = {log.stem: log.read_text() for log in launch.log_dir.glob("*.log")}
+    assert "cannot reach peer 127.0.0.9:" in logs["a"], logs

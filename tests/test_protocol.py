@@ -173,6 +173,27 @@ def test_silent_peer_is_dropped_after_the_timeout(nodes: Any) -> None:
     assert "no HELLO within 1000 ms" in node.log_text()
 
 
+def test_a_trickling_sender_is_dropped(nodes: Any) -> None:
+    """One byte every half second is progress by the per-read timeout (1 s),
+    but a whole request must arrive within the timeout plus its size at
+    1 MiB/s: the node drops the connection and says why."""
+    node = nodes(1, "--timeout", "1")[0]
+    w = Wire(node.endpoint)
+    status, body = w.hello()
+    assert status == 0, body
+    w.sock.sendall(header(lib.TB_CMD_GET_TENSOR, ffi.sizeof("struct tb_range"), 7))
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < 10:
+            w.sock.sendall(b"\0")
+            time.sleep(0.5)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert time.monotonic() - started < 5, "the node kept reading a trickle"
+    assert w.closed(timeout=5)
+    assert "message not complete in time (too slow a sender)" in node.log_text()
+
+
 def test_request_before_hello_drops_the_connection(node: Any) -> None:
     w = Wire(node.endpoint)
     w.send(lib.TB_CMD_STATUS)
@@ -619,3 +640,28 @@ def test_the_head_chooses_its_transport(env_value: str | None, expected: str, no
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(expected), proc.stdout
+
+
+def test_a_graph_stops_when_its_client_goes(node: Any) -> None:
+    """A client that sends a long graph and leaves does not keep the node
+    computing for nobody: the device's abort check sees the closed
+    connection, the worker logs why and ends."""
+    w = ready(node)
+    n = 1024
+    handle = w.alloc(3 * n * n * 4)
+    mul_mat = _ggml_op_index("MUL_MAT")
+    square = dict(buffer=handle, ne=[n, n, 1, 1], nb=[4, 4 * n, 4 * n * n, 4 * n * n])
+    tensors = [tensor(**square, offset=0), tensor(**square, offset=4 * n * n)]   # W, x0
+    for i in range(2000):   # x(i+1) = W x(i), in two alternating places: minutes of one thread's work
+        tensors.append(tensor(**square, offset=4 * n * n * (1 + (i + 1) % 2), op=mul_mat, flags=GGML_TENSOR_FLAG_COMPUTE,
+                              src=[0, len(tensors) - 1] + [-1] * 8))
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, graph(tensors, list(range(2, len(tensors)))))
+    time.sleep(1.0)   # it is computing, its buffer held
+    held = 3 * n * n * 4
+    assert tbrpc.probe(node.endpoint, timeout=5)[1].bytes_allocated >= held
+    w.sock.close()
+    deadline = time.monotonic() + 15
+    while tbrpc.probe(node.endpoint, timeout=5)[1].bytes_allocated >= held and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tbrpc.probe(node.endpoint, timeout=5)[1].bytes_allocated == 0, "still computing for a client that left"
+    assert "graph compute stopped: the client has gone" in node.log_text()

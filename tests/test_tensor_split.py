@@ -30,6 +30,7 @@ PROMPT = "The capital of France is"
 N_PREDICT = 12
 LOGIT_TOLERANCE = 1e-2   # measured: at most 8e-4 on this model
 N_LAYER = 6              # models/tiny_llama.py
+DEEPSEEK2_LAYERS = 6     # models/tiny_deepseek2.py: 1 dense + 5 MoE layers, one FFN all-reduce each
 STEADY_TOKENS = N_PREDICT - 1   # head.py counts from the second decode on
 
 
@@ -70,3 +71,27 @@ def test_without_the_allreduce_provider_the_butterfly_still_works(nodes: Any, tm
     assert without["tokens"] == with_provider["tokens"]
     for node in without["nodes"]:
         assert node["allreduces"] == 0 and node["peer_copies"] >= 2 * N_LAYER * STEADY_TOKENS, node
+
+
+@pytest.mark.parametrize("n_nodes", [2, 3, 4])
+def test_deepseek2_with_its_ffn_split_across_nodes(n_nodes: int, nodes: Any, tmp_path: Path) -> None:
+    """llama.cpp refuses its tensor split for deepseek2 (Kimi K2, DeepSeek V3).
+    tbrpc's own rules (split_rules.c) cut the dense FFN and every routed and
+    shared expert along its inner width and keep attention whole: the same
+    greedy tokens as one process, one ALLREDUCE per layer per token."""
+    model = str(models.ensure("deepseek2-f32"))
+    base, base_logits = run_head(tmp_path, model=model, prompt=PROMPT, n_predict=N_PREDICT, flash_attn=True)
+    assert base["error"] is None, base["error"]
+    started = nodes(n_nodes)
+    result, logits = run_head(tmp_path, model=model, prompt=PROMPT, n_predict=N_PREDICT, flash_attn=True,
+                              nodes=[n.endpoint for n in started], ffn_split=1)
+    assert result["error"] is None, result["error"]
+    assert result["tokens"] == base["tokens"]
+    assert logits is not None and logits.shape == base_logits.shape
+    diff = float(np.max(np.abs(logits - base_logits)))
+    assert diff <= LOGIT_TOLERANCE, diff
+    loaded = result["allocated_after_load"]
+    assert all(a > 0 for a in loaded), loaded
+    for node in result["nodes"]:
+        assert node["allreduces"] == DEEPSEEK2_LAYERS * STEADY_TOKENS, node
+        assert not node["failed"], node["error"]

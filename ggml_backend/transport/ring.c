@@ -80,6 +80,14 @@ static int wait_progress(struct tb_ring * r, int64_t * deadline) {
         return tb_fail(&r->base, TB_IO_TIMEOUT, "%s: no answer within %d ms (%s)", r->base.peer,
                        r->base.timeout_ms, r->base.describe);
     }
+    if (r->base.deadline_ms > 0) {
+        const int64_t until = r->base.deadline_ms - tb_now_ms();
+        if (until <= 0) {
+            return tb_fail(&r->base, TB_IO_TIMEOUT, "%s: message not complete in time (too slow a sender; %s)",
+                           r->base.peer, r->base.describe);
+        }
+        if (until < left) left = until;
+    }
     uint32_t watch = r->rx_seen;
     pthread_mutex_unlock(&r->lock);
     int rc = r->wire->wait(r, watch, left < WAIT_SLICE_MS ? (int) left : WAIT_SLICE_MS);

@@ -89,7 +89,14 @@ static int tcp_recv(struct tb_transport * base, void * data, size_t len) {
     struct tcp_transport * t = (struct tcp_transport *) base;
     uint8_t * p = data;
     while (len > 0) {
-        int w = wait_fd(t->fd, POLLIN, base->timeout_ms);
+        int wait = base->timeout_ms;
+        if (base->deadline_ms > 0) {
+            const int64_t left = base->deadline_ms - tb_now_ms();
+            if (left <= 0) return tb_fail(base, TB_IO_TIMEOUT, "%s: message not complete in time (too slow a sender)", base->peer);
+            if (wait <= 0 || left < wait) wait = (int) left;
+        }
+        int w = wait_fd(t->fd, POLLIN, wait);
+        if (w == 0 && base->deadline_ms > 0 && tb_now_ms() >= base->deadline_ms) continue;   // said above
         if (w == 0) return tb_fail(base, TB_IO_TIMEOUT, "%s: no answer within %d ms", base->peer, base->timeout_ms);
         if (w < 0) return tb_fail(base, TB_IO_BROKEN, "%s: poll failed: %s", base->peer, strerror(errno));
         ssize_t k = recv(t->fd, p, len, 0);
