@@ -71,6 +71,12 @@ bool tb_op_allowed(enum ggml_op op) {
 
 static bool is_float(enum ggml_type t) { return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16; }
 
+// The KV cache types llama.cpp offers (--cache-type-k/-v): the CPU converts to them and attends over them.
+static bool kv_type(enum ggml_type t) {
+    return is_float(t) || t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_0 ||
+           t == GGML_TYPE_Q5_1 || t == GGML_TYPE_IQ4_NL;
+}
+
 // Element (or block) i of a row is at data + i*nb[0]: the kernels walk rows so.
 static bool rows_contiguous(const struct ggml_tensor * t) {
     return t->nb[0] == ggml_type_size(t->type);
@@ -217,8 +223,7 @@ static int check_flash_attn(const struct ggml_tensor * t, uint32_t index, char *
                 FAIL("mask must be F16 [n_kv, >= n_q, broadcastable]");
         }
         if (sinks && (sinks->type != GGML_TYPE_F32 || sinks->ne[0] < q->ne[2])) FAIL("sinks must be F32, one per head");
-        if (!(k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_BF16 || k->type == GGML_TYPE_Q8_0 ||
-              k->type == GGML_TYPE_Q4_0) || v->type != k->type)
+        if (!kv_type(k->type) || !kv_type(v->type))
             FAIL("k/v types %s/%s are not supported", ggml_type_name(k->type), ggml_type_name(v->type));
     }
     if (RULE_ON(TB_RULE_LAYOUT) && (!rows_contiguous(q) || !rows_contiguous(k) || !rows_contiguous(v) || !ggml_is_contiguous(t) ||
@@ -301,9 +306,7 @@ static int check_op(const struct ggml_tensor * t, uint32_t index, char * err, si
                                                                  (long long) ggml_nelements(a), (long long) ggml_nelements(t));
                 if (t->op == GGML_OP_CPY && !ggml_are_same_shape(b, t)) FAIL("destination must be source 1's shape");
                 if (a->type != t->type) {   // what ggml's dup converts (others: GGML_ABORT "not implemented")
-                    const bool kv_quant = t->type == GGML_TYPE_Q4_0 || t->type == GGML_TYPE_Q4_1 || t->type == GGML_TYPE_Q5_0 ||
-                                          t->type == GGML_TYPE_Q5_1 || t->type == GGML_TYPE_Q8_0;
-                    const bool ok = (is_float(a->type) && (is_float(t->type) || kv_quant)) ||
+                    const bool ok = (is_float(a->type) && kv_type(t->type)) ||
                                     (ggml_is_quantized(a->type) && t->type == GGML_TYPE_F32);
                     if (!ok) FAIL("conversion %s -> %s is not supported", ggml_type_name(a->type), ggml_type_name(t->type));
                 }

@@ -210,10 +210,13 @@ static struct ggml_tensor * make_op(struct ggml_context * c, enum ggml_op op) {
                                  4096, 10000.0f, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
         }
         case GGML_OP_FLASH_ATTN_EXT: {
-            const int64_t D = 4 * rint_in(1, 4), nq = rint_in(1, 3), nkv = rint_in(1, 5), H = rint_in(1, 2);
+            const enum ggml_type kvt[] = { GGML_TYPE_F16, GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_F32 };
+            const enum ggml_type kt = kvt[rnd() % 5], vt = chance(50) ? kt : GGML_TYPE_F16;
+            const bool quant = ggml_is_quantized(kt) || ggml_is_quantized(vt);
+            const int64_t D = quant ? 32 : 4 * rint_in(1, 4), nq = rint_in(1, 3), nkv = rint_in(1, 5), H = rint_in(1, 2);
             struct ggml_tensor * q = f32(c, D, nq, H, 1);
-            struct ggml_tensor * k = ggml_new_tensor_4d(c, GGML_TYPE_F16, D, nkv, H, 1);
-            struct ggml_tensor * v = ggml_new_tensor_4d(c, GGML_TYPE_F16, D, nkv, H, 1);
+            struct ggml_tensor * k = ggml_new_tensor_4d(c, kt, D, nkv, H, 1);
+            struct ggml_tensor * v = ggml_new_tensor_4d(c, vt, D, nkv, H, 1);
             struct ggml_tensor * m = chance(50) ? ggml_new_tensor_2d(c, GGML_TYPE_F16, nkv, nq) : NULL;
             return ggml_flash_attn_ext(c, q, k, v, m, 0.5f, 0.0f, 0.0f);
         }
