@@ -117,6 +117,53 @@ static void buffer_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor *
     pthread_mutex_unlock(&n->lock);
 }
 
+// Rows of a weight's slice (llama.cpp's meta device): from the node's own
+// copy of the model file in one request, or packed into messages of up to
+// SET_CHUNK, instead of one request per row.
+static void buffer_set_tensor_2d(ggml_backend_buffer_t buffer, struct ggml_tensor * tensor, const void * data, size_t offset,
+                                 size_t size, size_t n_copies, size_t stride_tensor, size_t stride_data) {
+    if (size == 0 || n_copies == 0) return;
+    if (n_copies == 1 || (stride_tensor == size && stride_data == size)) {
+        buffer_set_tensor(buffer, tensor, data, offset, size * n_copies);
+        return;
+    }
+    if (stride_tensor < size || size > SET_CHUNK) {   // overlapping or huge rows: one at a time, in order (SET_CHUNK is the node's FILE_CHUNK)
+        for (size_t i = 0; i < n_copies; i++)
+            buffer_set_tensor(buffer, tensor, (const uint8_t *) data + i * stride_data, offset + i * stride_tensor, size);
+        return;
+    }
+    struct client_buffer * cb = buffer->context;
+    struct client_node * n = cb->node;
+    const uint64_t at = tensor_offset(cb, tensor) + offset;
+    pthread_mutex_lock(&n->lock);
+    uint64_t file_offset = 0;
+    const size_t span = (n_copies - 1) * stride_data + size;
+    const uint64_t file_id = n->failed ? 0 : node_file_for(n, data, span, &file_offset);
+    if (file_id) {
+        struct tb_file_range_2d req = { .handle = cb->handle, .offset = at, .size = size, .n_copies = n_copies,
+                                        .stride = stride_tensor, .file_id = file_id, .file_offset = file_offset,
+                                        .file_stride = stride_data };
+        node_post_locked(n, TB_CMD_LOAD_FROM_FILE_2D, &req, sizeof req, NULL, 0);
+        n->bytes_from_files += (uint64_t) size * n_copies;
+        pthread_mutex_unlock(&n->lock);
+        return;
+    }
+    const size_t rows_per_message = SET_CHUNK / size;
+    const size_t most = n_copies < rows_per_message ? n_copies : rows_per_message;
+    uint8_t * packed = malloc(most * size);
+    if (!packed) node_fail(n, "SET_TENSOR_2D", "out of memory on the head");
+    for (size_t first = 0; packed && first < n_copies && !n->failed; first += rows_per_message) {
+        const size_t rows = n_copies - first < rows_per_message ? n_copies - first : rows_per_message;
+        for (size_t i = 0; i < rows; i++)
+            memcpy(packed + i * size, (const uint8_t *) data + (first + i) * stride_data, size);
+        struct tb_range_2d req = { .handle = cb->handle, .offset = at + first * stride_tensor, .size = size, .n_copies = rows,
+                                   .stride = stride_tensor };
+        node_post_locked(n, TB_CMD_SET_TENSOR_2D, &req, sizeof req, packed, rows * size);
+    }
+    free(packed);
+    pthread_mutex_unlock(&n->lock);
+}
+
 static void buffer_get_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * tensor, void * data, size_t offset, size_t size) {
     struct client_buffer * cb = buffer->context;
     struct client_node * n = cb->node;
@@ -166,7 +213,7 @@ static const struct ggml_backend_buffer_i buffer_iface = {
     .memset_tensor = buffer_memset_tensor,
     .set_tensor    = buffer_set_tensor,
     .get_tensor    = buffer_get_tensor,
-    .set_tensor_2d = NULL,
+    .set_tensor_2d = buffer_set_tensor_2d,
     .get_tensor_2d = NULL,
     .cpy_tensor    = buffer_cpy_tensor,
     .clear         = buffer_clear,

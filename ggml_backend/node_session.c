@@ -690,6 +690,98 @@ static int handle_load_from_file(struct node_conn * c, const struct tb_header * 
     return 0;
 }
 
+// ---- strided writes (a weight's slice of every row) ----------------------------
+
+// The rows [offset + i*stride, +size) for i < n of a buffer, checked without
+// overflow: the span from the first row to the end of the last lies inside.
+static struct node_buffer * checked_rows(struct node_conn * c, uint64_t handle, uint64_t offset, uint64_t size, uint64_t n,
+                                         uint64_t stride, const char * what, char * err, size_t err_len) {
+    uint64_t span;
+    if (n == 0 || size == 0 || stride < size || __builtin_mul_overflow(n - 1, stride, &span) ||
+        __builtin_add_overflow(span, size, &span)) {
+        snprintf(err, err_len, "%s: %llu rows of %llu bytes, %llu apart: not a valid set of rows", what,
+                 (unsigned long long) n, (unsigned long long) size, (unsigned long long) stride);
+        return NULL;
+    }
+    return checked_range(c, handle, offset, span, err, err_len);
+}
+
+static void write_rows(struct node_buffer * b, uint64_t offset, uint64_t stride, const uint8_t * rows, uint64_t size,
+                       uint64_t n, uint64_t src_stride) {
+    for (uint64_t i = 0; i < n; i++) {
+        if (ggml_backend_buffer_is_host(b->buf)) {
+            memcpy(b->base + offset + i * stride, rows + i * src_stride, (size_t) size);
+        } else {
+            struct ggml_tensor t = byte_view(b, offset + i * stride, size);
+            ggml_backend_tensor_set(&t, rows + i * src_stride, 0, (size_t) size);
+        }
+    }
+}
+
+static int handle_set_2d(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    struct tb_range_2d req;
+    if (h->len < sizeof req) { snprintf(err, err_len, "SET_TENSOR_2D: payload too short"); return -1; }
+    memcpy(&req, c->payload, sizeof req);
+    struct node_buffer * b = checked_rows(c, req.handle, req.offset, req.size, req.n_copies, req.stride, "SET_TENSOR_2D",
+                                          err, err_len);
+    if (!b) return -1;
+    if (h->len - sizeof req != req.n_copies * req.size) {   // no overflow: checked_rows bounded both by the buffer
+        snprintf(err, err_len, "SET_TENSOR_2D: %llu rows of %llu bytes, the message carries %llu",
+                 (unsigned long long) req.n_copies, (unsigned long long) req.size, (unsigned long long) (h->len - sizeof req));
+        return -1;
+    }
+    write_rows(b, req.offset, req.stride, c->payload + sizeof req, req.size, req.n_copies, req.size);
+    return 0;
+}
+
+// Rows from a model file, read in chunks that cover whole runs of rows (one
+// pread of up to FILE_CHUNK, not one per row: a row of a slice may be a few
+// hundred bytes).
+static int handle_load_from_file_2d(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    if (expect_len(h->len, sizeof(struct tb_file_range_2d), "LOAD_FROM_FILE_2D", err, err_len) != 0) return -1;
+    const struct tb_file_range_2d req = *(const struct tb_file_range_2d *) c->payload;
+    if (req.file_id == 0 || req.file_id > c->n_files) {
+        snprintf(err, err_len, "LOAD_FROM_FILE_2D: unknown file id %llu", (unsigned long long) req.file_id);
+        return -1;
+    }
+    struct node_buffer * b = checked_rows(c, req.handle, req.offset, req.size, req.n_copies, req.stride, "LOAD_FROM_FILE_2D",
+                                          err, err_len);
+    if (!b) return -1;
+    if (req.size > FILE_CHUNK) {   // the head sends rows this large one by one (LOAD_FROM_FILE)
+        snprintf(err, err_len, "LOAD_FROM_FILE_2D: rows of %llu bytes (at most %u)", (unsigned long long) req.size, FILE_CHUNK);
+        return -1;
+    }
+    const int fd = c->files[req.file_id - 1].fd;
+    const uint64_t file_size = c->files[req.file_id - 1].size;
+    uint64_t file_span;
+    if (req.file_stride < req.size || __builtin_mul_overflow(req.n_copies - 1, req.file_stride, &file_span) ||
+        __builtin_add_overflow(file_span, req.size, &file_span) || req.file_offset > file_size ||
+        file_span > file_size - req.file_offset) {
+        snprintf(err, err_len, "LOAD_FROM_FILE_2D: those rows lie outside %s (%llu bytes)", c->files[req.file_id - 1].name,
+                 (unsigned long long) file_size);
+        return -1;
+    }
+    const uint64_t rows_per_read = req.file_stride >= FILE_CHUNK ? 1 : FILE_CHUNK / req.file_stride;
+    const size_t chunk = (size_t) ((rows_per_read - 1) * req.file_stride + req.size);
+    if (tb_reserve(&c->payload, &c->payload_cap, chunk) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+    for (uint64_t first = 0; first < req.n_copies; first += rows_per_read) {
+        const uint64_t rows = req.n_copies - first < rows_per_read ? req.n_copies - first : rows_per_read;
+        const size_t want = (size_t) ((rows - 1) * req.file_stride + req.size);
+        for (size_t done = 0; done < want;) {
+            ssize_t got = pread(fd, c->payload + done, want - done, (off_t) (req.file_offset + first * req.file_stride + done));
+            if (got <= 0) {
+                snprintf(err, err_len, "LOAD_FROM_FILE_2D: reading %s failed: %s", c->files[req.file_id - 1].name,
+                         got == 0 ? "file is shorter than it was" : strerror(errno));
+                return -1;
+            }
+            done += (size_t) got;
+        }
+        write_rows(b, req.offset + first * req.stride, req.stride, c->payload, req.size, rows, req.file_stride);
+    }
+    count(&c->slot->bytes_from_files, (int64_t) (req.size * req.n_copies));
+    return 0;
+}
+
 // ---- node-to-node links ------------------------------------------------------
 // The head links the session that computes layer k with the one that
 // computes layer k+1; activations then go straight from node to node and
@@ -1089,6 +1181,8 @@ static int dispatch(struct node_conn * c, const struct tb_header * h, struct rep
         case TB_CMD_PEER_SEND:       return handle_peer_send(c, h, err, err_len);
         case TB_CMD_PEER_RECV:       return handle_peer_recv(c, h, err, err_len);
         case TB_CMD_ALLREDUCE:       return handle_allreduce(c, h, err, err_len);
+        case TB_CMD_SET_TENSOR_2D:   return handle_set_2d(c, h, err, err_len);
+        case TB_CMD_LOAD_FROM_FILE_2D: return handle_load_from_file_2d(c, h, err, err_len);
         case TB_CMD_SYNC:            return expect_len(h->len, 0, "SYNC", err, err_len);
         case TB_CMD_STATUS:          return handle_status(c, h, r, err, err_len);
         case TB_CMD_TRANSPORT_OFFER: return handle_transport_offer(c, h, r, err, err_len);

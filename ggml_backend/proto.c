@@ -25,7 +25,8 @@ static const char * const cmd_names[TB_CMD_COUNT_] = {
     [TB_CMD_PEER_LISTEN] = "PEER_LISTEN", [TB_CMD_PEER_CONNECT] = "PEER_CONNECT", [TB_CMD_PEER_ACCEPT] = "PEER_ACCEPT",
     [TB_CMD_PEER_SEND] = "PEER_SEND", [TB_CMD_PEER_RECV] = "PEER_RECV",
     [TB_CMD_TRANSPORT_OFFER] = "TRANSPORT_OFFER", [TB_CMD_TRANSPORT_SWITCH] = "TRANSPORT_SWITCH",
-    [TB_CMD_ALLREDUCE] = "ALLREDUCE",
+    [TB_CMD_ALLREDUCE] = "ALLREDUCE", [TB_CMD_SET_TENSOR_2D] = "SET_TENSOR_2D",
+    [TB_CMD_LOAD_FROM_FILE_2D] = "LOAD_FROM_FILE_2D",
 };
 
 bool tb_cmd_posted(uint16_t cmd) {
@@ -33,6 +34,7 @@ bool tb_cmd_posted(uint16_t cmd) {
         case TB_CMD_FREE_BUFFER: case TB_CMD_BUFFER_CLEAR: case TB_CMD_SET_TENSOR: case TB_CMD_MEMSET_TENSOR:
         case TB_CMD_COPY_TENSOR: case TB_CMD_GRAPH_COMPUTE: case TB_CMD_GRAPH_RECOMPUTE: case TB_CMD_LOAD_FROM_FILE:
         case TB_CMD_PEER_SEND: case TB_CMD_PEER_RECV: case TB_CMD_TRANSPORT_SWITCH: case TB_CMD_ALLREDUCE:
+        case TB_CMD_SET_TENSOR_2D: case TB_CMD_LOAD_FROM_FILE_2D:
             return true;
         default:
             return false;

@@ -64,6 +64,8 @@ enum tb_cmd {
     TB_CMD_TRANSPORT_OFFER,  // tb_transport_req    reply: tb_transport_reply (a segment for this connection, or why not)
     TB_CMD_TRANSPORT_SWITCH, // u32 1: attached, switch now; 0: could not, stay  posted, always over TCP
     TB_CMD_ALLREDUCE,        // tb_allreduce        posted: sum a range across nodes over their peer links
+    TB_CMD_SET_TENSOR_2D,    // tb_range_2d + n_copies * size bytes (rows packed)  posted
+    TB_CMD_LOAD_FROM_FILE_2D,// tb_file_range_2d    posted: rows from the node's own copy of a model file
     TB_CMD_COUNT_,
 };
 
@@ -161,6 +163,11 @@ struct tb_copy_req    { uint64_t src_handle, src_offset, dst_handle, dst_offset,
 struct tb_open_file   { uint64_t size; uint8_t fingerprint[TB_FINGERPRINT_LEN]; uint8_t proof[TB_FILE_PROOF_LEN];
                         char name[TB_FILE_NAME_LEN]; };
 struct tb_file_range  { uint64_t handle, offset, size, file_id, file_offset; };
+// Strided writes (llama.cpp's meta device uploads a slice of every row of a
+// weight): n_copies rows of `size` bytes, `stride` apart in the buffer (and
+// `file_stride` apart in the file); stride >= size.
+struct tb_range_2d      { uint64_t handle, offset, size, n_copies, stride; };
+struct tb_file_range_2d { uint64_t handle, offset, size, n_copies, stride, file_id, file_offset, file_stride; };
 
 // Node-to-node links: activations go from the node that computed them
 // straight to the next node, instead of through the head.

@@ -58,11 +58,20 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--metal-fraction", type=float, default=0.75, show_default=True, help="Share of RAM Metal may wire when a node gives no limit.")
 @click.option("--head-device", type=click.Choice(["gpu", "cpu", "none"]), default="gpu", show_default=True,
               help="Backend the head runs its own layers on; none: every layer on a node (as `tbrpc launch` does).")
+@click.option("--split", type=click.Choice(["layer", "tensor", "ffn"]), default="layer", show_default=True,
+              help="layer: contiguous layer ranges per node; tensor: every layer cut across the nodes (llama.cpp "
+                   "split_mode=3, flash attention on; not for deepseek2); ffn: only the FFN and experts cut "
+                   "(tbrpc's own rules, for deepseek2; the library loads it, launch not yet).")
+@click.option("--tensor-split", "tensor_split", default=None, metavar="A,B,...",
+              help="With --split tensor: each node's share of every layer [default: equal, or by free memory when equal does not fit].")
+@click.option("--draft-model", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A draft GGUF the head runs for speculative decoding (as `tbrpc launch --draft-model`): planned on the head.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sizes in bytes).")
 def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float, node_flags: tuple[str, ...],
          nodes_flag: str | None, ctx: int | None,
          cache_type_k: str, cache_type_v: str, ubatch: int, batch: int | None, flash_attn: bool | None, swa_full: bool,
-         margin: str, metal_fraction: float, head_device: str, as_json: bool) -> None:
+         margin: str, metal_fraction: float, head_device: str, split: str, tensor_split: str | None,
+         draft_model: str | None, as_json: bool) -> None:
     """Say whether a model fits a cluster, which layers go where, and the llama.cpp flags. Exit 1 if it does not fit."""
     import json
 
@@ -76,8 +85,17 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
             nodes = load_cluster_file(cluster_file, metal_fraction, ask=not offline, timeout=timeout)
         else:
             nodes = nodes_from_flags(list(node_flags), nodes_flag, metal_fraction)
+        shares = None
+        if tensor_split is not None:
+            if split == "layer":
+                raise ValueError("--tensor-split goes with --split tensor or ffn (a layer split's tensor_split is planned)")
+            try:
+                shares = [float(s) for s in tensor_split.split(",")]
+            except ValueError:
+                raise ValueError(f"--tensor-split {tensor_split!r}: expected numbers separated by commas") from None
         result = make_plan(gguf_path, nodes, ctx=ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v, ubatch=ubatch,
-                           batch=batch, flash_attn=flash_attn, swa_full=swa_full, margin=margin, head_device=head_device)
+                           batch=batch, flash_attn=flash_attn, swa_full=swa_full, margin=margin, head_device=head_device,
+                           split=split, tensor_split=shares, draft_model=draft_model)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else format_table(result))
@@ -127,13 +145,17 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
 @click.option("--draft-model", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Speculative decoding with a small GGUF of the same vocabulary, run on this machine.")
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=None, help="Tokens --draft-model guesses per step [default: 8].")
+@click.option("--split", type=click.Choice(["layer", "tensor", "ffn"]), default=None,
+              help="layer: contiguous layer ranges per node (default); tensor: every layer cut across the nodes, "
+                   "partial sums all-reduced node to node (flash attention on; not for deepseek2); ffn: tbrpc's own "
+                   "rules, only the FFN and experts cut, the rest whole on every node (for deepseek2: Kimi K2, DeepSeek V3).")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | None, host: str, port: int,
            prompt: str | None, chat: bool, max_tokens: int, temperature: float, alias: str | None,
            chat_format: str | None, api_key: str | None, log_dir: str | None, start_timeout: float,
            cache_type_k: str | None, cache_type_v: str | None, flash_attn: bool | None, ubatch: int | None,
            batch: int | None, threads: int | None, draft: str | None, draft_model: str | None,
-           draft_tokens: int | None, verbose: bool) -> None:
+           draft_tokens: int | None, split: str | None, verbose: bool) -> None:
     """Start the nodes, plan the split, load GGUF and serve it (or --prompt / --chat).
     Memory options (cache types, flash attention, batch sizes) are planned as `tbrpc plan` plans them."""
     from pathlib import Path
@@ -153,7 +175,7 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
         gguf=gguf, cluster=cluster, ctx=ctx, host=host, port=port, prompt=prompt, chat=chat, max_tokens=max_tokens,
         temperature=temperature, alias=alias, api_key=api_key, log_dir=Path(log_dir) if log_dir else None,
         start_timeout=start_timeout, verbose=verbose, threads=threads, draft=draft, draft_model=draft_model,
-        draft_tokens=draft_tokens,
+        draft_tokens=draft_tokens, split=split,
         llama_kwargs={**context_kwargs(cache_type_k, cache_type_v, flash_attn, ubatch, batch, threads),
                       **({"chat_format": chat_format} if chat_format else {})}))
     raise SystemExit(code)

@@ -135,6 +135,11 @@ def snapshot(llm: Any, alias: str, log: RequestLog) -> dict[str, Any]:
     plan = getattr(llm, "tbrpc_plan", None)
     mine = set(getattr(llm, "tbrpc_endpoints", []))
     planned = {n.device: n for n in plan.nodes} if plan is not None else {}
+    shares: dict[str, str] = {}   # tensor and ffn splits: each node holds a slice of every layer
+    if plan is not None and plan.split_mode in ("tensor", "ffn"):
+        total = sum(plan.tensor_split)
+        shares = {n.device: f"{s / total:.0%} of each {'layer' if plan.split_mode == 'tensor' else 'FFN'}"
+                  for n, s in zip(plan.nodes, plan.tensor_split)}
     tokens = max(log.tokens, 1)
     nodes = []
     for info in client_cluster().nodes():
@@ -148,6 +153,7 @@ def snapshot(llm: Any, alias: str, log: RequestLog) -> dict[str, Any]:
             "node_device": info.node_device, "memory_total": info.mem_total,
             "memory_planned": p.total_bytes if p else None,
             "layers": list(p.layers) if p and p.layers else None,
+            "share": shares.get(info.device_name),
             "transport": info.transport, "failed": info.failed, "error": info.error or None,
             "round_trips": info.round_trips, "bytes": info.bytes_sent + info.bytes_received,
             "round_trips_per_token": trips / tokens if log.tokens else None,   # since serving began
@@ -230,7 +236,7 @@ async function refresh() {
     for (const n of s.nodes) {
       const row = nodes.insertRow(); row.dataset.node = n.name;
       cell(row, n.name); cell(row, n.endpoint); cell(row, n.device + " (" + n.node_device + ")");
-      cell(row, n.layers ? n.layers[0] + "-" + n.layers[1] : "-");
+      cell(row, (n.layers ? n.layers[0] + "-" + n.layers[1] : "-") + (n.share ? " (" + n.share + ")" : ""));
       cell(row, size(n.memory_planned) + " / " + size(n.memory_total), "num"); cell(row, n.transport);
       cell(row, num(n.round_trips_per_token, 2), "num"); cell(row, size(n.bytes_per_token), "num");
       cell(row, n.failed ? "DOWN: " + n.error : "up", n.failed ? "down" : "");

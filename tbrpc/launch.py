@@ -21,6 +21,7 @@ from typing import Any, Callable, TextIO
 from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
+from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_tensor_mode
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster
 from tbrpc.native import TbrpcError
 from tbrpc.node_processes import LaunchError, Nodes, start_nodes
@@ -53,6 +54,7 @@ class LaunchOptions:
     draft: str | None = None        # "prompt-lookup[:N]"
     draft_model: str | None = None  # a small GGUF with the model's vocabulary, run on this machine
     draft_tokens: int | None = None # tokens the draft model guesses per step
+    split: str | None = None        # "layer", "tensor" or "ffn" (tbrpc.Llama's split); None: layer
     llama_kwargs: dict[str, Any] = field(default_factory=dict)   # context options: llama.context_kwargs()
 
 
@@ -110,7 +112,7 @@ def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[s
     signals.loading = True
     started = time.monotonic()
     try:
-        llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, **kwargs)
+        llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, **kwargs)
     except (ValueError, TbrpcError):
         if signals.received is not None:
             raise _Interrupted(signal.Signals(signals.received).name) from None
@@ -169,10 +171,15 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 say(f"warning: {gap}")
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything
-                load_gguf(opts.gguf)
+                model = load_gguf(opts.gguf)
             except GGUFError as exc:
                 raise TbrpcError(f"step plan: {exc}\n  try: --gguf must be a GGUF model "
                                  "(for a split set, its first shard)") from exc
+            if opts.split == "tensor" or opts.llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR:
+                try:   # an architecture llama.cpp will not tensor-split: say so before starting nodes
+                    check_tensor_mode(model.architecture)
+                except PlanError as exc:
+                    raise TbrpcError(f"step plan: {exc}") from exc
             if opts.prompt is None and not opts.chat:
                 require_server()
             check_draft(opts.draft, opts.draft_model, opts.gguf)

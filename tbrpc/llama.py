@@ -34,7 +34,17 @@ from tbrpc.gguf_model import GGUFError
 from tbrpc.native import TbrpcError
 from tbrpc.node_memory import Node, Report, size_nodes
 from tbrpc.node_processes import LaunchError, Nodes, start_nodes
-from tbrpc.plan import CACHE_TYPES, Plan, PlanError, cache_type_name, format_table, plan
+from tbrpc.plan import (
+    CACHE_TYPES,
+    LLAMA_SPLIT_MODE_LAYER,
+    LLAMA_SPLIT_MODE_TENSOR,
+    SPLIT_MODES,
+    Plan,
+    PlanError,
+    cache_type_name,
+    format_table,
+    plan,
+)
 from tbrpc.spec import NodeSpec, endpoint_specs, load_specs, local_specs
 from tbrpc.units import format_size
 
@@ -77,6 +87,8 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
         # every node is a TBRPC device; the head keeps only embeddings, inputs and logits (result.head)
         result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="none", **plan_kwargs)
     except (PlanError, GGUFError) as exc:
+        if str(exc).startswith("tensor split"):   # the planner's own way out is in the message
+            raise TbrpcError(f"step plan: {exc}") from exc
         raise TbrpcError(f"step plan: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
                          "and the context size") from exc
     if not result.fits:
@@ -88,9 +100,15 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
 
 
 def context_kwargs(cache_type_k: str | None = None, cache_type_v: str | None = None, flash_attn: bool | None = None,
-                   ubatch: int | None = None, batch: int | None = None, threads: int | None = None) -> dict[str, Any]:
-    """``llama_cpp.Llama`` keyword arguments for llama-server style options (None: not given)."""
+                   ubatch: int | None = None, batch: int | None = None, threads: int | None = None,
+                   split: str | None = None) -> dict[str, Any]:
+    """``llama_cpp.Llama`` keyword arguments for llama-server style options (None: not given).
+    ``split``: "layer" or "tensor" (llama.cpp's split_mode 1 or 3; tensor turns flash attention on)."""
     kwargs: dict[str, Any] = {}
+    if split is not None:
+        if split not in ("layer", "tensor"):
+            raise TbrpcError(f"split {split!r}: choose layer or tensor")
+        kwargs["split_mode"] = LLAMA_SPLIT_MODE_TENSOR if split == "tensor" else LLAMA_SPLIT_MODE_LAYER
     if cache_type_k is not None:
         kwargs["type_k"] = int(CACHE_TYPES[cache_type_name(cache_type_k)])
     if cache_type_v is not None:
@@ -107,9 +125,24 @@ def context_kwargs(cache_type_k: str | None = None, cache_type_v: str | None = N
 
 
 def planned_context(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The planner's context options for these ``llama_cpp.Llama`` keyword
-    arguments: what llama.cpp will allocate is what gets planned."""
+    """The planner's options for these ``llama_cpp.Llama`` keyword arguments:
+    what llama.cpp will allocate is what gets planned (context, split mode,
+    and a draft model, which also makes llama-cpp-python keep all logits)."""
     options: dict[str, Any] = {"ubatch": kwargs.get("n_ubatch", 512), "batch": kwargs.get("n_batch", 512)}
+    if kwargs.get("split_mode") is not None:
+        mode = int(kwargs["split_mode"])
+        if mode not in (LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_TENSOR):
+            raise TbrpcError(f"split_mode={mode}: tbrpc plans layer (1) and tensor (3) splits only")
+        options["split"] = "tensor" if mode == LLAMA_SPLIT_MODE_TENSOR else "layer"
+        if mode == LLAMA_SPLIT_MODE_TENSOR and kwargs.get("tensor_split") is not None:
+            options["tensor_split"] = list(kwargs["tensor_split"])
+    draft = kwargs.get("draft_model")
+    if draft is not None:
+        options["all_logits"] = True   # llama-cpp-python keeps every token's logits with any draft
+        draft_llm = getattr(draft, "llm", None)   # tbrpc.draft.GGUFDraft: a small model on this CPU
+        if draft_llm is not None and getattr(draft_llm, "model_path", None):
+            options["draft_model"] = draft_llm.model_path
+            options["draft_ctx"] = draft_llm.n_ctx()
     for arg, option in (("type_k", "cache_type_k"), ("type_v", "cache_type_v")):
         if kwargs.get(arg) is not None:
             options[option] = kwargs[arg]
@@ -207,12 +240,23 @@ class Llama(llama_cpp.Llama):
     nodes on this machine. ``ctx`` defaults to ``n_ctx``. ``progress``: True
     for a bar on stderr, or a callable taking the loaded fraction.
     ``log_dir``: where node logs go (default: a fresh temporary directory).
+    ``split``: "layer" (the default), "tensor" (llama.cpp's split_mode=3: every
+    layer cut across the nodes) or "ffn" (tbrpc's own rules: only the FFN and
+    experts cut, the rest whole on every node; for deepseek2, which llama.cpp
+    will not tensor-split).
     Unless given, ``n_gpu_layers`` and ``tensor_split`` come from the plan.
     """
 
     def __init__(self, model_path: str, *, cluster: ClusterArg, progress: bool | Progress = False,
                  log_dir: str | os.PathLike[str] | None = None, start_timeout: float = 60.0,
-                 plan_options: dict[str, Any] | None = None, on_event: Say | None = None, **kwargs: Any) -> None:
+                 plan_options: dict[str, Any] | None = None, on_event: Say | None = None, split: str | None = None,
+                 **kwargs: Any) -> None:
+        if split is not None:
+            if split not in SPLIT_MODES:
+                raise TbrpcError(f"split {split!r}: choose one of {', '.join(SPLIT_MODES)}")
+            plan_options = {**(plan_options or {}), "split": split}
+            if split != "ffn":   # llama.cpp's own split modes
+                kwargs = {**context_kwargs(split=split), **kwargs}
         self._tbrpc_nodes: Nodes | None = None
         say: Say = on_event or (lambda message: None)
         if isinstance(cluster, Nodes):
@@ -234,8 +278,13 @@ class Llama(llama_cpp.Llama):
         self.tbrpc_plan = make_plan(model_path, nodes.specs, nodes, n_ctx or None,
                                     **{**planned_context(kwargs), **plan_options})
         head = self.tbrpc_plan.head
-        say("plan: " + ", ".join(f"{n.name} layers {n.layers[0]}-{n.layers[1]}" if n.layers else f"{n.name} -"
-                                 for n in self.tbrpc_plan.nodes) + f" (context {self.tbrpc_plan.ctx}, {_cache_words(self.tbrpc_plan)}"
+        if self.tbrpc_plan.split_mode in ("tensor", "ffn"):
+            total = sum(self.tbrpc_plan.tensor_split)
+            what = "every layer" if self.tbrpc_plan.split_mode == "tensor" else "every FFN and expert"
+            where = [f"{n.name} {s:g}/{total:g} of {what}" for n, s in zip(self.tbrpc_plan.nodes, self.tbrpc_plan.tensor_split)]
+        else:
+            where = [f"{n.name} layers {n.layers[0]}-{n.layers[1]}" if n.layers else f"{n.name} -" for n in self.tbrpc_plan.nodes]
+        say("plan: " + ", ".join(where) + f" (context {self.tbrpc_plan.ctx}, {_cache_words(self.tbrpc_plan)}"
             + (f"; this process keeps {format_size(head.total_bytes)})" if head else ")"))
         try:
             self.tbrpc_devices = [connect([e], transport=s.transport)[0] for e, s in zip(nodes.endpoints, nodes.specs)]
@@ -252,7 +301,13 @@ class Llama(llama_cpp.Llama):
             if key != "n_ctx":   # what the plan chose where the caller did not (flash attention for a quantized V)
                 kwargs.setdefault(key, value)
         kwargs["n_ctx"] = n_ctx or self.tbrpc_plan.ctx
-        self._tbrpc_devices_array = device_pointers(self.tbrpc_devices)
+        if self.tbrpc_plan.split_mode == "ffn":   # one meta device over all the nodes, with tbrpc's split rules
+            assert self.tbrpc_plan.tensor is not None
+            meta = client_cluster().ffn_split_device(nodes.endpoints, self.tbrpc_plan.tensor_split,
+                                                     self.tbrpc_plan.tensor.granularity)
+            self._tbrpc_devices_array = (ctypes.c_void_p * 2)(meta, None)
+        else:
+            self._tbrpc_devices_array = device_pointers(self.tbrpc_devices)
         self._tbrpc_progress_cb = _progress_callback(progress)
         self.tbrpc_load_seconds = 0.0
         started = time.monotonic()

@@ -27,15 +27,28 @@ the logits, reported separately as ``Plan.head``.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from tbrpc.gguf_model import ArchParams, GGUFModel, WeightLayout, arch_params, load_gguf, weight_layout
+from tbrpc.gguf_model import (
+    _INPUT_TENSORS,
+    ArchParams,
+    GGUFModel,
+    TensorInfo,
+    WeightLayout,
+    arch_params,
+    load_gguf,
+    tensor_nbytes,
+    weight_layout,
+)
 from tbrpc.node_memory import Node
 from tbrpc.units import GiB, MiB, format_size, pad, parse_size
 
@@ -84,6 +97,7 @@ class ContextParams:
     flash_attn: bool = False
     swa_full: bool = True
     n_seq: int = 1
+    all_logits: bool = False  # logits for every token (speculative decoding: llama-cpp-python sets logits_all)
 
     @property
     def kv_size(self) -> int:
@@ -261,10 +275,14 @@ def head_compute_bytes(p: ArchParams, c: ContextParams) -> int:
 def host_bytes(p: ArchParams, c: ContextParams) -> int:
     """Head-only buffers outside the devices.
 
-    llama.cpp's output buffer holds logits for n_seq outputs; llama-cpp-python
-    keeps a float32 score array of n_batch x n_vocab.
+    llama.cpp's output buffer holds logits for n_seq outputs, or for every
+    token of a batch when all logits are kept (speculative decoding makes
+    llama-cpp-python ask for them: llama_context::output_reserve grows the
+    buffer to the batch); llama-cpp-python keeps a float32 score array of
+    n_batch x n_vocab.
     """
-    return p.n_vocab * F32 * max(1, c.n_seq) + c.batch * p.n_vocab * F32
+    outputs = max(1, c.n_seq, c.batch if c.all_logits else 0)
+    return p.n_vocab * F32 * outputs + c.batch * p.n_vocab * F32
 
 
 # --- plan result ----------------------------------------------------------------
@@ -286,6 +304,9 @@ class NodePlan:
     device: str  # llama.cpp device that holds the layers
     memory_from: str = "given"  # whose figure usable_bytes is: "cluster file", "command line", "node", "given"
     reported_bytes: int | None = None  # what the node reported (its share), when it was asked
+    split_bytes: int | None = None  # tensor mode: its slices of the split weights (None in layer mode)
+    replicated_bytes: int | None = None  # tensor mode: the mirrored tensors it holds whole
+    draft_bytes: int = 0  # the draft model's weights + KV + compute + host, when this node is the head
 
     @property
     def n_layers(self) -> int:
@@ -305,7 +326,8 @@ class HeadPlan:
     weights_bytes: int  # token embeddings (llama.cpp never offloads the input layer)
     compute_bytes: int  # CPU compute buffer: gathered embeddings and graph inputs
     host_bytes: int  # llama.cpp's output buffer + llama-cpp-python's logits array
-    total_bytes: int
+    total_bytes: int  # includes draft_bytes
+    draft_bytes: int = 0  # the draft model (--draft-model), on this process's CPU
 
 
 @dataclass
@@ -337,6 +359,9 @@ class Plan:
     shortfall: Shortfall | None = None
     notes: list[str] = field(default_factory=list)
     head: HeadPlan | None = None  # the head process's own bytes when head_device="none"
+    split_mode: str = "layer"  # "layer" or "tensor"
+    tensor: TensorPlan | None = None  # tensor mode: shares, all-reduces and their bytes
+    draft: DraftPlan | None = None  # the draft model on the head (--draft-model)
 
     @property
     def ctx(self) -> int:
@@ -345,15 +370,19 @@ class Plan:
     @property
     def cli_args(self) -> str:
         """Flags for llama.cpp's CLI tools that reproduce this split."""
-        ts = ",".join(str(int(x)) for x in self.tensor_split)
-        return f"-ngl {self.n_gpu_layers} -sm layer -ts {ts} -c {self.context.kv_size} -ub {self.context.ubatch}"
+        ts = ",".join(_share_text(x) for x in self.tensor_split)
+        args = f"-ngl {self.n_gpu_layers} -sm {self.split_mode} -ts {ts} -c {self.context.kv_size} -ub {self.context.ubatch}"
+        if self.split_mode == "ffn":
+            return "(none: tbrpc's own meta device, Cluster.ffn_split_device, as the only device of a layer split)"
+        return args + (" -fa on" if self.split_mode == "tensor" else "")
 
     def llama_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for llama_cpp.Llama that reproduce this split."""
         return {
             "n_gpu_layers": self.n_gpu_layers,
-            "split_mode": 1,  # LLAMA_SPLIT_MODE_LAYER
-            "tensor_split": list(self.tensor_split),
+            "split_mode": LLAMA_SPLIT_MODE_TENSOR if self.split_mode == "tensor" else LLAMA_SPLIT_MODE_LAYER,
+            # ffn: one (meta) device holds every layer, so there is nothing to share out between devices
+            "tensor_split": None if self.split_mode == "ffn" else list(self.tensor_split),
             "n_ctx": self.context.ctx,
             "n_batch": self.context.batch,
             "n_ubatch": self.context.ubatch,
@@ -381,11 +410,34 @@ class Plan:
             "n_gpu_layers": self.n_gpu_layers,
             "head_device": self.head_device,
             "head": None if self.head is None else asdict(self.head),
+            "split_mode": self.split_mode,
+            "tensor": None if self.tensor is None else asdict(self.tensor),
+            "draft": None if self.draft is None else asdict(self.draft),
             "device_order": [n.device for n in self.nodes if n.device != "CPU"],
             "llama_cpp_args": self.cli_args,
             "shortfall": None if self.shortfall is None else asdict(self.shortfall),
             "notes": self.notes,
         }
+
+
+def _share_text(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+@dataclass
+class DraftPlan:
+    """A draft model (``tbrpc launch --draft-model``) on the head's CPU: every
+    layer there, loaded as ``tbrpc.draft.GGUFDraft`` loads it (llama-cpp-python's
+    defaults: n_batch = n_ubatch = 512, F16 cache, flash attention off)."""
+
+    path: str
+    architecture: str
+    ctx: int
+    weights_bytes: int
+    kv_bytes: int
+    compute_bytes: int
+    host_bytes: int  # its own output buffer and score array
+    total_bytes: int
 
 
 def _node_json(n: NodePlan) -> dict[str, Any]:
@@ -411,6 +463,7 @@ class _Costs:
     kinds_inputs: list[int]  # graph-input bytes of a device, indexed by its set of kinds
     output_peak: int
     head_is_node: bool  # node 0 is the head (embeddings, host buffers) unless head_device="none"
+    head_extra: int = 0  # a draft model on the head (node 0 when head_is_node)
 
     def weights(self, first: int, last: int) -> int:
         return self.weight_prefix[last + 1] - self.weight_prefix[first]
@@ -419,7 +472,7 @@ class _Costs:
         return self.kv_prefix[last + 1] - self.kv_prefix[first]
 
 
-def _costs(params: ArchParams, layout: WeightLayout, c: ContextParams, head_is_node: bool = True) -> _Costs:
+def _costs(params: ArchParams, layout: WeightLayout, c: ContextParams, head_is_node: bool = True, head_extra: int = 0) -> _Costs:
     wp, kp = [0], [0]
     for lw in layout.layers:
         wp.append(wp[-1] + (lw.total + TENSOR_ALIGN * lw.n_tensors if lw.loaded else 0))
@@ -427,7 +480,7 @@ def _costs(params: ArchParams, layout: WeightLayout, c: ContextParams, head_is_n
     peaks = [_layer_peak(params, il, c) for il in range(params.n_layer_all)]
     kinds = [_cache_kind(params, il) for il in range(params.n_layer_all)]
     inputs = [_kinds_inputs(params, c, k) for k in range((FULL | SWA) + 1)]
-    return _Costs(params, layout, c, wp, kp, peaks, kinds, inputs, _output_phase(params, c), head_is_node)
+    return _Costs(params, layout, c, wp, kp, peaks, kinds, inputs, _output_phase(params, c), head_is_node, head_extra)
 
 
 def _node_need(costs: _Costs, index: int, first: int, last: int, layers_peak: int | None = None,
@@ -480,7 +533,8 @@ def _greedy(costs: _Costs, budgets: list[float]) -> list[tuple[int, int]] | None
         peak = kinds = 0
         while last + 1 <= limit:
             grown, more = max(peak, costs.layer_peak[last + 1]), kinds | costs.layer_kind[last + 1]
-            if sum(_node_need(costs, index, first, last + 1, grown, more)) > budget:
+            extra = costs.head_extra if index == 0 and costs.head_is_node else 0
+            if sum(_node_need(costs, index, first, last + 1, grown, more)) + extra > budget:
                 break
             last, peak, kinds = last + 1, grown, more
         if last < first:
@@ -509,6 +563,420 @@ def _balanced_ranges(costs: _Costs, nodes: Sequence[Node], margin: int) -> tuple
     return ranges, hi
 
 
+# --- tensor mode (llama.cpp's LLAMA_SPLIT_MODE_TENSOR, the "meta" device) -----------
+#
+# llama.cpp (as vendored by llama-cpp-python 0.3.36) wraps every device in one
+# meta device that cuts each weight matrix across them
+# (llama_meta_device_get_split_state in src/llama-model.cpp); the rules are
+# replayed here, tensor by tensor, with llama.cpp's float32 arithmetic, so the
+# per-node slices are the bytes the nodes allocate.
+
+SPLIT_MODES = ("layer", "tensor", "ffn")
+LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_TENSOR = 1, 3
+META_MAX_DEVICES = 16  # GGML_BACKEND_META_MAX_DEVICES
+
+# llm_arch_supports_sm_tensor() is false for these (src/llama-arch.cpp): llama.cpp
+# refuses split_mode=TENSOR for them ("LLAMA_SPLIT_MODE_TENSOR not implemented
+# for architecture ...").
+TENSOR_REFUSED_ARCHS = frozenset({
+    "grok", "mpt", "plamo2", "minicpm3", "gemma3n", "mamba", "mamba2", "jamba", "falcon-h1", "olmo2", "olmoe",
+    "deepseek2", "deepseek32", "hy_v4", "dots3note", "glm-dsa", "bitnet", "t5", "nemotron_h", "nemotron_h_moe",
+    "granitehybrid", "minimax-01", "minimax-m2", "minimax-m3", "mistral4", "kimi-linear", "bailingmoe3", "kimi-k3",
+    "glm5-next", "qwen3tts", "qwen4exp",
+})  # fmt: skip
+# Allowed by llama.cpp, but with split rules of their own (fused gated Q,
+# linear-attention state, DeepSeek-4's grouped output, mirrored-everything)
+# that the planner does not replay: planned as an error rather than wrongly.
+TENSOR_UNMODELLED_ARCHS = frozenset({"qwen3next", "qwen35", "qwen35moe", "deepseek4", "dflash", "hrm_text", "lfm2", "lfm2moe"})
+
+MIRRORED, PARTIAL = 10, 11  # ggml_backend_meta_split_axis
+
+
+def _rx(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
+
+
+# The patterns of llama_meta_device_get_split_state, matched in full (std::regex_match).
+_P = {
+    "q_weight": _rx(r"blk\.\d*\.attn_q.weight"),
+    "kv_weight": _rx(r"blk\.\d*\.attn_(k|v).weight"),
+    "qkv_weight": _rx(r"blk\.\d*\.attn_qkv.weight"),
+    "q_bias": _rx(r"blk\.\d*\.attn_q\.bias"),
+    "kv_bias": _rx(r"blk\.\d*\.attn_(k|v)\.bias"),
+    "qkv_bias": _rx(r"blk\.\d*\.attn_qkv.bias"),
+    "qk_norm": _rx(r"blk\.\d*\.attn_(q|k)_norm\.weight"),
+    "kv_cache": _rx(r"cache_(k|v)_l\d*"),
+    "attn_sinks": _rx(r"blk\.\d*\.attn_sinks.weight"),
+    "attn_out_weight": _rx(r"blk\.\d*\.attn_output.weight"),
+    "attn_out_bias": _rx(r"blk\.\d*\.attn_output.bias"),
+    "attn_gate_weight": _rx(r"blk\.\d*\.attn_gate.weight"),
+    "ssm": _rx(r"blk\.\d*\.ssm_.*"),
+    "ffn_up_weight": _rx(r"blk\.\d*\.ffn_up(_exps)?.weight"),
+    "ffn_up_bias": _rx(r"blk\.\d*\.ffn_up(_exps)?.bias"),
+    "ffn_gate_weight": _rx(r"blk\.\d*\.ffn_gate(_exps)?.weight"),
+    "ffn_gate_bias": _rx(r"blk\.\d*\.ffn_gate(_exps)?.bias"),
+    "ffn_gate_up_weight": _rx(r"blk\.\d*\.ffn_gate_up(_exps)?.weight"),
+    "ffn_down_weight": _rx(r"blk\.\d*\.ffn_down(_exps)?.weight"),
+    "ffn_down_bias": _rx(r"blk\.\d*\.ffn_down.bias"),
+    "ffn_down_exps_bias": _rx(r"blk\.\d*\.ffn_down_exps.bias"),
+    "output_weight": _rx(r"output\.weight"),
+    "output_bias": _rx(r"output\.bias"),
+}
+
+
+def _m(key: str, name: str) -> bool:
+    return _P[key].fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class _MetaTensor:
+    """What the split rules look at: a name, a ggml type and a shape (ne0 first)."""
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+
+
+class _MetaSplitter:
+    """llama_meta_device_get_split_state for the standard transformer rules."""
+
+    def __init__(self, model: GGUFModel, p: ArchParams, shares: Sequence[float]) -> None:
+        self.model, self.p, self.n = model, p, len(shares)
+        self.shares = [np.float32(s) for s in shares]
+
+    def _il_eff(self, il: int) -> int:
+        swa = self.p.is_swa[il]
+        return sum(1 for prev in range(il) if self.p.is_swa[prev] == swa)
+
+    def _head_k(self, il: int) -> int:
+        return self.p.head_k_swa if self.p.is_swa[il] else self.p.head_k
+
+    def _head_v(self, il: int) -> int:
+        return self.p.head_v_swa if self.p.is_swa[il] else self.p.head_v
+
+    def _ref(self, prefix: str, suffix: str, fallback: str = "") -> TensorInfo:
+        t = self.model.tensor(prefix + suffix)
+        if t is None and fallback:
+            t = self.model.tensor(prefix + fallback)
+        if t is None:
+            raise PlanError(f"tensor mode: no {prefix + suffix} to take the split of {prefix}* from")
+        return t
+
+    def axis_of(self, t: _MetaTensor) -> tuple[int, GGMLQuantizationType, int, int]:
+        """(axis, type of the tensor whose block size sets the granularity, il, rotation)."""
+        name = t.name
+        if name.startswith("blk."):
+            il = int(name.split(".", 2)[1])
+            prefix, rotation = f"blk.{il}.", self._il_eff(il) % self.n
+        elif name.startswith("cache_"):
+            il = int(name.rsplit("_l", 1)[1])
+            prefix, rotation = f"blk.{il}.", self._il_eff(il) % self.n
+        else:
+            il, prefix, rotation = 0, "", self.p.n_layer % self.n
+
+        def cfg(axis: int, suffix: str = "", fallback: str = "") -> tuple[int, GGMLQuantizationType, int, int]:
+            ref_type = t.ggml_type if not suffix else self._ref(prefix, suffix, fallback).ggml_type
+            return axis, ref_type, il, rotation
+
+        if _m("ssm", name):
+            raise PlanError(f"tensor mode: {name}: recurrent (SSM) layers' split rules are not modelled by the planner")
+        if _m("q_weight", name) or _m("kv_weight", name) or _m("qkv_weight", name) or _m("attn_gate_weight", name):
+            return cfg(1, "attn_output.weight")
+        if _m("q_bias", name) or _m("kv_bias", name) or _m("qkv_bias", name):
+            return cfg(0, "attn_output.weight")
+        if _m("qk_norm", name):
+            return cfg(MIRRORED if len(t.shape) < 2 or t.shape[1] == 1 else 1, "attn_output.weight")
+        if _m("kv_cache", name) or _m("attn_sinks", name):
+            return cfg(0, "attn_output.weight")
+        if _m("attn_out_weight", name):
+            return cfg(0)
+        if _m("attn_out_bias", name):
+            return cfg(MIRRORED)
+        if _m("ffn_up_weight", name) or _m("ffn_gate_weight", name) or _m("ffn_gate_up_weight", name):
+            return cfg(1, "ffn_down.weight", "ffn_down_exps.weight")
+        if _m("ffn_up_bias", name) or _m("ffn_gate_bias", name):
+            return cfg(0, "ffn_down.weight", "ffn_down_exps.weight")
+        if _m("ffn_down_weight", name):
+            return cfg(0, "ffn_down.weight", "ffn_down_exps.weight")
+        if _m("ffn_down_exps_bias", name):
+            return cfg(PARTIAL)  # a full-size copy on every device (summed by the all-reduce)
+        if _m("output_weight", name) or _m("output_bias", name):
+            return cfg(1 if _m("output_weight", name) else 0)
+        return cfg(MIRRORED)
+
+    def _segments(self, t: _MetaTensor, axis: int, il: int) -> list[tuple[int, int]]:
+        p, name, ne = self.p, t.name, t.shape[axis]
+        if _m("qkv_weight", name) or _m("qkv_bias", name):
+            n_q = p.n_head[il] * self._head_k(il)
+            n_k, n_v = p.kv_row_elems(il)
+            return [(n_q, 1), (n_k, 2)] if n_k == n_v else [(n_q, 1), (n_k, 1), (n_v, 1)]
+        if _m("ffn_up_weight", name) or _m("ffn_up_bias", name):
+            return [(p.n_ff[il], 2)] if ne == 2 * p.n_ff[il] else [(ne, 1)]
+        if _m("ffn_gate_up_weight", name):
+            return [(p.n_ff_exp, 2)]
+        return [(ne, 1)]
+
+    def _granularity(self, t: _MetaTensor, blck: int, il: int, n_segments: int) -> list[int]:
+        p, name = self.p, t.name
+        n_head_kv = p.n_head_kv[il]
+        n_gqa = p.n_head[il] // n_head_kv if n_head_kv else 0
+        head_k, head_v = self._head_k(il), self._head_v(il)
+        n_embd_q = n_gqa * head_k
+        perf = blck
+        while perf < 128 and perf * self.n < n_embd_q:
+            perf *= 2
+        g_q = math.lcm(n_embd_q, perf)
+        g_head = g_q // head_k if head_k else 0
+        if _m("attn_sinks", name):
+            return [g_head]
+        if _m("q_weight", name) or _m("q_bias", name):
+            return [g_q]
+        if _m("attn_out_weight", name):
+            return [g_head * head_v]
+        if _m("attn_gate_weight", name):
+            return [g_head if t.shape[1] == p.n_head[il] else g_q]
+        g_kv = g_q // n_gqa if n_gqa else 0
+        g_v = (g_kv // head_k) * head_v if head_k else 0
+        if _m("kv_weight", name) or _m("kv_bias", name) or _m("kv_cache", name):
+            is_v = "attn_v" in name or "cache_v" in name
+            return [g_v if is_v else g_kv]
+        if _m("qkv_weight", name) or _m("qkv_bias", name):
+            return [g_q, g_kv, g_v] if n_segments == 3 else [g_q, g_kv]
+        if any(_m(k, name) for k in ("ffn_up_weight", "ffn_up_bias", "ffn_gate_weight", "ffn_gate_bias",
+                                     "ffn_gate_up_weight", "ffn_down_weight")):  # fmt: skip
+            return [math.lcm(blck, 128)]
+        return [1]
+
+    def slices(self, t: _MetaTensor) -> tuple[int, list[int]]:
+        """(axis, elements along that axis on each device); MIRRORED/PARTIAL: the full tensor everywhere."""
+        axis, ref_type, il, rotation = self.axis_of(t)
+        if axis in (MIRRORED, PARTIAL):
+            return axis, []
+        n = self.n
+        scan: list[np.float32] = []
+        for j in range(n):
+            v = self.shares[(j + rotation) % n]
+            scan.append(np.float32(v + scan[j - 1]) if j > 0 else v)
+        segments = self._segments(t, axis, il)
+        granularity = self._granularity(t, GGML_QUANT_SIZES[ref_type][0], il, len(segments))
+        per_device = [0] * n
+        for (ne_s, nr_s), g_s in zip(segments, granularity):
+            low = 0
+            for j in range(n - 1):
+                if scan[-1] == 0:
+                    high = ne_s * (j + 1) // n
+                else:  # int64 * float / float in C++: float32 arithmetic, truncated
+                    high = int(np.float32(np.float32(ne_s) * scan[j]) / scan[-1])
+                if g_s and high % g_s:
+                    high -= high % g_s
+                per_device[(j + rotation) % n] += (high - low) * nr_s
+                low = high
+            per_device[(n - 1 + rotation) % n] += (ne_s - low) * nr_s
+        return axis, per_device
+
+
+class _FfnSplitter:
+    """tbrpc's own rules for the meta device (ggml_backend/split_rules.c,
+    ``Cluster.ffn_split_device``): only the feed-forward weights are cut --
+    ffn_gate*/ffn_up* by rows (axis 1), ffn_down* by columns (axis 0), dense,
+    routed and shared experts alike, in multiples of ``granularity`` -- and
+    every other tensor (attention, norms, router, KV cache, output) is whole
+    on every node."""
+
+    def __init__(self, shares: Sequence[float], granularity: int) -> None:
+        total = np.float32(0)
+        for s in shares:
+            total = np.float32(total + np.float32(s))
+        self.shares = [np.float32(np.float32(s) / total) for s in shares]
+        self.granularity = granularity
+
+    @staticmethod
+    def axis(name: str) -> int | None:
+        if any(k in name for k in ("ffn_gate_inp", "ffn_norm", "exp_probs")) or ".bias" in name:
+            return None
+        if "ffn_gate" in name or "ffn_up" in name:
+            return 1
+        if "ffn_down" in name:
+            return 0
+        return None
+
+    def slices(self, t: _MetaTensor) -> tuple[int, list[int]]:
+        axis = self.axis(t.name)
+        if axis is None or axis >= len(t.shape) or t.shape[axis] % self.granularity:
+            return MIRRORED, []
+        units = t.shape[axis] // self.granularity
+        counts, done, upto = [], 0, np.float32(0)
+        for j, share in enumerate(self.shares):  # cumulative rounding in float32, as the C code does
+            upto = np.float32(upto + share)
+            cut = units if j + 1 == len(self.shares) else int(np.float32(upto * np.float32(units)) + np.float32(0.5))
+            counts.append((cut - done) * self.granularity)
+            done = cut
+        return axis, counts
+
+
+def ffn_granularity(model: GGUFModel) -> int:
+    """The cut unit for tbrpc's FFN split: the least common multiple of the
+    FFN tensors' quant block sizes (a cut by columns must not split a block)."""
+    g = 1
+    for t in model.tensors:
+        if _FfnSplitter.axis(t.name) is not None:
+            g = math.lcm(g, GGML_QUANT_SIZES[t.ggml_type][0])
+    return g
+
+
+def _slice_bytes(t: _MetaTensor, axis: int, count: int) -> int:
+    shape = list(t.shape)
+    shape[axis] = count
+    if count == 0:
+        return 0
+    if axis == 0:
+        block, size = GGML_QUANT_SIZES[t.ggml_type]
+        if count % block:
+            raise PlanError(f"tensor mode: {t.name} would be cut inside a {t.ggml_type.name} block ({count} values)")
+    return tensor_nbytes(t.ggml_type, shape)
+
+
+@dataclass
+class TensorModeNode:
+    """One node's part of a tensor split, before compute and host buffers."""
+
+    split_bytes: int  # its slices of the split weight matrices (unpadded)
+    replicated_bytes: int  # full copies of every mirrored tensor (unpadded)
+    weights_bytes: int  # both, each tensor padded to ggml's alignment: what the node allocates
+    kv_bytes: int
+
+
+@dataclass
+class TensorPlan:
+    """What a tensor split costs beyond memory: all-reduces and the bytes they move.
+
+    Per generated token (one token per all-reduce): the meta backend runs each
+    layer as subgraphs on every node and all-reduces a partial sum after
+    attention (attn_output cut by rows) and after the FFN (ffn_down cut by
+    rows; routed and shared experts merged into one), each an F32 vector of
+    n_embd values.  When every device is a TBRPC node (head_device="none"),
+    tbrpc's comm provider does it: each node sends its partial to every other
+    node, N(N-1) transfers.  When the head's own device is one of them, the
+    meta backend asks that device's registry, which has no all-reduce, and
+    falls back to its butterfly of node-to-node copies.
+    """
+
+    shares: list[float]  # tensor_split
+    split_bytes: int  # the split tensors, whole (sum over nodes of their slices)
+    replicated_bytes: int  # the mirrored tensors, whole (every node holds them)
+    all_reduces_per_token: int
+    all_reduce_bytes: int  # one all-reduce's tensor at one token: n_embd x 4
+    all_reduce_bytes_per_token: int
+    all_reduce_path: str  # "tbrpc" (tbrpc's ALLREDUCE, node to node) or "butterfly" (the meta backend's fallback)
+    copies_per_all_reduce: int  # node-to-node transfers of one all-reduce on that path
+    node_to_node_bytes_per_token: int  # bytes those transfers move per token, all nodes together
+    logits_bytes_per_token: int  # the vocab slices the head gathers: n_vocab x 4
+    reduce_buffer_bytes: int  # per node, device memory: the meta backend's ceil(log2 N) receive buffers (one ubatch)
+    scratch_bytes: list[int]  # per node, its process's heap: tbrpc's ALLREDUCE scratch (2 or 3 partials of one ubatch)
+    granularity: int = 0  # ffn split: the cut unit (lcm of the FFN tensors' block sizes); 0 for llama.cpp's rules
+
+
+def tbrpc_copies(n: int) -> int:
+    """Transfers of one all-reduce by tbrpc's comm provider: every node to every other."""
+    return n * (n - 1)
+
+
+def fallback_copies(n: int) -> int:
+    """Node-to-node copies of one all-reduce in ggml-backend-meta's fallback:
+    fold the excess over a power of two in, butterfly rounds, copy back."""
+    if n < 2:
+        return 0
+    p2 = 1 << (n.bit_length() - 1)
+    return 2 * (n - p2) + p2 * (p2.bit_length() - 1)
+
+
+def _meta_tensors(model: GGUFModel, p: ArchParams, layout: WeightLayout) -> list[_MetaTensor]:
+    """The weights llama.cpp puts on the meta device: everything but the input
+    layer (token embeddings stay on the head's CPU) and unloaded MTP blocks; a
+    tied output is a duplicate of token_embd (mirrored under its own name)."""
+    out: list[_MetaTensor] = []
+    for t in model.tensors:
+        il = t.block
+        if il is not None and not layout.layers[il].loaded:
+            continue
+        if il is None and t.name.startswith(_INPUT_TENSORS):
+            continue
+        out.append(_MetaTensor(t.name, t.ggml_type, t.shape))
+    if layout.output_tied:
+        embd = model.tensor("token_embd.weight")
+        assert embd is not None
+        out.append(_MetaTensor(embd.name, embd.ggml_type, embd.shape))
+    return out
+
+
+def tensor_mode_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: ContextParams,
+                      shares: Sequence[float], ffn_only: bool = False) -> tuple[list[TensorModeNode], int, int]:
+    """Per node: slices, replicas, weights and KV under llama.cpp's tensor split
+    (or, ``ffn_only``, tbrpc's FFN split) with these shares; plus the whole
+    split and replicated bytes."""
+    splitter: _MetaSplitter | _FfnSplitter = (
+        _FfnSplitter(shares, ffn_granularity(model)) if ffn_only else _MetaSplitter(model, p, shares))
+    n = len(shares)
+    split = [0] * n
+    weights = [0] * n
+    kv = [0] * n
+    replicated = split_total = 0
+    for t in _meta_tensors(model, p, layout):
+        axis, counts = splitter.slices(t)
+        full = tensor_nbytes(t.ggml_type, t.shape)
+        if not counts:
+            replicated += full
+            for j in range(n):
+                weights[j] += pad(full, TENSOR_ALIGN)
+            continue
+        split_total += full
+        for j, count in enumerate(counts):
+            b = _slice_bytes(t, axis, count)
+            split[j] += b
+            weights[j] += pad(b, TENSOR_ALIGN)
+    cache_types = (CACHE_TYPES[c.cache_type_k], CACHE_TYPES[c.cache_type_v])
+    for il in range(p.n_layer):
+        cells = _n_kv(p, il, c)
+        for kind, elems, ctype in (("k", p.kv_row_elems(il)[0], cache_types[0]), ("v", p.kv_row_elems(il)[1], cache_types[1])):
+            if not elems:
+                continue
+            t = _MetaTensor(f"cache_{kind}_l{il}", ctype, (elems, cells, 1))
+            axis, counts = splitter.slices(t)
+            for j in range(n):
+                b = tensor_nbytes(ctype, t.shape) if not counts else _slice_bytes(t, axis, counts[j])
+                kv[j] += pad(b, TENSOR_ALIGN)
+    nodes = [TensorModeNode(split[j], replicated, weights[j], kv[j]) for j in range(n)]
+    return nodes, split_total, replicated
+
+
+def all_reduces_per_token(model: GGUFModel, p: ArchParams, ffn_only: bool = False) -> int:
+    """One after each layer's attention (attn_output is cut by rows) and one after
+    its FFN (ffn_down / ffn_down_exps cut by rows; shared experts, mirrored,
+    join the routed experts' reduction).  ``ffn_only``: the FFN's alone."""
+    count = 0
+    for il in range(p.n_layer):
+        if not ffn_only and model.tensor(f"blk.{il}.attn_output.weight") is not None:
+            count += 1
+        if model.tensor(f"blk.{il}.ffn_down.weight") is not None or model.tensor(f"blk.{il}.ffn_down_exps.weight") is not None:
+            count += 1
+    return count
+
+
+def check_tensor_mode(arch: str) -> None:
+    if arch in TENSOR_REFUSED_ARCHS:
+        raise PlanError(
+            f"tensor split: llama.cpp refuses architecture '{arch}' in tensor mode (llm_arch_supports_sm_tensor is false "
+            f"for it in the llama.cpp llama-cpp-python 0.3.36 ships"
+            + ("; for deepseek2 (Kimi K2, DeepSeek V3) its MLA attention has no tensor split rules"
+               if arch == "deepseek2" else "")
+            + "); use --split layer"
+            + (", or --split ffn: tbrpc's own split of the experts and FFN, attention whole on every node"
+               if arch == "deepseek2" else ""))
+    if arch in TENSOR_UNMODELLED_ARCHS:
+        raise PlanError(f"tensor split: architecture '{arch}' has split rules of its own in llama.cpp that the planner "
+                        "does not model; use --split layer")
+
+
 # --- public API -------------------------------------------------------------------
 
 
@@ -527,6 +995,13 @@ def _context(model: GGUFModel, params: ArchParams, ctx: int | None, **kwargs: An
     return ContextParams(ctx=ctx, **kwargs)
 
 
+def default_ctx(gguf: str | os.PathLike[str] | GGUFModel) -> int:
+    """The context the planner assumes when none is given: min(32768, the model's training context)."""
+    model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
+    n_ctx_train = arch_params(model).n_ctx_train
+    return min(DEFAULT_CTX, n_ctx_train or DEFAULT_CTX)
+
+
 def plan(
     gguf: str | os.PathLike[str] | GGUFModel,
     nodes: Sequence[Node],
@@ -542,6 +1017,11 @@ def plan(
     head_device: str = "gpu",
     load_mtp: bool = False,
     explain_shortfall: bool = True,
+    split: str = "layer",
+    draft_model: str | os.PathLike[str] | GGUFModel | None = None,
+    draft_ctx: int | None = None,
+    all_logits: bool | None = None,
+    tensor_split: Sequence[float] | None = None,
 ) -> Plan:
     """Plan how ``gguf`` splits over ``nodes`` (head first) at context ``ctx``.
 
@@ -551,27 +1031,68 @@ def plan(
     ``"none"``: the head runs no layers and ``nodes`` are all remote devices
     (TBRPC0 first), as with ``tbrpc.connect`` + ``n_gpu_layers=-1`` or
     ``tbrpc launch --local N``; the head's own bytes are in ``Plan.head``.
+
+    ``split``: ``"layer"`` (contiguous layer ranges, llama.cpp's
+    LLAMA_SPLIT_MODE_LAYER) or ``"tensor"`` (every layer cut across all nodes,
+    LLAMA_SPLIT_MODE_TENSOR; needs flash attention; ``tensor_split`` forces the
+    shares, else equal shares, or shares by free memory when equal ones do not
+    fit).  ``draft_model``: a draft GGUF the head also runs (``tbrpc launch
+    --draft-model``), planned on the head at ``draft_ctx`` (default: ``ctx``);
+    it makes llama-cpp-python keep every token's logits (``all_logits``,
+    default: on with a draft).
     """
     if not nodes:
         raise PlanError("no nodes to plan for")
     if head_device not in HEAD_DEVICES:
         raise PlanError(f"head_device must be one of {', '.join(repr(h) for h in HEAD_DEVICES)}, got {head_device!r}")
+    if split not in SPLIT_MODES:
+        raise PlanError(f"split must be one of {', '.join(repr(s) for s in SPLIT_MODES)}, got {split!r}")
     model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
     params = arch_params(model)
     layout = weight_layout(model, params, load_mtp=load_mtp)
-    if len(nodes) > params.n_layer_all:
+    if split in ("tensor", "ffn"):
+        if split == "tensor":
+            check_tensor_mode(params.arch)
+        elif head_device != "none":
+            raise PlanError("ffn split: tbrpc's meta device is made of TBRPC nodes only; use head_device 'none'")
+        if head_device == "cpu":
+            raise PlanError("tensor split: the head's CPU is not one of the devices llama.cpp cuts layers across; "
+                            "use head_device 'gpu' or 'none'")
+        if flash_attn is False:
+            raise PlanError(f"{split} split needs flash attention (llama.cpp refuses to create a tensor-split context "
+                            "without it; tbrpc's FFN split is tested with it only)")
+        flash_attn = True
+        if len(nodes) > META_MAX_DEVICES:
+            raise PlanError(f"tensor split: llama.cpp's meta device takes at most {META_MAX_DEVICES} devices, not {len(nodes)}")
+        if tensor_split is not None and (len(tensor_split) != len(nodes) or any(s < 0 for s in tensor_split) or not sum(tensor_split)):
+            raise PlanError(f"tensor_split needs {len(nodes)} non-negative shares, not {list(tensor_split)}")
+    elif len(nodes) > params.n_layer_all:
         raise PlanError(f"{len(nodes)} nodes but only {params.n_layer_all} layers to share")
     margin_b = parse_size(margin)
     context = _context(
         model, params, ctx,
         ubatch=ubatch, batch=batch or ubatch, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
         flash_attn=flash_attn, swa_full=swa_full,
+        all_logits=draft_model is not None if all_logits is None else all_logits,
     )  # fmt: skip
-    costs = _costs(params, layout, context, head_is_node=head_device != "none")
-    ranges, _ = _balanced_ranges(costs, nodes, margin_b)
-    node_plans = [_node_plan(model, costs, nodes, i, r, margin_b, head_device) for i, r in enumerate(ranges)]
+    draft = None
+    if draft_model is not None:
+        draft = draft_plan(draft_model, draft_ctx or context.ctx)
+    draft_b = draft.total_bytes if draft else 0
+    if split in ("tensor", "ffn"):
+        node_plans, split_list, tensor = _tensor_nodes(model, params, layout, context, nodes, margin_b, head_device,
+                                                       draft_b, tensor_split, ffn_only=split == "ffn")
+        ngl = params.n_layer_all + 1
+    else:
+        costs = _costs(params, layout, context, head_is_node=head_device != "none", head_extra=draft_b)
+        ranges, _ = _balanced_ranges(costs, nodes, margin_b)
+        node_plans = [_node_plan(model, costs, nodes, i, r, margin_b, head_device) for i, r in enumerate(ranges)]
+        split_list, ngl = _tensor_split(ranges, params.n_layer_all, head_device)
+        tensor = None
     fits = all(n.headroom_bytes >= 0 for n in node_plans)
-    split, ngl = _tensor_split(ranges, params.n_layer_all, head_device)
+    head = None
+    if head_device == "none":
+        head = _head_plan(params, layout, context, draft_b)
     result = Plan(
         model_path=str(model.path),
         architecture=params.arch,
@@ -582,15 +1103,113 @@ def plan(
         margin_bytes=margin_b,
         nodes=node_plans,
         fits=fits,
-        tensor_split=split,
+        tensor_split=split_list,
         n_gpu_layers=ngl,
         head_device=head_device,
-        notes=_notes(params, layout, context, head_device),
-        head=_head_plan(params, layout, context) if head_device == "none" else None,
+        notes=_notes(params, layout, context, head_device, split, draft),
+        head=head,
+        split_mode=split,
+        tensor=tensor,
+        draft=draft,
     )
     if not fits and explain_shortfall:
         result.shortfall = _shortfall(model, result, nodes, params, layout, margin_b, head_device)
     return result
+
+
+def draft_plan(gguf: str | os.PathLike[str] | GGUFModel, ctx: int) -> DraftPlan:
+    """A draft model on the head's CPU, as ``tbrpc.draft.GGUFDraft`` loads it:
+    every layer and the embeddings in plain CPU buffers, its own KV cache at
+    ``ctx`` (F16, full-size SWA), llama-cpp-python's default batch (512) and
+    flash attention (off), its own output buffer and score array."""
+    model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
+    p = arch_params(model)
+    layout = weight_layout(model, p)
+    c = ContextParams(ctx=ctx)
+    costs = _costs(p, layout, c, head_is_node=True)
+    _, kv, compute, host = _node_need(costs, 0, 0, p.n_layer_all - 1)
+    # Weights: every tensor it loads, each padded to ggml's alignment (a tied
+    # output is a view of the same mapping on the CPU: no second copy).
+    weights = sum(pad(t.n_bytes, TENSOR_ALIGN) for t in model.tensors if t.block is None or layout.layers[t.block].loaded)
+    return DraftPlan(str(model.path), p.arch, ctx, weights, kv, compute, host, weights + kv + compute + host)
+
+
+def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: ContextParams, nodes: Sequence[Node],
+                  margin: int, head_device: str, draft_b: int,
+                  forced: Sequence[float] | None, ffn_only: bool = False) -> tuple[list[NodePlan], list[float], TensorPlan]:
+    """Node plans for a tensor split: equal shares (every node computes the
+    same part of each layer, so none waits for another at the all-reduces),
+    unless they do not fit and shares by free memory do."""
+    n = len(nodes)
+    # The meta backend allocates the whole single-device compute buffer on every node
+    # (ggml_backend_meta_buffer_type_alloc_buffer), plus ceil(log2 N) receive buffers
+    # for the all-reduce fallback, sized for the largest partial sum (one ubatch).
+    full_compute = compute_bytes(p, range(p.n_layer_all), c, has_output=True, has_input=True)
+    partial = pad(c.n_tokens * p.n_embd * F32, TENSOR_ALIGN)  # the largest partial sum: one ubatch
+    reduce_b = math.ceil(math.log2(n)) * partial if n > 1 else 0
+    # tbrpc's ALLREDUCE (every device a TBRPC node) keeps its partial and a peer's
+    # in the node's heap, and on a GPU also the sum (node_session.c).
+    path = "tbrpc" if head_device == "none" and n > 1 else "butterfly"
+    scratch = [(2 if node.kind == "cpu" else 3) * partial if path == "tbrpc" else 0 for node in nodes]
+
+    def build(shares: Sequence[float]) -> tuple[list[NodePlan], int, int]:
+        parts, split_total, replicated = tensor_mode_nodes(model, p, layout, c, shares, ffn_only)
+        plans = []
+        for i, (node, part) in enumerate(zip(nodes, parts)):
+            is_head = i == 0 and head_device != "none"
+            weights = part.weights_bytes + (layout.input_bytes if is_head else 0)
+            host = host_bytes(p, c) if is_head else 0
+            draft = draft_b if is_head else 0
+            compute = full_compute + reduce_b + scratch[i]
+            total = weights + part.kv_bytes + compute + host + draft
+            if head_device == "none":
+                device = f"TBRPC{i}"
+            else:
+                device = "GPU0 (head's own device, e.g. MTL0)" if i == 0 else f"TBRPC{i - 1}"
+            plans.append(NodePlan(
+                name=node.name, usable_bytes=node.usable_bytes, limit=node.limit_source, layers=(0, p.n_layer_all - 1),
+                weights_bytes=weights, kv_bytes=part.kv_bytes, compute_bytes=compute, host_bytes=host,
+                total_bytes=total, headroom_bytes=node.usable_bytes - margin - total,
+                shards=_shards_for(model, is_head or layout.output_tied, 0, p.n_layer_all - 1, p.n_layer_all),
+                device=device, memory_from=node.memory_from, reported_bytes=node.reported_bytes,
+                split_bytes=part.split_bytes, replicated_bytes=part.replicated_bytes, draft_bytes=draft,
+            ))  # fmt: skip
+        return plans, split_total, replicated
+
+    if forced is not None:
+        shares = [float(s) for s in forced]
+        plans, split_total, replicated = build(shares)
+    else:
+        shares = [1.0] * n
+        plans, split_total, replicated = build(shares)
+        if n > 1 and any(x.headroom_bytes < 0 for x in plans):
+            # What each node has left for its slices once the parts every node holds whole are counted.
+            fixed = [x.total_bytes - (x.split_bytes or 0) - x.kv_bytes for x in plans]
+            room = [max(0, node.usable_bytes - margin - f) for node, f in zip(nodes, fixed)]
+            if sum(room) and len(set(room)) > 1:
+                by_room = [float(max(1, round(1000 * r / sum(room)))) for r in room]
+                candidate = build(by_room)
+                if min(x.headroom_bytes for x in candidate[0]) > min(x.headroom_bytes for x in plans):
+                    shares, (plans, split_total, replicated) = by_room, candidate
+    n_reduce = all_reduces_per_token(model, p, ffn_only)
+    s = p.n_embd * F32
+    copies = tbrpc_copies(n) if path == "tbrpc" else fallback_copies(n)
+    tensor = TensorPlan(
+        shares=shares,
+        split_bytes=split_total,
+        replicated_bytes=replicated,
+        all_reduces_per_token=n_reduce,
+        all_reduce_bytes=s,
+        all_reduce_bytes_per_token=n_reduce * s,
+        all_reduce_path=path,
+        copies_per_all_reduce=copies,
+        node_to_node_bytes_per_token=n_reduce * copies * s,
+        logits_bytes_per_token=p.n_vocab * F32,
+        reduce_buffer_bytes=reduce_b,
+        scratch_bytes=scratch,
+        granularity=ffn_granularity(model) if ffn_only else 0,
+    )
+    return plans, shares, tensor
 
 
 def _tensor_split(ranges: list[tuple[int, int]], n_layer_all: int, head_device: str) -> tuple[list[float], int]:
@@ -609,16 +1228,17 @@ def _tensor_split(ranges: list[tuple[int, int]], n_layer_all: int, head_device: 
     return counts, n_layer_all + 1  # "gpu": the head's device first; "none": TBRPC0 first
 
 
-def _head_plan(p: ArchParams, layout: WeightLayout, c: ContextParams) -> HeadPlan:
+def _head_plan(p: ArchParams, layout: WeightLayout, c: ContextParams, draft_b: int = 0) -> HeadPlan:
     weights, compute, host = layout.input_bytes, head_compute_bytes(p, c), host_bytes(p, c)
-    return HeadPlan("CPU", weights, compute, host, weights + compute + host)
+    return HeadPlan("CPU", weights, compute, host, weights + compute + host + draft_b, draft_b)
 
 
 def _node_plan(model: GGUFModel, costs: _Costs, nodes: Sequence[Node], index: int, rng: tuple[int, int], margin: int, head_device: str) -> NodePlan:
     node = nodes[index]
     first, last = rng
     weights, kv, compute, host = _node_need(costs, index, first, last)
-    total = weights + kv + compute + host
+    draft = costs.head_extra if index == 0 and costs.head_is_node else 0
+    total = weights + kv + compute + host + draft
     if head_device == "none":
         device = f"TBRPC{index}"  # every node is remote
     elif index == 0:
@@ -640,6 +1260,7 @@ def _node_plan(model: GGUFModel, costs: _Costs, nodes: Sequence[Node], index: in
         device=device,
         memory_from=node.memory_from,
         reported_bytes=node.reported_bytes,
+        draft_bytes=draft,
     )
 
 
@@ -661,8 +1282,23 @@ def _shards_for(model: GGUFModel, is_head: bool, first: int, last: int, n_layer_
     return [model.shards[i].path.name for i in sorted(wanted)]
 
 
-def _notes(params: ArchParams, layout: WeightLayout, c: ContextParams, head_device: str) -> list[str]:
+def _notes(params: ArchParams, layout: WeightLayout, c: ContextParams, head_device: str, split: str = "layer",
+           draft: DraftPlan | None = None) -> list[str]:
     notes: list[str] = []
+    if split == "ffn":
+        notes.append("ffn split (tbrpc's own rules, ggml_backend/split_rules.c): every node holds a slice of each dense "
+                     "FFN and of every routed and shared expert, and a whole copy of everything else -- attention, "
+                     "the whole KV cache, router, norms, output -- and a full-size compute buffer; one all-reduce per "
+                     "layer.  tbrpc launch and tbrpc.Llama do not load it yet (the library does: "
+                     "Cluster.ffn_split_device, passed as the only device of a layer split).")
+    if split == "tensor":
+        notes.append("tensor split: every node holds a slice of every layer's attention and FFN matrices plus a whole "
+                     "copy of the rest (norms, router, shared experts"
+                     + (", the tied output" if layout.output_tied else "") + ") and a full-size compute buffer "
+                     "(llama.cpp's meta backend allocates the single-device size on every device).")
+    if draft is not None:
+        notes.append(f"draft model {Path(draft.path).name} runs on the head's CPU ({format_size(draft.total_bytes)}, "
+                     f"context {draft.ctx}); with a draft llama.cpp keeps logits for every token of a batch.")
     if params.is_mla:
         notes.append("MLA (deepseek2): the KV cache holds one latent K row per token and layer; no V cache.")
     if any(params.is_swa) and c.swa_full:
@@ -672,9 +1308,9 @@ def _notes(params: ArchParams, layout: WeightLayout, c: ContextParams, head_devi
     if head_device == "none":
         notes.append("the head runs no layers: it keeps the token embeddings, graph inputs and logits (see 'head'), "
                      "not checked against any node's memory.")
-    if layout.output_tied:
+    if layout.output_tied and split == "layer":
         notes.append("output layer is tied to the token embeddings: the last node holds its own copy (unless it is the head).")
-    if not c.flash_attn:
+    if not c.flash_attn and split == "layer":
         notes.append("flash attention off (llama-cpp-python default): compute buffers grow with ctx x ubatch x heads.")
     return notes
 
@@ -690,8 +1326,12 @@ def _shortfall(model: GGUFModel, result: Plan, nodes: Sequence[Node], params: Ar
     kwargs = _replan_kwargs(result, margin, head_device)
     max_ctx = _largest_fitting_ctx(model, nodes, result.context.ctx, kwargs)
     template = max(nodes, key=lambda n: n.usable_bytes)
-    min_nodes = _smallest_node_count(model, template, len(nodes), params.n_layer_all, result.context.ctx, kwargs)
-    layers = f"layers {worst.layers[0]}-{worst.layers[1]}" if worst.layers else "no layers"
+    most = META_MAX_DEVICES if result.split_mode in ("tensor", "ffn") else params.n_layer_all
+    min_nodes = _smallest_node_count(model, template, len(nodes), most, result.context.ctx, kwargs)
+    if result.split_mode in ("tensor", "ffn"):
+        layers = f"a {_share_text(result.tensor_split[result.nodes.index(worst)])}/{_share_text(sum(result.tensor_split))} slice of every layer"
+    else:
+        layers = f"layers {worst.layers[0]}-{worst.layers[1]}" if worst.layers else "no layers"
     message = (
         f"does not fit: {worst.name} ({layers}) needs {format_size(worst.total_bytes)} + {format_size(margin)} margin "
         f"but has {format_size(worst.usable_bytes)} usable: over by {format_size(over)}"
@@ -706,6 +1346,8 @@ def _replan_kwargs(result: Plan, margin: int, head_device: str) -> dict[str, Any
     return dict(
         cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v, ubatch=c.ubatch, batch=c.batch,
         flash_attn=c.flash_attn, swa_full=c.swa_full, margin=margin, head_device=head_device, explain_shortfall=False,
+        split=result.split_mode, all_logits=c.all_logits,
+        draft_model=result.draft.path if result.draft else None,
     )  # fmt: skip
 
 
@@ -741,18 +1383,31 @@ def format_table(p: Plan) -> str:
     lines = [
         f"model   {Path(p.model_path).name}  ({p.architecture}, {p.n_layers} layers, {format_size(p.weights_bytes)} weights, {len(p.shards)} shard(s))",
         f"context {c.ctx} tokens (KV {c.cache_type_k}/{c.cache_type_v}, ubatch {c.ubatch}, flash-attn {'on' if c.flash_attn else 'off'}), margin {format_size(p.margin_bytes)} per node",
+        f"split   {p.split_mode}" + {"tensor": " (every layer cut across the nodes, llama.cpp split_mode=3)",
+                                      "ffn": " (every layer's FFN and experts cut across the nodes, tbrpc's own rules)"}
+        .get(p.split_mode, " (contiguous layer ranges)"),
         "",
     ]
-    header = ("node", "layers", "weights", "kv", "compute", "host", "total", "usable", "headroom")
+    tensor = p.split_mode in ("tensor", "ffn")
+    draft = p.draft is not None
+    header = ("node", "layers" if not tensor else "share", "weights", *(("split", "replicated") if tensor else ()),
+              "kv", "compute", "host", *(("draft",) if draft else ()), "total", "usable", "headroom")
     rows = [header]
-    for n in p.nodes:
-        layers = "-" if n.layers is None else f"{n.layers[0]}-{n.layers[1]}"
-        rows.append((n.name, layers, format_size(n.weights_bytes), format_size(n.kv_bytes), format_size(n.compute_bytes),
-                     format_size(n.host_bytes), format_size(n.total_bytes), format_size(n.usable_bytes), format_size(n.headroom_bytes)))  # fmt: skip
+    for i, n in enumerate(p.nodes):
+        if tensor:
+            where = f"{_share_text(p.tensor_split[i])}/{_share_text(sum(p.tensor_split))}"
+        else:
+            where = "-" if n.layers is None else f"{n.layers[0]}-{n.layers[1]}"
+        rows.append((n.name, where, format_size(n.weights_bytes),
+                     *((format_size(n.split_bytes or 0), format_size(n.replicated_bytes or 0)) if tensor else ()),
+                     format_size(n.kv_bytes), format_size(n.compute_bytes), format_size(n.host_bytes),
+                     *((format_size(n.draft_bytes),) if draft else ()),
+                     format_size(n.total_bytes), format_size(n.usable_bytes), format_size(n.headroom_bytes)))  # fmt: skip
     if p.head is not None:  # the head process itself, when it runs no layers
         h = p.head
-        rows.append(("(head)", "-", format_size(h.weights_bytes), "-", format_size(h.compute_bytes),
-                     format_size(h.host_bytes), format_size(h.total_bytes), "-", "-"))  # fmt: skip
+        rows.append(("(head)", "-", format_size(h.weights_bytes), *(("-", "-") if tensor else ()), "-",
+                     format_size(h.compute_bytes), format_size(h.host_bytes),
+                     *((format_size(h.draft_bytes),) if draft else ()), format_size(h.total_bytes), "-", "-"))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
@@ -770,7 +1425,36 @@ def format_table(p: Plan) -> str:
         else:
             lines.append(f"         no number of such nodes fits at {c.ctx}")
     lines.append("")
-    lines.append(f"llama-cpp-python  n_gpu_layers={p.n_gpu_layers}, tensor_split={[int(x) for x in p.tensor_split]}")
+    if tensor and p.tensor is not None:
+        t = p.tensor
+        lines.append(f"tensor split  {format_size(t.split_bytes)} cut across the nodes, {format_size(t.replicated_bytes)} "
+                     "held whole by every node")
+        after = "FFN" if p.split_mode == "ffn" else "attention and FFN"
+        lines.append(f"all-reduces   {t.all_reduces_per_token} per token (after each layer's {after}), "
+                     f"{format_size(t.all_reduce_bytes)} each = {format_size(t.all_reduce_bytes_per_token)} per token; "
+                     + (f"tbrpc's all-reduce: {t.copies_per_all_reduce} node-to-node transfers each"
+                        if t.all_reduce_path == "tbrpc" else
+                        f"the meta backend's butterfly (the head's device has no all-reduce): "
+                        f"{t.copies_per_all_reduce} node-to-node copies each")
+                     + f", {format_size(t.node_to_node_bytes_per_token)} per token")
+        lines.append(f"logits        {format_size(t.logits_bytes_per_token)} per token "
+                     + ("read from one node (the output is whole on every node)" if p.split_mode == "ffn"
+                        else "gathered from the nodes' vocab slices"))
+        lines.append("")
+    if p.draft is not None:
+        d = p.draft
+        lines.append(f"draft model   {Path(d.path).name} ({d.architecture}) on the head's CPU at context {d.ctx}: "
+                     f"weights {format_size(d.weights_bytes)}, kv {format_size(d.kv_bytes)}, compute "
+                     f"{format_size(d.compute_bytes)}, host {format_size(d.host_bytes)} = {format_size(d.total_bytes)}")
+        lines.append("")
+    shares = [_num(x) for x in p.tensor_split]
+    split_kw = "split_mode=3, flash_attn=True, " if p.split_mode == "tensor" else ""
+    if p.split_mode == "ffn":
+        lines.append(f"library           meta = tbrpc.cluster().ffn_split_device(endpoints, {shares}, "
+                     f"{p.tensor.granularity if p.tensor else 1}); Llama(devices=[meta], split_mode=1, "
+                     f"n_gpu_layers={p.n_gpu_layers}, flash_attn=True)")
+    else:
+        lines.append(f"llama-cpp-python  n_gpu_layers={p.n_gpu_layers}, {split_kw}tensor_split={shares}")
     lines.append(f"llama.cpp CLI     {p.cli_args}")
     lines.append("device order      " + ", ".join(f"{n.device}={n.name}" for n in p.nodes))
     if p.head is not None:
@@ -790,6 +1474,10 @@ def _usable_lines(p: Plan) -> list[str]:
     width = max(len(n.name) for n in p.nodes)
     size_width = max(len(format_size(n.usable_bytes)) for n in p.nodes)
     return [f"  {n.name.ljust(width)}  {format_size(n.usable_bytes).rjust(size_width)}  {n.limit}" for n in p.nodes]
+
+
+def _num(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
 
 
 def _shard_summary(names: list[str]) -> str:

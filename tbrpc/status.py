@@ -170,8 +170,8 @@ def _per_token(served: dict[str, Any] | None) -> str:
 
 
 def _layers(served: dict[str, Any] | None) -> str:
-    layers = (served or {}).get("layers")
-    return f"{layers[0]}-{layers[-1]}" if layers else "-"
+    layers, share = (served or {}).get("layers"), (served or {}).get("share")
+    return (f"{layers[0]}-{layers[-1]}" if layers else "-") + (f" ({share})" if share else "")
 
 
 def format_rows(rows: Sequence[Row]) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 
@@ -52,6 +53,10 @@ def test_tensor_split_matches_single_process(n_nodes: int, nodes: Any, tmp_path:
     # node inside ALLREDUCE: two per layer (attention output, FFN down) per
     # decoded token, each one posted request per node, and no butterfly copies.
     assert all(a > 0 for a in result["allocated_after_load"]), result["allocated_after_load"]
+    # Each node's slice of a row-split weight (attn_output, ffn_down: n_embd rows of 128 per layer) goes
+    # in one strided write (SET_TENSOR_2D), not one message per row.
+    for node in result["nodes_after_load"]:
+        assert node["messages"] < 2 * N_LAYER * 128, node
     for node in result["nodes"]:
         assert node["allreduces"] == 2 * N_LAYER * STEADY_TOKENS, node
         assert node["peer_copies"] == 0, node
@@ -73,8 +78,8 @@ def test_without_the_allreduce_provider_the_butterfly_still_works(nodes: Any, tm
         assert node["allreduces"] == 0 and node["peer_copies"] >= 2 * N_LAYER * STEADY_TOKENS, node
 
 
-@pytest.mark.parametrize("n_nodes", [2, 3, 4])
-def test_deepseek2_with_its_ffn_split_across_nodes(n_nodes: int, nodes: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("n_nodes,own_copy", [(2, True), (3, False), (4, False)])
+def test_deepseek2_with_its_ffn_split_across_nodes(n_nodes: int, own_copy: bool, nodes: Any, tmp_path: Path) -> None:
     """llama.cpp refuses its tensor split for deepseek2 (Kimi K2, DeepSeek V3).
     tbrpc's own rules (split_rules.c) cut the dense FFN and every routed and
     shared expert along its inner width and keep attention whole: the same
@@ -82,7 +87,7 @@ def test_deepseek2_with_its_ffn_split_across_nodes(n_nodes: int, nodes: Any, tmp
     model = str(models.ensure("deepseek2-f32"))
     base, base_logits = run_head(tmp_path, model=model, prompt=PROMPT, n_predict=N_PREDICT, flash_attn=True)
     assert base["error"] is None, base["error"]
-    started = nodes(n_nodes)
+    started = nodes(n_nodes, *(["--model-dir", str(Path(model).parent)] if own_copy else []))
     result, logits = run_head(tmp_path, model=model, prompt=PROMPT, n_predict=N_PREDICT, flash_attn=True,
                               nodes=[n.endpoint for n in started], ffn_split=1)
     assert result["error"] is None, result["error"]
@@ -92,6 +97,10 @@ def test_deepseek2_with_its_ffn_split_across_nodes(n_nodes: int, nodes: Any, tmp
     assert diff <= LOGIT_TOLERANCE, diff
     loaded = result["allocated_after_load"]
     assert all(a > 0 for a in loaded), loaded
+    if own_copy:   # each node read its slices of the experts from its own file (LOAD_FROM_FILE_2D), not over the wire
+        experts = sum(int(t.n_bytes) for t in gguf.GGUFReader(model).tensors if "_exps" in t.name)
+        for node in result["nodes_after_load"]:
+            assert node["bytes_from_files"] >= experts // n_nodes, (node, experts)
     for node in result["nodes"]:
         assert node["allreduces"] == DEEPSEEK2_LAYERS * STEADY_TOKENS, node
         assert not node["failed"], node["error"]

@@ -92,8 +92,10 @@ static int wait_progress(struct tb_ring * r, int64_t * deadline) {
     pthread_mutex_unlock(&r->lock);
     int rc = r->wire->wait(r, watch, left < WAIT_SLICE_MS ? (int) left : WAIT_SLICE_MS);
     pthread_mutex_lock(&r->lock);
-    if (rc != 0) return -1;   // the wire said why
     int found = scan(r);
+    // A peer may write its last frames and exit at once: frames that arrived
+    // before it went are still read; only with none left is it gone.
+    if (rc != 0) return found > 0 ? 0 : -1;   // the wire said why
     if (found < 0) return -1;
     if (found > 0 && r->base.timeout_ms > 0) *deadline = tb_now_ms() + r->base.timeout_ms;   // only silence times out
     return 0;
