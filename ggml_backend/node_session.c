@@ -86,7 +86,7 @@ struct node_conn {
 // reallocate it every time either).
 static int scratch_reserve(struct node_conn * c, size_t need) {
     if (need > c->scratch_need) c->scratch_need = need;
-    return tb_reserve(&c->payload, &c->payload_cap, need);
+    return scratch_reserve(c, need);
 }
 
 // ---- buffers ----------------------------------------------------------------
@@ -763,7 +763,7 @@ static int handle_load_from_file_2d(struct node_conn * c, const struct tb_header
     }
     const uint64_t rows_per_read = req.file_stride >= FILE_CHUNK ? 1 : FILE_CHUNK / req.file_stride;
     const size_t chunk = (size_t) ((rows_per_read - 1) * req.file_stride + req.size);
-    if (tb_reserve(&c->payload, &c->payload_cap, chunk) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+    if (scratch_reserve(c, chunk) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
     for (uint64_t first = 0; first < req.n_copies; first += rows_per_read) {
         const uint64_t rows = req.n_copies - first < rows_per_read ? req.n_copies - first : rows_per_read;
         const size_t want = (size_t) ((rows - 1) * req.file_stride + req.size);
