@@ -86,7 +86,7 @@ struct node_conn {
 // reallocate it every time either).
 static int scratch_reserve(struct node_conn * c, size_t need) {
     if (need > c->scratch_need) c->scratch_need = need;
-    return scratch_reserve(c, need);
+    return tb_reserve(&c->payload, &c->payload_cap, need);
 }
 
 // ---- buffers ----------------------------------------------------------------
