@@ -355,7 +355,10 @@ def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
         # after a request, status shows what the launch's page shows, taken from the launch itself
         base = launch.http_base()
         http_json(f"{base}/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
-        page = http_json(f"{base.removesuffix('/v1')}/tbrpc/status.json")
+        deadline = time.monotonic() + 30   # the server counts a request once its last byte is sent, a moment after we read it
+        while (page := http_json(f"{base.removesuffix('/v1')}/tbrpc/status.json"))["requests"]["count"] < 1:
+            assert time.monotonic() < deadline, page["requests"]
+            time.sleep(0.05)
         shown = json.loads(subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=env,
                                           capture_output=True, text=True, timeout=60).stdout)
         page_nodes = {n["endpoint"]: n for n in page["nodes"]}
