@@ -79,7 +79,7 @@ struct tbrpc_client {
 struct client_buffer {
     struct client_node * node;
     uint64_t handle;
-    uint64_t base;                           // the node's address of the buffer; tensor->data lives in [base, base+size)
+    uint64_t base;                           // synthetic, from the node (never its address); tensor->data lives in [base, base+size)
     uint64_t size;
 };
 

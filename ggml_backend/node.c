@@ -17,6 +17,8 @@
 #include <sys/prctl.h>
 #endif
 #include <sys/socket.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -42,34 +44,47 @@ void node_log(struct tb_node * node, const char * fmt, ...) {
     va_end(ap);
 }
 
-static struct client_slot * slot_claim(struct tb_node * n) {
-    struct client_slot * found = NULL;
+// ---- the client table ---------------------------------------------------------
+// Page 0 of the shared table: which slots are in use (written by the parent only).
+static int32_t * table_in_use(struct tb_node * n) { return (int32_t *) n->shared; }
+// Page 1 + i: slot i's counters (written by its own server only).
+static struct client_slot * slot_counters(struct tb_node * n, int i) {
+    return (struct client_slot *) (n->shared + (size_t) (i + 1) * n->page);
+}
+
+static int slot_claim(struct tb_node * n, const char * peer) {
+    int found = -1;
     pthread_mutex_lock(&n->lock);
     int used = 0;
-    for (int i = 0; i < MAX_CLIENTS; i++) used += n->slots[i].in_use != 0;
-    for (int i = 0; i < MAX_CLIENTS && !found && used < n->max_clients; i++) {
-        if (!n->slots[i].in_use) {
-            found = &n->slots[i];
-            memset(found, 0, sizeof *found);
-            found->in_use = 1;
+    for (int i = 0; i < MAX_CLIENTS; i++) used += n->ctl[i].in_use != 0;
+    for (int i = 0; i < MAX_CLIENTS && found < 0 && used < n->max_clients; i++) {
+        if (!n->ctl[i].in_use) {
+            found = i;
+            memset(&n->ctl[i], 0, sizeof n->ctl[i]);
+            n->ctl[i].in_use = 1;
+            snprintf(n->ctl[i].peer, sizeof n->ctl[i].peer, "%s", peer);
+            memset(slot_counters(n, i), 0, sizeof(struct client_slot));
+            __atomic_store_n(&table_in_use(n)[i], 1, __ATOMIC_RELEASE);
         }
     }
     pthread_mutex_unlock(&n->lock);
     return found;
 }
 
-static void slot_release(struct tb_node * n, struct client_slot * slot) {
+static void slot_release(struct tb_node * n, int i) {
     pthread_mutex_lock(&n->lock);
-    memset(slot, 0, sizeof *slot);
+    __atomic_store_n(&table_in_use(n)[i], 0, __ATOMIC_RELEASE);
+    memset(slot_counters(n, i), 0, sizeof(struct client_slot));
+    memset(&n->ctl[i], 0, sizeof n->ctl[i]);
     pthread_mutex_unlock(&n->lock);
 }
 
-struct thread_start { struct tb_node * node; int fd; struct client_slot * slot; };
+struct thread_start { struct tb_node * node; int fd; int slot; };
 
 static void * conn_thread(void * arg) {
     struct thread_start st = *(struct thread_start *) arg;
     free(arg);
-    node_serve_client(st.node, st.fd, st.slot);
+    node_serve_client(st.node, st.fd, slot_counters(st.node, st.slot));
     slot_release(st.node, st.slot);
     pthread_mutex_lock(&st.node->lock);
     st.node->n_threads--;
@@ -78,7 +93,7 @@ static void * conn_thread(void * arg) {
     return NULL;
 }
 
-static void start_thread(struct tb_node * n, int fd, struct client_slot * slot) {
+static void start_thread(struct tb_node * n, int fd, int slot) {
     struct thread_start * st = malloc(sizeof *st);
     pthread_t th;
     pthread_attr_t attr;
@@ -103,7 +118,9 @@ static void start_thread(struct tb_node * n, int fd, struct client_slot * slot) 
 // The worker: a forked copy of the node that serves one client and exits. A
 // request that makes ggml abort (an op whose shape contract a hostile client
 // broke) ends this process only; the node logs it and serves everyone else.
-static void start_worker(struct tb_node * n, int fd, struct client_slot * slot) {
+static int map_worker_view(struct tb_node * n, int fd, int slot, char * err, size_t err_len);
+
+static void start_worker(struct tb_node * n, int fd, int slot) {
     const pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {
@@ -113,7 +130,7 @@ static void start_worker(struct tb_node * n, int fd, struct client_slot * slot) 
         return;
     }
     if (pid > 0) {
-        slot->pid = pid;
+        n->ctl[slot].pid = pid;
         close(fd);
         return;
     }
@@ -130,8 +147,16 @@ static void start_worker(struct tb_node * n, int fd, struct client_slot * slot) 
     close(n->parent_pipe[0]);
     close(n->parent_pipe[1]);
     for (int i = 0; i < MAX_REFUSING; i++) if (n->refusing[i].fd >= 0) close(n->refusing[i].fd);
-    slot->pid = getpid();
-    node_serve_client(n, fd, slot);
+    // The table as a worker sees it: its own counters page writable, the rest
+    // read-only, the descriptor closed (the parent's read-write mapping is gone).
+    char err[256];
+    munmap(n->shared, n->shared_len);
+    n->shared = NULL;
+    if (map_worker_view(n, n->status_fd, slot, err, sizeof err) != 0) {
+        node_log(n, "worker for client %s: %s", n->ctl[slot].peer, err);
+        _exit(1);
+    }
+    node_serve_client(n, fd, slot_counters(n, slot));
     _exit(0);
 }
 
@@ -139,12 +164,12 @@ static void start_worker(struct tb_node * n, int fd, struct client_slot * slot) 
 // not survive fork(). It inherits only the client's socket, the status
 // mapping and the read end of parent_pipe (everything else is close-on-exec)
 // and learns their numbers from its command line.
-static void start_spawned_worker(struct tb_node * n, int fd, struct client_slot * slot) {
+static void start_spawned_worker(struct tb_node * n, int fd, int slot) {
     char fds[4][16], slot_no[16];
     snprintf(fds[0], sizeof fds[0], "%d", fd);
     snprintf(fds[1], sizeof fds[1], "%d", n->status_fd);
     snprintf(fds[2], sizeof fds[2], "%d", n->parent_pipe[0]);
-    snprintf(slot_no, sizeof slot_no, "%d", (int) (slot - n->slots));
+    snprintf(slot_no, sizeof slot_no, "%d", slot);
     char * tail[] = { "--client-fd", fds[0], "--status-fd", fds[1], "--parent-fd", fds[2], "--slot", slot_no,
                       "--name", n->name, NULL };
     size_t head = 0, n_tail = sizeof tail / sizeof *tail;
@@ -164,7 +189,24 @@ static void start_spawned_worker(struct tb_node * n, int fd, struct client_slot 
         slot_release(n, slot);
         return;
     }
-    slot->pid = pid;
+    n->ctl[slot].pid = pid;
+}
+
+static void peer_name(int fd, char * out, size_t len) {
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    char host[INET6_ADDRSTRLEN] = "?";
+    int port = 0;
+    if (getpeername(fd, (struct sockaddr *) &ss, &sl) == 0) {
+        if (ss.ss_family == AF_INET) {
+            inet_ntop(AF_INET, &((struct sockaddr_in *) &ss)->sin_addr, host, sizeof host);
+            port = ntohs(((struct sockaddr_in *) &ss)->sin_port);
+        } else if (ss.ss_family == AF_INET6) {
+            inet_ntop(AF_INET6, &((struct sockaddr_in6 *) &ss)->sin6_addr, host, sizeof host);
+            port = ntohs(((struct sockaddr_in6 *) &ss)->sin6_port);
+        }
+    }
+    snprintf(out, len, "%s:%d", host, port);
 }
 
 // A client the node cannot serve hears why: a HELLO reply (id 0: its HELLO
@@ -209,8 +251,10 @@ static void drain_refused(struct tb_node * n) {
 }
 
 static void start_connection(struct tb_node * n, int fd) {
-    struct client_slot * slot = slot_claim(n);
-    if (!slot) {
+    char peer[96];
+    peer_name(fd, peer, sizeof peer);
+    int slot = slot_claim(n, peer);
+    if (slot < 0) {
         refuse_full(n, fd);
         return;
     }
@@ -224,13 +268,13 @@ static void start_connection(struct tb_node * n, int fd) {
 // Collect finished workers; say loudly when one did not end by itself.
 static void reap_workers(struct tb_node * n) {
     for (int i = 0; i < MAX_CLIENTS; i++) {
-        struct client_slot * slot = &n->slots[i];
+        struct slot_control * slot = &n->ctl[i];
         if (!slot->in_use || slot->pid <= 0) continue;
         int status = 0;
         pid_t pid = waitpid(slot->pid, &status, WNOHANG);
         if (pid < 0 && errno == ECHILD) {   // not ours to wait for any more: nothing left to end
             node_log(n, "worker %d for client %s is gone (already reaped)", (int) slot->pid, slot->peer);
-            slot_release(n, slot);
+            slot_release(n, i);
             continue;
         }
         if (pid != slot->pid) continue;
@@ -240,13 +284,13 @@ static void reap_workers(struct tb_node * n) {
         } else if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
             node_log(n, "worker %d for client %s exited with status %d", (int) pid, slot->peer, WEXITSTATUS(status));
         }
-        slot_release(n, slot);
+        slot_release(n, i);
     }
 }
 
 static bool has_workers(struct tb_node * n) {
     for (int i = 0; i < MAX_CLIENTS; i++) {
-        if (n->slots[i].in_use && n->slots[i].pid > 0) return true;
+        if (n->ctl[i].in_use && n->ctl[i].pid > 0) return true;
     }
     return false;
 }
@@ -258,7 +302,7 @@ static void end_workers(struct tb_node * n) {
     for (int sig = SIGTERM, round = 0; has_workers(n) && round < 200; round++) {
         if (round == 0 || round == 40) {
             for (int i = 0; i < MAX_CLIENTS; i++) {
-                if (n->slots[i].in_use && n->slots[i].pid > 0) { kill(n->slots[i].pid, sig); kill(n->slots[i].pid, SIGCONT); }
+                if (n->ctl[i].in_use && n->ctl[i].pid > 0) { kill(n->ctl[i].pid, sig); kill(n->ctl[i].pid, SIGCONT); }
             }
             sig = SIGKILL;
         }
@@ -266,8 +310,8 @@ static void end_workers(struct tb_node * n) {
         if (has_workers(n)) usleep(50 * 1000);
     }
     for (int i = 0; i < MAX_CLIENTS; i++) {
-        if (n->slots[i].in_use && n->slots[i].pid > 0)
-            node_log(n, "worker %d for client %s did not end after SIGKILL; leaving it", (int) n->slots[i].pid, n->slots[i].peer);
+        if (n->ctl[i].in_use && n->ctl[i].pid > 0)
+            node_log(n, "worker %d for client %s did not end after SIGKILL; leaving it", (int) n->ctl[i].pid, n->ctl[i].peer);
     }
 }
 
@@ -295,6 +339,7 @@ static ggml_backend_dev_t pick_device(const char * wanted, char * err, size_t er
 static int node_init(struct tb_node * n, const struct tb_node_config * cfg, char * err, size_t err_len) {
     n->cfg = *cfg;
     n->listen_fd = n->status_fd = -1;
+    n->own_slot = -1;
     n->stop_pipe[0] = n->stop_pipe[1] = n->parent_pipe[0] = n->parent_pipe[1] = -1;
     for (int i = 0; i < MAX_REFUSING; i++) n->refusing[i].fd = -1;
     n->max_clients = cfg->max_clients > 0 && cfg->max_clients < MAX_CLIENTS ? cfg->max_clients : MAX_CLIENTS;
@@ -323,10 +368,41 @@ static int node_init(struct tb_node * n, const struct tb_node_config * cfg, char
 
 // The per-client counters, in shared memory behind a file descriptor that
 // workers inherit (forked ones through the mapping, spawned ones by number).
-static int map_slots(struct tb_node * n, int fd, char * err, size_t err_len) {
-    n->slots = mmap(NULL, MAX_CLIENTS * sizeof *n->slots, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (n->slots == MAP_FAILED) { n->slots = NULL; snprintf(err, err_len, "mmap of the status memory: %s", strerror(errno)); return -1; }
+static void table_geometry(struct tb_node * n) {
+    long page = sysconf(_SC_PAGESIZE);
+    n->page = page > 0 ? (size_t) page : 4096;
+    while (n->page < sizeof(struct client_slot) || n->page < MAX_CLIENTS * sizeof(int32_t)) n->page *= 2;
+    n->shared_len = (MAX_CLIENTS + 1) * n->page;
+}
+
+// The node's own view: all of it, read-write.
+static int map_table(struct tb_node * n, int fd, char * err, size_t err_len) {
+    table_geometry(n);
+    n->shared = mmap(NULL, n->shared_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (n->shared == MAP_FAILED) { n->shared = NULL; snprintf(err, err_len, "mmap of the status memory: %s", strerror(errno)); return -1; }
     return 0;
+}
+
+// A worker process's view: the whole table read-only (STATUS sums it), its
+// own counters page read-write; then the descriptor is closed, so the worker
+// cannot map the table writable again.
+static int map_worker_view(struct tb_node * n, int fd, int slot, char * err, size_t err_len) {
+    table_geometry(n);
+    n->own_slot = slot;
+    n->shared = mmap(NULL, n->shared_len, PROT_READ, MAP_SHARED, fd, 0);
+    if (n->shared == MAP_FAILED) { n->shared = NULL; snprintf(err, err_len, "mmap of the status memory: %s", strerror(errno)); goto fail; }
+    void * own = n->shared + (size_t) (slot + 1) * n->page;
+    if (mmap(own, n->page, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, (off_t) ((size_t) (slot + 1) * n->page)) != own) {
+        snprintf(err, err_len, "mmap of the worker's counters: %s", strerror(errno));
+        goto fail;
+    }
+    close(fd);
+    if (fd == n->status_fd) n->status_fd = -1;
+    return 0;
+fail:
+    close(fd);
+    if (fd == n->status_fd) n->status_fd = -1;
+    return -1;
 }
 
 static int create_slots(struct tb_node * n, char * err, size_t err_len) {
@@ -336,11 +412,12 @@ static int create_slots(struct tb_node * n, char * err, size_t err_len) {
     if (n->status_fd < 0) { snprintf(err, err_len, "shm_open: %s", strerror(errno)); return -1; }
     shm_unlink(name);   // only the descriptor keeps it: nothing to clean up after a crash
     fcntl(n->status_fd, F_SETFD, 0);   // shm_open sets close-on-exec; spawned workers need it
-    if (ftruncate(n->status_fd, (off_t) (MAX_CLIENTS * sizeof *n->slots)) != 0) {
+    table_geometry(n);
+    if (ftruncate(n->status_fd, (off_t) n->shared_len) != 0) {
         snprintf(err, err_len, "ftruncate of the status memory: %s", strerror(errno));
         return -1;
     }
-    return map_slots(n, n->status_fd, err, err_len);
+    return map_table(n, n->status_fd, err, err_len);
 }
 
 static int copy_worker_argv(struct tb_node * n, const char * const * argv, char * err, size_t err_len) {
@@ -416,20 +493,21 @@ int tb_node_worker_serve(const struct tb_node_config * cfg, int client_fd, int s
     if (!n) { snprintf(err, err_len, "out of memory"); close(client_fd); return -1; }
     int rc = -1;
     if (slot < 0 || slot >= MAX_CLIENTS) { snprintf(err, err_len, "slot %d out of range", slot); goto done; }
-    if (node_init(n, cfg, err, err_len) != 0 || map_slots(n, status_fd, err, err_len) != 0) goto done;
+    if (node_init(n, cfg, err, err_len) != 0) goto done;
+    if (map_worker_view(n, status_fd, slot, err, err_len) != 0) { status_fd = -1; goto done; }
     if (pthread_create(&watcher, NULL, watch_parent, (void *) (intptr_t) parent_fd) != 0) {
         snprintf(err, err_len, "cannot watch the node process");
         goto done;
     }
     pthread_detach(watcher);
     signal(SIGINT, SIG_IGN);   // Ctrl-C reaches the whole group; the node ends its workers
-    node_serve_client(n, client_fd, &n->slots[slot]);
+    node_serve_client(n, client_fd, slot_counters(n, slot));
     client_fd = -1;
     rc = 0;
 done:
     if (client_fd >= 0) close(client_fd);
-    if (n->slots) munmap(n->slots, MAX_CLIENTS * sizeof *n->slots);
-    n->slots = NULL;
+    if (n->shared) munmap(n->shared, n->shared_len);
+    n->shared = NULL;
     tb_node_free(n);
     return rc;
 }
@@ -472,8 +550,8 @@ void tb_node_get_status(struct tb_node * n, struct tb_status * s) {
     size_t free_mem = 0, total_mem = 0;
     ggml_backend_dev_memory(n->dev, &free_mem, &total_mem);
     for (int i = 0; i < MAX_CLIENTS; i++) {
-        const struct client_slot * slot = &n->slots[i];
-        if (!__atomic_load_n(&slot->in_use, __ATOMIC_RELAXED)) continue;
+        const struct client_slot * slot = slot_counters(n, i);
+        if (!__atomic_load_n(&table_in_use(n)[i], __ATOMIC_ACQUIRE)) continue;
         s->clients++;
         s->buffers += __atomic_load_n(&slot->buffers, __ATOMIC_RELAXED);
         s->bytes_allocated += __atomic_load_n(&slot->bytes_allocated, __ATOMIC_RELAXED);
@@ -501,7 +579,7 @@ void tb_node_free(struct tb_node * n) {
     for (size_t i = 0; n->worker_argv && n->worker_argv[i]; i++) free(n->worker_argv[i]);
     free(n->worker_argv);
     if (n->log && n->log != stderr) fclose(n->log);
-    if (n->slots) munmap(n->slots, MAX_CLIENTS * sizeof *n->slots);
+    if (n->shared) munmap(n->shared, n->shared_len);
     pthread_cond_destroy(&n->conn_done);
     pthread_mutex_destroy(&n->lock);
     free(n);

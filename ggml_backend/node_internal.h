@@ -4,6 +4,7 @@
 #pragma once
 
 #include <pthread.h>
+#include <sys/types.h>
 #include <stdbool.h>
 #include <stdio.h>
 
@@ -16,13 +17,20 @@
 
 // Per-client counters. They live in memory shared with worker processes, so
 // the node can report totals whether a client is served by a thread or by
-// an isolated process. Only the client's own server writes its slot.
+// an isolated process. Each slot has a page of its own: a worker process
+// maps only its own page writable, every other page of the table (the
+// other clients' counters and the parent's in_use flags) read-only.
 struct client_slot {
-    int32_t  in_use;
-    int32_t  pid;              // worker process, or 0 when served by a thread
     uint64_t buffers, bytes_allocated, graphs_computed, bytes_received, bytes_from_files;
     uint64_t allreduces, allreduce_ns;   // tensor split: all-reduces done, and the time they took
-    char     peer[96];
+};
+
+// What only the parent knows and writes about a slot: in its private memory,
+// never shared (a worker's copy after fork() is its own).
+struct slot_control {
+    int32_t in_use;
+    pid_t   pid;               // worker process, or 0 when served by a thread; kill() only ever sees > 0
+    char    peer[96];
 };
 
 struct tb_node {
@@ -35,10 +43,15 @@ struct tb_node {
     volatile int stopping;
     enum { SERVE_THREAD, SERVE_FORK, SERVE_SPAWN } serve_mode;   // see tb_node_config.isolation
     char **  worker_argv;         // SERVE_SPAWN: owned copy of tb_node_config.worker_argv
-    int      status_fd;           // the shared memory behind `slots`, inherited by spawned workers
+    int      status_fd;           // the shared memory behind `shared`, inherited by spawned workers (closed once mapped)
     int      parent_pipe[2];      // spawned workers hold the read end: end of file = the node is gone
     char     model_dirs[4096];    // ':'-separated; empty: clients cannot ask for files
-    struct client_slot * slots;   // MAX_CLIENTS, MAP_SHARED over status_fd
+    // The status table (MAP_SHARED over status_fd): page 0 holds in_use[MAX_CLIENTS]
+    // (parent-written), page 1 + i slot i's counters. See node.c map_table.
+    uint8_t * shared;
+    size_t   shared_len, page;
+    struct slot_control ctl[MAX_CLIENTS];   // parent only
+    int      own_slot;            // in a worker process: its slot; -1 in the node
     int      max_clients;         // <= MAX_CLIENTS
     uint8_t  secret[TB_SECRET_MAX];   // the cluster secret (secret_len 0: none)
     size_t   secret_len;

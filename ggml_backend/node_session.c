@@ -7,6 +7,7 @@
 #include "ggml_abi.h"
 #include "model_file.h"
 #include "node_internal.h"
+#include "op_rules.h"
 #include "transport/ring.h"
 #include "transport/rdma.h"
 
@@ -25,6 +26,8 @@
 #define MAX_FILES    256       // model files one client may have open (shards of a 1T model: ~13-60)
 #define MAX_PEERS    16        // node-to-node links of one session (neighbours in the split)
 #define FILE_CHUNK   (64u << 20)
+#define SCRATCH_KEEP (4u << 20)    // request scratch always kept between requests
+#define SCRATCH_IDLE 16            // more is freed after this many requests in a row that needed under a quarter of it
 
 struct node_buffer {
     uint64_t handle;
@@ -41,8 +44,11 @@ struct node_conn {
     struct node_buffer *  buffers;   // dense array; few per client (weights, KV, compute)
     size_t   n_buffers, cap_buffers;
     uint64_t next_handle;
+    uint64_t next_fake_base;        // what ALLOC_BUFFER tells the client its next buffer's "base" is
     uint8_t * payload;              // scratch for request payloads
     size_t   payload_cap;
+    size_t   scratch_need;          // the most of it the current request asked for (scratch_reserve)
+    uint32_t scratch_idle;          // requests in a row that needed under a quarter of payload_cap
     char     sticky[512];           // first failure of a posted request, reported with the next reply
     struct ggml_context * graph_ctx; // the last graph, kept for GRAPH_RECOMPUTE
     struct ggml_cgraph *  graph;
@@ -79,6 +85,15 @@ struct node_conn {
     int64_t   gone_checked_ms;      // when client_left() last looked
     bool      gone;
 };
+
+// The request scratch: grown on demand, shrunk by serve_one after a run of
+// requests that needed much less (a rejected 255 MiB SET_TENSOR must not pin
+// 255 MiB for the rest of the session; a prompt's all-reduces must not
+// reallocate it every time either).
+static int scratch_reserve(struct node_conn * c, size_t need) {
+    if (need > c->scratch_need) c->scratch_need = need;
+    return tb_reserve(&c->payload, &c->payload_cap, need);
+}
 
 // ---- buffers ----------------------------------------------------------------
 
@@ -272,6 +287,18 @@ static int handle_alloc(struct node_conn * c, const struct tb_header * h, struct
         snprintf(err, err_len, "ALLOC_BUFFER of %llu bytes exceeds the device's maximum buffer size", (unsigned long long) req->size);
         return -1;
     }
+    // One client holds at most what the device has: a request for more is
+    // refused here, before the allocator (or the kernel's overcommit) sees it.
+    size_t free_mem = 0, total_mem = 0;
+    ggml_backend_dev_memory(c->node->dev, &free_mem, &total_mem);
+    uint64_t held = 0;
+    for (size_t i = 0; i < c->n_buffers; i++) held += c->buffers[i].size;
+    if (total_mem > 0 && (req->size > total_mem || held > total_mem - req->size)) {
+        snprintf(err, err_len, "ALLOC_BUFFER of %llu bytes refused: this client would hold %llu bytes, more than the %llu bytes of device %s",
+                 (unsigned long long) req->size, (unsigned long long) (held + req->size), (unsigned long long) total_mem,
+                 ggml_backend_dev_name(c->node->dev));
+        return -1;
+    }
     if (c->n_buffers == c->cap_buffers) {
         size_t cap = c->cap_buffers ? 2 * c->cap_buffers : 16;
         struct node_buffer * nb = realloc(c->buffers, cap * sizeof *nb);
@@ -290,12 +317,16 @@ static int handle_alloc(struct node_conn * c, const struct tb_header * h, struct
     b->buf = buf;
     b->base = ggml_backend_buffer_get_base(buf);
     b->size = ggml_backend_buffer_get_size(buf);
+    // Threads of one process share a heap: memory another client freed may
+    // come back here, so it starts cleared (a worker process gets fresh pages).
+    if (c->node->serve_mode == SERVE_THREAD) ggml_backend_buffer_clear(buf, 0);
     prefer_huge_pages(buf, b->base, b->size);
     count(&c->slot->buffers, 1);
     count(&c->slot->bytes_allocated, (int64_t) b->size);
     struct tb_alloc_reply * rep = (struct tb_alloc_reply *) r->small;
     rep->handle = b->handle;
-    rep->base = (uint64_t) (uintptr_t) b->base;
+    rep->base = c->next_fake_base;   // never an address of ours: see TB_FAKE_BASE in proto.h
+    c->next_fake_base += (b->size + TB_FAKE_BASE_GAP - 1) / TB_FAKE_BASE_GAP * TB_FAKE_BASE_GAP + TB_FAKE_BASE_GAP;
     rep->size = b->size;
     r->data = rep;
     r->len = sizeof *rep;
@@ -343,7 +374,7 @@ static int handle_get(struct node_conn * c, const struct tb_header * h, struct r
     if (ggml_backend_buffer_is_host(b->buf)) {
         r->data = b->base + req.offset;    // reply straight from the buffer, no copy
     } else {
-        if (tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+        if (scratch_reserve(c, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
         struct ggml_tensor t = byte_view(b, req.offset, req.size);
         ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
         r->data = c->payload;
@@ -394,6 +425,7 @@ static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_
     };
     struct ggml_context * ctx = ggml_init(ip);
     struct ggml_tensor ** tensors = calloc(nt, sizeof *tensors);
+    uint8_t * seen = NULL;
     if (!ctx || !tensors) {
         snprintf(err, err_len, "out of memory decoding %u tensors", nt);
         goto fail;
@@ -401,9 +433,24 @@ static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_
     if (tb_decode_tensors(ctx, wire, nt, lookup_buffer, c, with_nodes, tensors, err, err_len) != 0) goto fail;
     if (with_nodes) {
         struct ggml_cgraph * g = ggml_new_graph_custom(ctx, nn, false);
+        // a tensor computed twice in one graph costs twice for nothing: refused (the cost of a graph is bounded by its size)
+        seen = calloc((nt + 7) / 8, 1);
+        if (!seen) { snprintf(err, err_len, "out of memory decoding %u nodes", nn); goto fail; }
         for (uint32_t i = 0; i < nn; i++) {
             if (node_idx[i] >= nt) {
                 snprintf(err, err_len, "GRAPH_COMPUTE: node %u refers to tensor %u of %u", i, node_idx[i], nt);
+                goto fail;
+            }
+            if (seen[node_idx[i] / 8] & (1u << (node_idx[i] % 8))) {
+                snprintf(err, err_len, "GRAPH_COMPUTE: node %u repeats tensor %u", i, node_idx[i]);
+                goto fail;
+            }
+            seen[node_idx[i] / 8] |= (uint8_t) (1u << (node_idx[i] % 8));
+            // what the node will compute must pass the op rules (op_rules.c) and the device's own supports_op
+            if (tb_op_check(tensors[node_idx[i]], node_idx[i], err, err_len) != 0) goto fail;
+            if (!ggml_backend_dev_supports_op(c->node->dev, tensors[node_idx[i]])) {
+                snprintf(err, err_len, "tensor %u (%s): device %s does not support it", node_idx[i],
+                         ggml_op_name(tensors[node_idx[i]]->op), ggml_backend_dev_name(c->node->dev));
                 goto fail;
             }
             ggml_graph_add_node(g, tensors[node_idx[i]]);
@@ -413,10 +460,12 @@ static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_
         }
         *graph_out = g;
     }
+    free(seen);
     *tensors_out = tensors;
     *n_tensors_out = nt;
     return ctx;
 fail:
+    free(seen);
     free(tensors);
     if (ctx) ggml_free(ctx);
     return NULL;
@@ -472,15 +521,16 @@ static bool client_left(void * data) {
 
 static int run_graph(struct node_conn * c, char * err, size_t err_len) {
     set_busy(c, COMPUTING);
-    enum ggml_status st = ggml_backend_graph_compute(c->backend, c->graph);
+    char why[400] = "";
+    const int rc = tb_graph_compute_checked(c->backend, c->graph, why, sizeof why);   // row indices checked before each op
     set_busy(c, IDLE);
     count(&c->slot->graphs_computed, 1);
-    if (st == GGML_STATUS_ABORTED && c->gone) {
+    if (rc != 0 && c->gone) {   // the device's abort callback (client_left) stopped it
         snprintf(err, err_len, "graph compute stopped: the client has gone");
         return -1;
     }
-    if (st != GGML_STATUS_SUCCESS) {
-        snprintf(err, err_len, "graph compute on %s failed with status %d", ggml_backend_dev_name(c->node->dev), (int) st);
+    if (rc != 0) {
+        snprintf(err, err_len, "graph compute on %s: %s", ggml_backend_dev_name(c->node->dev), why);
         return -1;
     }
     return 0;
@@ -513,7 +563,11 @@ static int handle_supports_op(struct node_conn * c, const struct tb_header * h, 
     uint32_t nt = 0;
     struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, &nt, err, err_len);
     if (!ctx) return -1;
-    r->small[0] = ggml_backend_dev_supports_op(c->node->dev, tensors[nt - 1]) ? 1 : 0;
+    // an op the node's rules refuse is one it does not support (and the
+    // device's supports_op may dereference sources the rules require)
+    char why[256];
+    r->small[0] = tb_op_check(tensors[nt - 1], nt - 1, why, sizeof why) == 0 &&
+                  ggml_backend_dev_supports_op(c->node->dev, tensors[nt - 1]) ? 1 : 0;
     free(tensors);
     ggml_free(ctx);
     r->data = r->small;
@@ -526,6 +580,7 @@ static int handle_alloc_size(struct node_conn * c, const struct tb_header * h, s
     uint32_t nt = 0;
     struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, &nt, err, err_len);
     if (!ctx) return -1;
+    if (tb_op_check(tensors[nt - 1], nt - 1, err, err_len) != 0) { free(tensors); ggml_free(ctx); return -1; }
     uint64_t size = ggml_backend_buft_get_alloc_size(ggml_backend_dev_buffer_type(c->node->dev), tensors[nt - 1]);
     memcpy(r->small, &size, sizeof size);
     free(tensors);
@@ -670,7 +725,7 @@ static int handle_load_from_file(struct node_conn * c, const struct tb_header * 
     struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
     if (!b) return -1;
     const bool host = ggml_backend_buffer_is_host(b->buf);
-    if (!host && tb_reserve(&c->payload, &c->payload_cap, FILE_CHUNK) != 0) {   // device memory: read through the scratch buffer
+    if (!host && scratch_reserve(c, FILE_CHUNK) != 0) {   // device memory: read through the scratch buffer
         snprintf(err, err_len, "out of memory");
         return -1;
     }
@@ -766,7 +821,7 @@ static int handle_load_from_file_2d(struct node_conn * c, const struct tb_header
     }
     const uint64_t rows_per_read = req.file_stride >= FILE_CHUNK ? 1 : FILE_CHUNK / req.file_stride;
     const size_t chunk = (size_t) ((rows_per_read - 1) * req.file_stride + req.size);
-    if (tb_reserve(&c->payload, &c->payload_cap, chunk) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+    if (scratch_reserve(c, chunk) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
     for (uint64_t first = 0; first < req.n_copies; first += rows_per_read) {
         const uint64_t rows = req.n_copies - first < rows_per_read ? req.n_copies - first : rows_per_read;
         const size_t want = (size_t) ((rows - 1) * req.file_stride + req.size);
@@ -992,7 +1047,7 @@ static int handle_peer_send(struct node_conn * c, const struct tb_header * h, ch
     if (!b) return -1;
     const uint8_t * data = b->base + req.offset;
     if (!ggml_backend_buffer_is_host(b->buf)) {
-        if (tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+        if (scratch_reserve(c, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
         struct ggml_tensor t = byte_view(b, req.offset, req.size);
         ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
         data = c->payload;
@@ -1010,7 +1065,7 @@ static int handle_peer_recv(struct node_conn * c, const struct tb_header * h, ch
     set_busy(c, WAITING_FOR_PEER);   // waiting for the peer's compute: keep the head informed
     const bool host = ggml_backend_buffer_is_host(b->buf);
     char why[256] = "";
-    int rc = host ? 0 : tb_reserve(&c->payload, &c->payload_cap, (size_t) req.size);
+    int rc = host ? 0 : scratch_reserve(c, (size_t) req.size);
     if (rc != 0) snprintf(why, sizeof why, "out of memory");
     if (rc == 0) rc = recv_from_peer(tp, host ? b->base + req.offset : c->payload, req.size, why, sizeof why);
     if (rc == 0 && !host) {
@@ -1088,7 +1143,7 @@ static int handle_allreduce(struct node_conn * c, const struct tb_header * h, ch
     // memory the sum is made in the buffer itself, ours having been copied out.
     const bool host = ggml_backend_buffer_is_host(b->buf);
     const size_t size = (size_t) req.size, n_floats = size / sizeof(float);
-    if (tb_reserve(&c->payload, &c->payload_cap, (host ? 2 : 3) * size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+    if (scratch_reserve(c, (host ? 2 : 3) * size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
     float * mine = (float *) c->payload, * part_buf = mine + n_floats;
     float * acc = host ? (float *) (b->base + req.offset) : part_buf + n_floats;
     struct ggml_tensor t = byte_view(b, req.offset, req.size);
@@ -1151,7 +1206,7 @@ static int handle_memory(struct node_conn * c, const struct tb_header * h, struc
 // ---- the connection loop ----------------------------------------------------
 
 static int read_payload(struct node_conn * c, size_t len) {
-    if (tb_reserve(&c->payload, &c->payload_cap, len) != 0) return -1;
+    if (scratch_reserve(c, len) != 0) return -1;
     return len ? tb_recv(c->tp, c->payload, len) : 0;
 }
 
@@ -1390,6 +1445,19 @@ static int serve_one(struct node_conn * c) {
         c->stage = h.cmd == TB_CMD_HELLO && c->node->secret_len ? WANT_AUTH : READY;
         if (h.cmd == TB_CMD_AUTH) node_log(c->node, "client %s: authenticated", c->tp->peer);
     }
+    // A large message (a rejected 255 MiB SET_TENSOR, a big graph) must not
+    // pin its scratch for the rest of the session.
+    if (c->payload_cap > SCRATCH_KEEP && c->scratch_need < c->payload_cap / 4) {
+        if (++c->scratch_idle >= SCRATCH_IDLE) {
+            free(c->payload);
+            c->payload = NULL;
+            c->payload_cap = 0;
+            c->scratch_idle = 0;
+        }
+    } else {
+        c->scratch_idle = 0;
+    }
+    c->scratch_need = 0;
     if (tb_cmd_posted(h.cmd)) {
         if (rc != 0 && !c->sticky[0]) snprintf(c->sticky, sizeof c->sticky, "earlier %s (request %llu) failed: %s",
                                                tb_cmd_name(h.cmd), (unsigned long long) h.id, err);
@@ -1432,7 +1500,7 @@ static void serve_connection(struct node_conn * c) {
     struct tb_node * n = c->node;
     char peer[sizeof c->tp->peer];
     snprintf(peer, sizeof peer, "%s", c->tp->peer);
-    node_log(n, "client %s connected%s", peer, c->slot->pid ? " (own worker process)" : "");
+    node_log(n, "client %s connected%s", peer, n->serve_mode != SERVE_THREAD ? " (own worker process)" : "");
     // A peer that does not complete the handshake in time (a port scanner, a
     // stuck client, one that trickles a byte at a time) must not hold one of
     // the node's client slots: HELLO and AUTH together have one deadline.
@@ -1473,8 +1541,8 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     c->node = n;
     c->slot = slot;
     c->client_fd = fd;
-    snprintf(slot->peer, sizeof slot->peer, "%s", c->tp->peer);
     c->next_handle = 1;
+    c->next_fake_base = TB_FAKE_BASE;
     c->keepalive_ms = 1000;
     c->peer_listen_fd = -1;
     c->has_file_nonce = tb_random(c->file_nonce, sizeof c->file_nonce) == 0;

@@ -228,6 +228,15 @@ static int decode_one(struct ggml_context * ctx, const struct tb_wire_tensor * w
         snprintf(err, err_len, "tensor %u '%.64s': view lives in another buffer than its source", i, w->name);
         return -1;
     }
+    if (w->view_src >= 0 && w->buffer != 0 && nbytes > 0) {   // a view's bytes lie within its source's
+        const struct ggml_tensor * vs = out[w->view_src];
+        const uint64_t vs_off = (uint64_t) ((const uint8_t *) vs->data - (const uint8_t *) view.base);
+        if (vs->data == NULL || w->offset < vs_off || w->offset - vs_off + nbytes > ggml_nbytes(vs)) {
+            snprintf(err, err_len, "tensor %u '%.64s': view [%llu, +%llu) lies outside its source (tensor %d)", i, w->name,
+                     (unsigned long long) w->offset, (unsigned long long) nbytes, w->view_src);
+            return -1;
+        }
+    }
 
     struct ggml_tensor * t = ggml_new_tensor(ctx, (enum ggml_type) w->type, GGML_MAX_DIMS, w->ne);
     if (!t) {

@@ -195,7 +195,13 @@ void tb_ggml_build(char * out, size_t len);
 
 struct tb_memory      { uint64_t free, total; };
 struct tb_alloc_req   { uint64_t size; };
+// `base` is not an address on the node: it is a synthetic one (TB_FAKE_BASE,
+// then each buffer TB_FAKE_BASE_GAP-aligned with a gap after the previous
+// one) so the head's ggml has a distinct, aligned data pointer per buffer.
+// The node only ever interprets (handle, offset).
 struct tb_alloc_reply { uint64_t handle, base, size; };
+#define TB_FAKE_BASE      (1ull << 44)
+#define TB_FAKE_BASE_GAP  (1ull << 30)
 struct tb_buffer_req  { uint64_t handle; };
 struct tb_range       { uint64_t handle, offset, size; };
 struct tb_memset_req  { uint64_t handle, offset, size; uint8_t value; uint8_t pad[7]; };

@@ -34,8 +34,8 @@ TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "tran
 SYSTEM_LIBS = ["-pthread"] + (["-lrt", "-ldl"] if sys.platform.startswith("linux") else [])
 # what needs no ggml: the transports and the shared-secret proofs (C tests build them alone)
 PLAIN_SOURCES = [*TRANSPORT_SOURCES, "auth.c"]
-C_SOURCES = ["proto.c", "client.c", "client_node.c", "split_rules.c", "node.c", "node_session.c", "model_file.c",
-             *PLAIN_SOURCES]
+C_SOURCES = ["proto.c", "op_rules.c", "client.c", "client_node.c", "split_rules.c", "node.c", "node_session.c",
+             "model_file.c", *PLAIN_SOURCES]
 
 PROTO_CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;
@@ -131,8 +131,9 @@ def ggml_link(lib: Path) -> list[str]:
 def build_program(source: Path, exe: Path, with_ggml: bool = True, defines: tuple[str, ...] = ()) -> Path:
     """Compile a C test or benchmark program with tbrpc's C sources: all of
     them against llama-cpp-python's ggml, or (with_ggml=False) those that need
-    no ggml (transports, auth). Warnings are errors. `defines` ("NAME" or "NAME=VALUE") build
-    variants, e.g. the deliberately broken RDMA wires the negative tests use."""
+    no ggml (transports, auth). Warnings are errors. `defines` ("NAME" or "NAME=VALUE") go to every
+    source: build variants for tests (the deliberately broken RDMA wires, the
+    op rules' test hooks TB_OP_RULES_TESTING)."""
     import subprocess
 
     cmd = ["cc", "-std=gnu11", "-O2", *WARNINGS, "-Werror", *[f"-D{d}" for d in defines], f"-I{C_DIR}", str(source)]

@@ -8,6 +8,7 @@ a log line naming the problem, and the node still serving other clients.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -268,7 +269,7 @@ def test_huge_alloc_is_refused_not_attempted(node: Any) -> None:
     w = ready(node)
     w.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=2**62))
     status, body = w.reply()
-    assert status != 0 and ("could not allocate" in body.decode() or "exceeds" in body.decode())
+    assert status != 0 and any(why in body.decode() for why in ("could not allocate", "exceeds", "refused"))
 
 
 # ---- graphs -------------------------------------------------------------------------
@@ -324,10 +325,12 @@ def isolated_node(request: pytest.FixtureRequest, nodes: Any) -> Any:
     assert started.proc.poll() is None, "node process died"
 
 
-def test_graph_breaking_an_op_contract_ends_only_that_client(isolated_node: Any) -> None:
-    """A CPY into a tensor with another element count makes ggml abort.
-    The node serves each client in its own worker process, so only that
-    client's worker ends; the node logs it and keeps serving."""
+def test_graph_breaking_an_op_contract_is_refused_and_a_dying_worker_ends_only_that_client(isolated_node: Any) -> None:
+    """A CPY into a tensor with another element count used to make ggml
+    abort; the op rules (op_rules.c) now refuse it by name, and no graph
+    that passes them is known to abort. Isolation still matters for what is
+    left (a device driver's crash, a bug of ours): a worker killed by a
+    signal ends only its client; the node logs it and keeps serving."""
     node = isolated_node
     bystander = ready(node)
     kept = bystander.alloc(64)
@@ -338,10 +341,12 @@ def test_graph_breaking_an_op_contract_ends_only_that_client(isolated_node: Any)
     copy = tensor(buffer=handle, offset=64, ne=[8, 1, 1, 1], nb=[4, 32, 32, 32], op=_ggml_op_index("CPY"),
                   src=[0, 1] + [-1] * 8, flags=GGML_TENSOR_FLAG_COMPUTE)
     w.send(lib.TB_CMD_GRAPH_COMPUTE, graph([a, b, copy], [2]))
-    w.send(lib.TB_CMD_SYNC)
+    error = w.sync_error()
+    assert "tensor 2 (CPY" in error and "source has 4 elements, destination 8" in error, error
+    os.kill(max(_workers(node)), signal.SIGABRT)   # the later worker (higher pid) is w's
     assert w.closed()
     deadline = time.time() + 60
-    while "died with signal 6" not in node.log_text() and time.time() < deadline:  # ggml may run gdb for a backtrace
+    while "died with signal 6" not in node.log_text() and time.time() < deadline:
         time.sleep(0.05)
     assert "died with signal 6" in node.log_text()
     bystander.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=kept, offset=0, size=8))
@@ -400,8 +405,10 @@ def test_a_spawned_worker_does_not_outlive_its_node(nodes: Any) -> None:
     cmdline = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
     assert any(b"tbrpc._worker" in arg for arg in cmdline), cmdline
     inherited = sorted(int(fd.name) for fd in Path(f"/proc/{worker}/fd").iterdir())
-    named = {int(cmdline[cmdline.index(flag) + 1]) for flag in (b"--client-fd", b"--status-fd", b"--parent-fd")}
+    named = {int(cmdline[cmdline.index(flag) + 1]) for flag in (b"--client-fd", b"--parent-fd")}
     assert named <= set(inherited)
+    # the status table's descriptor is closed once the worker mapped its view of it (node.c, map_worker_view)
+    assert int(cmdline[cmdline.index(b"--status-fd") + 1]) not in inherited
     node.proc.kill()
     node.proc.wait(timeout=10)
     deadline = time.time() + 10
@@ -418,17 +425,17 @@ def test_host_buffers_ask_for_huge_pages(node: Any) -> None:
     w.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=64 << 20))
     status, body = w.reply()
     assert status == 0, body
-    _handle, base, size = struct.unpack("<QQQ", body[:24])
+    _handle, _base, size = struct.unpack("<QQQ", body[:24])   # base is synthetic: find the buffer by its size
     workers = _workers(node)
     assert len(workers) == 1, workers
-    flags = None
+    flagged = []
     for line in Path(f"/proc/{workers[0]}/smaps").read_text().splitlines():
         if "-" in line.split()[0] and ":" not in line.split()[0]:
             start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            inside = start <= base + size // 2 < end
-        elif line.startswith("VmFlags:") and inside:
-            flags = line.split()[1:]
-    assert flags is not None and "hg" in flags, flags
+            big = end - start >= size // 2   # the madvise()d part of the buffer is its own mapping
+        elif line.startswith("VmFlags:") and big:
+            flagged.append(line.split()[1:])
+    assert any("hg" in flags for flags in flagged), flagged
 
 
 def test_recompute_without_graph(node: Any) -> None:

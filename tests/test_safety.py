@@ -1,0 +1,228 @@
+"""The node's memory safety (issue 10 item 1): op rules, index checks,
+handles on the wire, the client table, allocation bounds.
+
+tests/c/safety_tests.c runs the node's graph path (proto.c decoding, the op
+rules, the device's supports_op, tb_graph_compute_checked) over random graphs
+for every allowed op against buffers between guard pages; it is built with
+TB_OP_RULES_TESTING so that one rule family can be switched off, which must
+make the same property fail. The rest speaks the wire to a running node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tbrpc._build import build_program
+from test_protocol import GGML_TENSOR_FLAG_COMPUTE, _ggml_op_index, _workers, graph, pack, ready, tensor
+
+from tbrpc.native import load
+
+ffi, lib = load()
+
+# op_rules.h, TB_OP_RULES_TESTING: the rule families a run may switch off
+RULE_FAMILIES = {"op_params": 1, "shapes": 2, "layout": 4, "indices": 8, "sources": 16}
+TB_FAKE_BASE, TB_FAKE_BASE_GAP = 1 << 44, 1 << 30   # proto.h
+
+
+@pytest.fixture(scope="module")
+def safety_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_program(Path(__file__).parent / "c" / "safety_tests.c", tmp_path_factory.mktemp("c") / "safety_tests",
+                         defines=("TB_OP_RULES_TESTING",))
+
+
+def run(program: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, GGML_NO_BACKTRACE="1")   # an abort must not start gdb
+    return subprocess.run([str(program), *args], capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("seed", ["1", "2", "3"])
+def test_random_graphs_never_touch_memory_outside_their_buffers(safety_tests: Path, seed: str) -> None:
+    """20,000 graphs per seed, every allowed op: each refused, or run without a
+    fault, an abort or a changed canary; every op both runs and is refused."""
+    proc = run(safety_tests, "property", seed, "20000")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASS property" in proc.stdout
+
+
+@pytest.mark.parametrize("family", list(RULE_FAMILIES))
+def test_without_a_rule_family_the_property_fails(safety_tests: Path, family: str) -> None:
+    """The negative test: the same generator, one family of rules off, and
+    graphs reach memory outside their buffers or a ggml abort."""
+    proc = run(safety_tests, "property", "1", "20000", str(RULE_FAMILIES[family]))
+    assert proc.returncode != 0, f"the property held with the {family} rules off:\n{proc.stdout[-2000:]}"
+    assert "FAULT signal" in proc.stderr or "CANARY" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_reported_attacks_are_refused_by_name(safety_tests: Path) -> None:
+    proc = run(safety_tests, "attacks")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("SET wrap-around", "ACC +-2 GiB", "PAD overlapping rows", "ROLL out of range", "NULL source",
+                 "nb[1] = 0 output", "op off the list"):
+        assert f"refused {name}" in proc.stdout
+
+
+def test_bad_row_indices_are_refused_before_the_op(safety_tests: Path) -> None:
+    proc = run(safety_tests, "bad_indices")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS bad_indices" in proc.stdout
+    # and without the run-time check, the same graph reaches ggml's abort (or worse)
+    assert run(safety_tests, "bad_indices", str(RULE_FAMILIES["indices"])).returncode != 0
+
+
+def test_expert_ids_computed_in_the_graph_are_checked_before_use(safety_tests: Path) -> None:
+    """TOP_K makes the ids MUL_MAT_ID reads: the graph runs in two segments
+    and the ids are checked in between (valid ones run, bad ones are refused)."""
+    proc = run(safety_tests, "produced_indices")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS produced_indices" in proc.stdout
+    assert run(safety_tests, "produced_indices", str(RULE_FAMILIES["indices"])).returncode != 0
+
+
+# ---- over the wire ------------------------------------------------------------------
+
+def test_alloc_buffer_reply_carries_no_address(nodes: Any) -> None:
+    node = nodes(1)[0]
+    w = ready(node)
+    bases = []
+    for size in (4096, 1 << 20, 4096):
+        w.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=size))
+        status, body = w.reply()
+        assert status == 0
+        _handle, base, _size = struct.unpack("<QQQ", body[:24])
+        bases.append(base)
+    # synthetic: the documented sequence, identical for every client and worker
+    assert bases[0] == TB_FAKE_BASE
+    assert all(b % TB_FAKE_BASE_GAP == 0 for b in bases) and len(set(bases)) == 3
+    maps = Path(f"/proc/{_workers(node)[0]}/maps").read_text() if Path("/proc").exists() else ""
+    for line in maps.splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        assert not any(lo <= b < hi for b in bases), line
+
+
+def test_a_client_may_not_allocate_more_than_the_device_has(nodes: Any) -> None:
+    node = nodes(1)[0]
+    w = ready(node)
+    w.send(lib.TB_CMD_GET_MEMORY)
+    status, body = w.reply()
+    total = struct.unpack("<QQ", body)[1]
+    w.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=1 << 40))   # 1 TiB
+    status, body = w.reply()
+    assert status != 0 and "refused" in body.decode() and str(total) in body.decode(), body
+    # nor in pieces: what it already holds counts
+    w.alloc(total // 2)
+    w.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=total // 2 + (1 << 30)))
+    status, body = w.reply()
+    assert status != 0 and "would hold" in body.decode(), body
+
+
+def test_repeated_node_indices_are_refused(nodes: Any) -> None:
+    node = nodes(1)[0]
+    w = ready(node)
+    h = w.alloc(4096)
+    a = tensor(buffer=h, offset=0)
+    s = tensor(buffer=h, offset=64, op=_ggml_op_index("SQR"), src=[0] + [-1] * 9, flags=GGML_TENSOR_FLAG_COMPUTE)
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, graph([a, s], [1] * 1000))
+    error = w.sync_error()
+    assert "node 1 repeats tensor 1" in error, error
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads a worker's mappings through /proc")
+@pytest.mark.parametrize("isolation", ["process", "spawn"])
+def test_a_worker_can_write_only_its_own_counters(nodes: Any, isolation: str) -> None:
+    """The client table: a worker maps it read-only, except its own counters
+    page; in_use and pid live in the node's private memory."""
+    node = nodes(1, "--isolation", isolation)[0]
+    w = ready(node)
+    w.alloc(4096)
+    (worker,) = _workers(node)
+    table = [line for line in Path(f"/proc/{worker}/maps").read_text().splitlines() if "/tbrpc-" in line]
+    assert table, "the status table is not mapped"
+    writable = [line for line in table if line.split()[1].startswith("rw")]
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert len(writable) == 1, table
+    lo, hi = (int(x, 16) for x in writable[0].split()[0].split("-"))
+    assert hi - lo == page, writable
+    # the descriptor is closed: the worker cannot map it again writable
+    fds = [os.readlink(f"/proc/{worker}/fd/{fd}") for fd in os.listdir(f"/proc/{worker}/fd")]
+    assert not any("/tbrpc-" in target for target in fds), fds
+    # STATUS still adds up everyone's counters
+    w.send(lib.TB_CMD_STATUS)
+    status, body = w.reply()
+    assert status == 0
+    buffers, allocated, clients = struct.unpack("<QQQ", body[:24])
+    assert (buffers, clients) == (1, 1) and allocated >= 4096
+
+
+def test_scratch_shrinks_after_a_large_message(nodes: Any) -> None:
+    """A rejected 200 MiB SET_TENSOR must not pin 200 MiB of scratch."""
+    node = nodes(1, "--isolation", "process")[0]
+    w = ready(node)
+    w.alloc(4096)
+    (worker,) = _workers(node)
+
+    def rss() -> int:
+        return int(next(line for line in Path(f"/proc/{worker}/status").read_text().splitlines()
+                        if line.startswith("VmRSS")).split()[1]) * 1024
+
+    size = 200 << 20
+    req = pack("struct tb_range", handle=12345, offset=0, size=size)   # unknown handle: read, then refused
+    w.sock.sendall(struct.pack("<IHHQQ", lib.TB_MAGIC, lib.TB_CMD_SET_TENSOR, 0, 99, len(req) + size) + req)
+    chunk = b"\0" * (1 << 20)
+    for _ in range(size >> 20):
+        w.sock.sendall(chunk)
+    w.sync_error()
+    for _ in range(20):   # a run of small requests later (node_session.c, SCRATCH_IDLE), the scratch is gone
+        w.sync_error()
+    assert rss() < 100 << 20, rss()
+
+
+# ---- --isolation thread (issue 10 item 7) ---------------------------------------------
+
+def test_thread_isolation_survives_a_null_source(nodes: Any) -> None:
+    """A MUL_MAT without its second source used to segfault the whole node
+    when clients are served by threads; now the rules refuse it, also when asked
+    through SUPPORTS_OP (whose device answer dereferences the sources)."""
+    node = nodes(1, "--isolation", "thread")[0]
+    w = ready(node)
+    h = w.alloc(4096)
+    a = tensor(buffer=h, offset=0, ne=[4, 2, 1, 1], nb=[4, 16, 32, 32])
+    mm = tensor(buffer=h, offset=256, ne=[2, 1, 1, 1], nb=[4, 8, 8, 8], op=_ggml_op_index("MUL_MAT"),
+                src=[0] + [-1] * 9, flags=GGML_TENSOR_FLAG_COMPUTE)
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, graph([a, mm], [1]))
+    error = w.sync_error()
+    assert "tensor 1 (MUL_MAT" in error and "source 1 is missing" in error, error
+    shapes_only = [tensor(ne=[4, 2, 1, 1], nb=[4, 16, 32, 32]),
+                   tensor(ne=[2, 1, 1, 1], nb=[4, 8, 8, 8], op=_ggml_op_index("MUL_MAT"), src=[0] + [-1] * 9)]
+    w.send(lib.TB_CMD_SUPPORTS_OP, graph(shapes_only, []))
+    assert w.reply() == (0, b"\x00")
+    assert node.proc.poll() is None
+    assert ready(node).alloc(64)
+
+
+def test_thread_isolation_hands_out_cleared_buffers(nodes: Any) -> None:
+    """Threads share one heap: a buffer another client freed must not reach
+    the next one with its bytes."""
+    node = nodes(1, "--isolation", "thread")[0]
+    size = 4096
+    first = ready(node)
+    h = first.alloc(size)
+    secret = b"\xa5" * size
+    first.sock.sendall(struct.pack("<IHHQQ", lib.TB_MAGIC, lib.TB_CMD_SET_TENSOR, 0, 77, 24 + size)
+                       + pack("struct tb_range", handle=h, offset=0, size=size) + secret)
+    assert first.sync_error() == ""
+    first.send(lib.TB_CMD_FREE_BUFFER, struct.pack("<Q", h))
+    assert first.sync_error() == ""
+    second = ready(node)
+    for _ in range(4):   # whichever allocation the heap hands back
+        h2 = second.alloc(size)
+        second.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=h2, offset=0, size=size))
+        status, body = second.reply()
+        assert status == 0 and body == b"\0" * size
