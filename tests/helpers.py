@@ -305,15 +305,15 @@ class NodeProcess:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def start_node(tmp_path: Path, *extra: str, cwd: Path = ROOT) -> NodeProcess:
-    """Start `tbrpc node` on a free port and wait until it listens.
+def start_node(tmp_path: Path, *extra: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> NodeProcess:
+    """Start `tbrpc node` on a free port and wait until it listens (`env`: its whole environment).
 
     The interpreter runs isolated (-I), as the installed `tbrpc` script does:
     it imports the installed tbrpc, never one from the working directory."""
     log = tmp_path / f"node-{time.monotonic_ns()}.log"
     stderr = open(log, "wb")
     proc = subprocess.Popen([sys.executable, "-I", "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1", *extra],
-                            cwd=cwd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+                            cwd=cwd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env)
     deadline = time.time() + 30
     while time.time() < deadline:
         m = re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))

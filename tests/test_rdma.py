@@ -167,28 +167,11 @@ def test_builds_without_verbs_headers(tmp_path) -> None:
 
 def start_sim_node(tmp_path: Path, sim_env: dict[str, str], host_id: str) -> "NodeProcess":
     """`tbrpc node` on 127.0.0.3, a second "host": its own host id and the stand-in's GID ::ffff:127.0.0.3."""
-    import re
-    import sys
-    import time
+    from helpers import start_node
 
-    from helpers import ROOT, NodeProcess
-
-    log = tmp_path / f"node-{host_id}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TBVSIM_", "TBRPC_"))}
     env.update(sim_env, TBVSIM_ADDR="127.0.0.3", TBRPC_HOST_ID=host_id)
-    proc = subprocess.Popen([sys.executable, "-I", "-m", "tbrpc.cli", "node", "--host", "127.0.0.3", "--port", "0",
-                             "--threads", "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
-                            start_new_session=True, env=env)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        m = re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))
-        if m:
-            return NodeProcess(proc, int(m.group(1)), log)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"node did not start: {log.read_text(errors='replace')}")
+    return start_node(tmp_path, "--host", "127.0.0.3", env=env)
 
 
 @pytest.fixture
