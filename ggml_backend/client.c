@@ -31,6 +31,7 @@ static void buffer_free(ggml_backend_buffer_t buffer) {
     if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "FREE_BUFFER", n->tp->error);
     pthread_mutex_unlock(&n->lock);
     __atomic_sub_fetch(&n->live_buffers, 1, __ATOMIC_RELAXED);
+    __atomic_sub_fetch(&n->live_bytes, cb->size, __ATOMIC_RELAXED);
     free(cb);
 }
 
@@ -239,6 +240,7 @@ static ggml_backend_buffer_t buft_alloc_buffer(ggml_backend_buffer_type_t buft, 
     }
     *cb = (struct client_buffer) { .node = n, .handle = rep.handle, .base = rep.base, .size = rep.size };
     __atomic_add_fetch(&n->live_buffers, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&n->live_bytes, cb->size, __ATOMIC_RELAXED);
     return ggml_backend_buffer_init(buft, buffer_iface, cb, size);
 }
 
@@ -766,6 +768,7 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
     out->graphs_reused = n->graphs_reused;
     out->bytes_from_files = n->bytes_from_files;
     out->peer_copies = n->peer_copies;
+    out->bytes_allocated = __atomic_load_n(&n->live_bytes, __ATOMIC_RELAXED);
     out->allreduces = n->allreduces;
     pthread_mutex_unlock(&n->lock);
     return 0;

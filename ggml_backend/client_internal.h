@@ -64,6 +64,7 @@ struct client_node {
 
     uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files, peer_copies, allreduces;
     uint64_t live_buffers;                   // buffers allocated and not yet freed (atomic)
+    uint64_t live_bytes;                     // their sizes (atomic)
 };
 
 struct tbrpc_client {

@@ -48,6 +48,7 @@ struct tbrpc_node_info {
     uint64_t bytes_from_files;       // weights the node read from its own copy of the model
     uint64_t peer_copies;            // activations this node sent straight to another node
     uint64_t allreduces;             // ALLREDUCE requests posted to it (tensor split)
+    uint64_t bytes_allocated;        // this head's buffers on it, now
 };
 
 struct tbrpc_client * tbrpc_client_new(void);

@@ -99,6 +99,7 @@ class NodeInfo:
     peer_copies: int = 0      # activations it sent straight to the next node
     transport: str = ""       # what carries the bytes, and why: "shm 16x64K", "tcp: the node is on another host"
     allreduces: int = 0       # tensor split: all-reduces it took part in, node to node
+    bytes_allocated: int = 0  # this process's buffers on the node, now
     error_kind: int = 0       # enum tbrpc_error_kind of the failure (tbrpc.h); node_error() makes its exception
 
     def exception(self) -> NodeError:
@@ -212,7 +213,7 @@ class Cluster:
             messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
             bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies, transport=text(out.transport),
             error_kind=out.error_kind,
-            allreduces=out.allreduces,
+            allreduces=out.allreduces, bytes_allocated=out.bytes_allocated,
         )
 
     def device_names(self) -> list[str]:

@@ -152,6 +152,7 @@ def snapshot(llm: Any, alias: str, log: RequestLog) -> dict[str, Any]:
             "name": info.node_name, "endpoint": info.endpoint, "device": info.device_name,
             "node_device": info.node_device, "memory_total": info.mem_total,
             "memory_planned": p.total_bytes if p else None,
+            "memory_used": info.bytes_allocated,   # this server's buffers on the node
             "layers": list(p.layers) if p and p.layers else None,
             "share": shares.get(info.device_name),
             "transport": info.transport, "failed": info.failed, "error": info.error or None,
@@ -193,6 +194,7 @@ def metrics_text(snap: dict[str, Any]) -> str:
             for n in snap["nodes"]])
     metric("tbrpc_node_memory_total_bytes", "gauge", "The node device's memory.", per_node("memory_total"))
     metric("tbrpc_node_memory_planned_bytes", "gauge", "What the plan puts on the node.", per_node("memory_planned"))
+    metric("tbrpc_node_memory_used_bytes", "gauge", "This server's buffers on the node.", per_node("memory_used"))
     metric("tbrpc_node_round_trips_total", "counter", "Requests the head waited on.", per_node("round_trips"))
     metric("tbrpc_node_bytes_total", "counter", "Bytes between the head and the node, both ways.", per_node("bytes"))
     return "\n".join(lines) + "\n"
@@ -213,7 +215,7 @@ PAGE = """<!doctype html>
 <body>
 <h1>tbrpc <span id="model"></span></h1>
 <p id="summary"></p>
-<table id="nodes"><thead><tr><th>node</th><th>endpoint</th><th>device</th><th>layers</th><th>memory planned / total</th>
+<table id="nodes"><thead><tr><th>node</th><th>endpoint</th><th>device</th><th>layers</th><th>memory used / planned / total</th>
 <th>transport</th><th>round trips / token</th><th>bytes / token</th><th>state</th></tr></thead><tbody></tbody></table>
 <h2>Recent requests</h2>
 <table id="requests"><thead><tr><th>when</th><th>route</th><th>tokens</th><th>tokens/s</th><th>first token</th><th>status</th></tr></thead><tbody></tbody></table>
@@ -237,7 +239,7 @@ async function refresh() {
       const row = nodes.insertRow(); row.dataset.node = n.name;
       cell(row, n.name); cell(row, n.endpoint); cell(row, n.device + " (" + n.node_device + ")");
       cell(row, (n.layers ? n.layers[0] + "-" + n.layers[1] : "-") + (n.share ? " (" + n.share + ")" : ""));
-      cell(row, size(n.memory_planned) + " / " + size(n.memory_total), "num"); cell(row, n.transport);
+      cell(row, size(n.memory_used) + " / " + size(n.memory_planned) + " / " + size(n.memory_total), "num"); cell(row, n.transport);
       cell(row, num(n.round_trips_per_token, 2), "num"); cell(row, size(n.bytes_per_token), "num");
       cell(row, n.failed ? "DOWN: " + n.error : "up", n.failed ? "down" : "");
     }

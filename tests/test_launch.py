@@ -366,6 +366,7 @@ def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
             served, on_page = row["served"], page_nodes[row["endpoint"]]
             assert served["layers"] == on_page["layers"] and served["memory_planned"] == on_page["memory_planned"]
             assert served["round_trips_per_token"] > 0 and served["bytes_per_token"] > 0, served
+            assert served["memory_used"] == row["bytes_allocated"] > 0, (served, row)   # the head's count is the node's
         (serving,) = shown["launches"]
         assert serving["pid"] == launch.proc.pid and serving["requests"]["count"] == 1, serving
         assert serving["requests"]["tokens"] == page["requests"]["tokens"] > 0, (serving, page)
