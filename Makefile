@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tbrpc-installed
 C_SRC  := $(wildcard ggml_backend/*.c ggml_backend/*.h ggml_backend/transport/*.c)
 
-.PHONY: demo test setup
+.PHONY: demo test setup fuzz
 
 setup: $(STAMP)
 
@@ -27,3 +27,7 @@ demo: $(STAMP)
 # The whole test suite.
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# A longer protocol fuzzing campaign against a node of its own (tests/fuzz.py).
+fuzz: $(STAMP)
+	$(PY) -m tests.fuzz --frames $${FRAMES:-1000000}

@@ -81,6 +81,8 @@ void tb_auth_mac(const uint8_t * secret, size_t secret_len, const char * role, c
 struct tb_open_file { uint64_t size; uint8_t fingerprint[16]; uint8_t proof[16]; char name[256]; };
 struct tb_file_range { uint64_t handle, offset, size, file_id, file_offset; };
 void tb_abi_fill(struct tb_abi * abi);
+bool tb_cmd_posted(uint16_t cmd);
+const char * tb_cmd_name(uint16_t cmd);
 void tb_ggml_build(char * out, size_t len);
 
 struct tb_file_identity { uint64_t size; uint8_t fingerprint[16]; };

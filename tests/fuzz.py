@@ -1,0 +1,338 @@
+"""A structure-aware protocol fuzzer for `tbrpc node`.
+
+Each connection says a valid HELLO, then sends mutated requests: every
+command with its request struct's fields drawn from values that matter
+(0, 1, the handles of real buffers, sizes around those buffers, 2^63,
+2^64-1), graphs of one to eight tensors for the ops llama.cpp's graphs use
+(shapes, strides, op params, sources and views mutated), and plain garbage,
+sometimes with a payload shorter than its header says. After every request
+that wants an answer, and every few posted ones (by a SYNC), the node must
+answer or close the connection within HANG_S: anything else is a hang.
+
+    python -m tests.fuzz --frames 1000000 [--seed N] [--node HOST:PORT]
+
+starts a node of its own (unless given one) and prints what it found:
+frames, connections, node deaths, hangs, worker crashes (from the node's
+log) and the node's RSS before and after. tests/test_fuzz.py runs a
+bounded campaign in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import re
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tbrpc.native import load
+
+HEADER = struct.Struct("<IHHQQ")
+HANG_S = 20.0              # the node's own limits (10 s timeout, 5 s handshake) are well inside this
+FLAG_COMPUTE = 16          # ggml.h GGML_TENSOR_FLAG_COMPUTE
+OPS = ("NONE", "ADD", "ADD1", "ACC", "SUB", "MUL", "DIV", "SQR", "SQRT", "SUM_ROWS", "MEAN", "ARGMAX", "REPEAT",
+       "CONCAT", "RMS_NORM", "NORM", "MUL_MAT", "MUL_MAT_ID", "SCALE", "SET", "CPY", "CONT", "RESHAPE", "VIEW",
+       "PERMUTE", "TRANSPOSE", "GET_ROWS", "SET_ROWS", "DIAG_MASK_INF", "SOFT_MAX", "ROPE", "CLAMP", "PAD", "ROLL",
+       "ARGSORT", "TOP_K", "FLASH_ATTN_EXT", "UNARY", "GLU", "FILL", "LEAKY_RELU")
+# Request sizes of proto.h's structs (a wrong size is still a request the node must refuse cleanly).
+REQUEST_U64S = {"ALLOC_BUFFER": 1, "FREE_BUFFER": 1, "BUFFER_CLEAR": 4, "MEMSET_TENSOR": 4, "GET_TENSOR": 3,
+                "COPY_TENSOR": 5, "LOAD_FROM_FILE": 5, "PEER_ACCEPT": 1, "PEER_SEND": 4, "PEER_RECV": 4,
+                "TRANSPORT_OFFER": 2, "SET_TENSOR_2D": 5, "LOAD_FROM_FILE_2D": 8, "ALLREDUCE": 37, "AUTH": 4,
+                "PEER_CONNECT": 34, "OPEN_FILE": 37, "TRANSPORT_SWITCH": 0}
+
+
+@dataclass
+class Findings:
+    frames: int = 0
+    connections: int = 0
+    hangs: list[str] = field(default_factory=list)
+    node_died: bool = False
+    worker_crashes: int = 0
+    rss_before_kib: int = 0
+    rss_after_kib: int = 0
+
+    def summary(self) -> str:
+        return (f"{self.frames} frames over {self.connections} connections: node died: {self.node_died}, "
+                f"hangs: {len(self.hangs)}, worker crashes: {self.worker_crashes}, "
+                f"node RSS {self.rss_before_kib} KiB before, {self.rss_after_kib} KiB after")
+
+
+def _op_indices() -> dict[str, int]:
+    import llama_cpp.llama_cpp as llama_lib
+
+    op_name = llama_lib._lib.ggml_op_name
+    op_name.restype = ctypes.c_char_p
+    op_name.argtypes = [ctypes.c_int]
+    names = {}
+    for i in range(200):
+        name = op_name(i)
+        if name is None:
+            break
+        names[name.decode()] = i
+    return {n: names[n] for n in OPS if n in names}
+
+
+class Fuzzer:
+    def __init__(self, endpoint: str, seed: int, hang_s: float = HANG_S) -> None:
+        self.ffi, self.lib = load()
+        self.hang_s = hang_s
+        host, port = endpoint.rsplit(":", 1)
+        self.address = (host, int(port))
+        self.rng = random.Random(seed)
+        self.ops = _op_indices()
+        self.commands = _command_numbers()
+        self.posted_since_sync = 0
+        self.handles: list[tuple[int, int]] = []   # (handle, size) of this connection's buffers
+        self.sock: socket.socket | None = None
+        self.next_id = 1
+        self.findings = Findings()
+
+    # --- framing -------------------------------------------------------------------
+
+    def connect(self) -> None:
+        self.close()
+        self.sock = socket.create_connection(self.address, timeout=self.hang_s)
+        self.findings.connections += 1
+        self.handles = []
+        hello = self.ffi.new("struct tb_hello *")
+        self.lib.tb_abi_fill(self.ffi.addressof(hello.abi))
+        hello.keepalive_ms = 1000
+        if self.request(self.commands["HELLO"], bytes(self.ffi.buffer(hello))) is None:
+            raise RuntimeError("the node refused a valid HELLO")
+        for size in (4096, 65536):
+            body = self.request(self.commands["ALLOC_BUFFER"], struct.pack("<Q", size))
+            if body is not None and len(body) >= 24:
+                self.handles.append((struct.unpack("<Q", body[:8])[0], size))
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def send(self, cmd: int, payload: bytes, claimed: int | None = None) -> bool:
+        assert self.sock is not None
+        self.next_id += 1
+        self.findings.frames += 1
+        try:
+            self.sock.sendall(HEADER.pack(self.lib.TB_MAGIC, cmd, 0, self.next_id,
+                                          len(payload) if claimed is None else claimed) + payload)
+            return True
+        except OSError:
+            return False   # the node closed it: fine
+
+    def reply(self, what: str) -> bytes | None:
+        """The next reply's body (status 0), None for an error reply or a closed
+        connection; a silent, open connection past HANG_S is a hang."""
+        assert self.sock is not None
+        try:
+            while True:
+                head = self._exactly(HEADER.size)
+                if head is None:
+                    return None
+                _magic, cmd, _flags, _id, length = HEADER.unpack(head)
+                body = self._exactly(length)
+                if body is None:
+                    return None
+                if cmd != self.commands["KEEPALIVE"]:
+                    break
+        except TimeoutError:
+            self.findings.hangs.append(what)
+            self.close()
+            return None
+        status = struct.unpack("<i", body[:4])[0] if len(body) >= 4 else -1
+        return body[8:] if status == 0 else None
+
+    def request(self, cmd: int, payload: bytes) -> bytes | None:
+        return self.reply(f"command {cmd}, {len(payload)} bytes") if self.send(cmd, payload) else None
+
+    def _exactly(self, n: int) -> bytes | None:
+        assert self.sock is not None
+        data = b""
+        while len(data) < n:
+            try:
+                chunk = self.sock.recv(n - len(data))
+            except (ConnectionResetError, BrokenPipeError):
+                return None
+            if not chunk:
+                return None
+            data += chunk
+        return data
+
+    # --- values --------------------------------------------------------------------
+
+    def u64(self) -> int:
+        r = self.rng.random()
+        if r < 0.3 and self.handles:
+            return self.rng.choice(self.handles)[0]
+        if r < 0.5 and self.handles:
+            size = self.rng.choice(self.handles)[1]
+            return max(0, size + self.rng.choice((-1, 0, 1, -8, 8, -size, size)))
+        return self.rng.choice((0, 1, 2, 7, 8, 64, 4096, 65536, 2**31, 2**32 - 1, 2**63, 2**64 - 1,
+                                self.rng.getrandbits(64), self.rng.randrange(0, 1 << 20)))
+
+    def fields(self, n: int) -> bytes:
+        return struct.pack(f"<{n}Q", *(self.u64() for _ in range(n)))
+
+    def graph(self) -> bytes:
+        n = self.rng.randint(1, 8)
+        tensors = []
+        for i in range(n):
+            t = self.ffi.new("struct tb_wire_tensor *")
+            handle, size = self.rng.choice(self.handles) if self.handles else (0, 0)
+            t.buffer = handle if self.rng.random() < 0.9 else self.u64()
+            t.offset = self.rng.choice((0, 64, 256, size // 2, size, self.u64()))
+            t.type = self.rng.choice((0, 0, 0, 1, 8, 12, 24, 26, self.rng.randrange(0, 64)))   # mostly F32
+            ne = [self.rng.choice((1, 1, 2, 4, 8, 16, 32)) for _ in range(4)]
+            if self.rng.random() < 0.1:
+                ne[self.rng.randrange(4)] = self.rng.choice((0, -1, 2**40))
+            t.ne = ne
+            nb = [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2]]
+            if self.rng.random() < 0.3:
+                nb[self.rng.randrange(4)] = self.rng.choice((0, 1, 4, 2**63, self.u64()))
+            t.nb = [max(0, x) % 2**64 for x in nb]
+            t.op = self.rng.choice(list(self.ops.values())) if self.rng.random() < 0.95 else self.rng.randrange(0, 200)
+            t.op_params = [self.rng.choice((0, 1, -1, 2, 4, 2**31 - 1, -2**31, self.rng.getrandbits(31)))
+                           for _ in range(16)]
+            t.flags = FLAG_COMPUTE if self.rng.random() < 0.8 else self.rng.getrandbits(31)
+            t.view_src = self.rng.randrange(-1, i) if i and self.rng.random() < 0.2 else -1
+            t.view_offs = self.rng.choice((0, 4, 64, self.u64()))
+            t.src = [self.rng.randrange(-1, i) if i and k < 3 else -1 for k in range(10)]
+            t.use_count = self.rng.randint(0, 3)
+            tensors.append(bytes(self.ffi.buffer(t)))
+        nodes = [self.rng.randrange(0, n) for _ in range(self.rng.randint(1, n))] if self.rng.random() < 0.2 \
+            else list(range(n))
+        return struct.pack("<II", n, len(nodes)) + b"".join(tensors) + struct.pack(f"<{len(nodes)}I", *nodes)
+
+    # --- one frame -----------------------------------------------------------------
+
+    def step(self) -> None:
+        if self.sock is None:
+            self.connect()
+        name = self.rng.choice(sorted(self.commands))
+        cmd = self.commands[name]
+        claimed = None
+        r = self.rng.random()
+        if name in ("GRAPH_COMPUTE", "SUPPORTS_OP", "GET_ALLOC_SIZE") and r < 0.8:
+            payload = self.graph()
+        elif name in ("SET_TENSOR", "SET_TENSOR_2D") and r < 0.8:
+            head = self.fields(3 if name == "SET_TENSOR" else 5)
+            payload = head + bytes(self.rng.choice((0, 4, 64, 4096)))
+        elif name in REQUEST_U64S and r < 0.8:
+            payload = self.fields(REQUEST_U64S[name])
+        else:
+            payload = self.rng.randbytes(self.rng.choice((0, 1, 8, 24, 100, 4096)))
+            if self.rng.random() < 0.05:
+                claimed = len(payload) + self.rng.choice((1, 100))   # a payload that never comes: the node times out
+        if not self.send(cmd, payload, claimed):
+            self.close()
+            return
+        if claimed is not None or name in ("TRANSPORT_SWITCH", "KEEPALIVE", "HELLO", "AUTH"):
+            self.close()     # the stream cannot go on: start again
+            return
+        if self.lib.tb_cmd_posted(cmd):
+            self.posted_since_sync += 1
+            if self.posted_since_sync < 8:
+                return
+            self.posted_since_sync = 0
+            cmd, name = self.commands["SYNC"], "SYNC after posted requests"
+            if not self.send(cmd, b""):
+                self.close()
+                return
+        self.reply(name)
+        if self.sock is not None and self.rng.random() < 0.01:
+            self.close()
+
+
+def _command_numbers() -> dict[str, int]:
+    """proto.h's enum tb_cmd, from the C library's own names."""
+    _, lib = load()
+    from tbrpc.native import text
+
+    names = {}
+    for cmd in range(1, 64):
+        name = text(lib.tb_cmd_name(cmd))
+        if name == "UNKNOWN":
+            break
+        names[name] = cmd
+    return names
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def campaign(endpoint: str, frames: int, seed: int, node_pid: int | None, log: Path | None,
+             hang_s: float = HANG_S) -> Findings:
+    fuzzer = Fuzzer(endpoint, seed, hang_s)
+    found = fuzzer.findings
+    if node_pid:
+        found.rss_before_kib = rss_kib(node_pid)
+    while found.frames < frames:
+        try:
+            fuzzer.step()
+        except (ConnectionRefusedError, RuntimeError):
+            found.node_died = True
+            break
+        except OSError:
+            fuzzer.close()
+        if len(found.hangs) >= 3:   # a node that hangs will go on hanging: enough to say so
+            break
+    fuzzer.close()
+    if node_pid:
+        try:
+            found.rss_after_kib = rss_kib(node_pid)
+        except OSError:
+            found.node_died = True
+    if log is not None:
+        found.worker_crashes = len(re.findall(r"died with signal", log.read_text(errors="replace")))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--frames", type=int, default=100000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--node", default=None, help="HOST:PORT of a running node (default: start one)")
+    args = parser.parse_args()
+    proc, log = None, None
+    endpoint = args.node
+    if endpoint is None:
+        log = Path(tempfile.mkdtemp(prefix="tbrpc-fuzz-")) / "node.log"
+        proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1"],
+                                stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
+        deadline = time.monotonic() + 30
+        while not (m := re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"node did not start: {log.read_text()}")
+            time.sleep(0.05)
+        endpoint = f"127.0.0.1:{m.group(1)}"
+    started = time.monotonic()
+    try:
+        found = campaign(endpoint, args.frames, args.seed, proc.pid if proc else None, log)
+    finally:
+        if proc is not None:
+            alive = proc.poll() is None
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(found.summary() + f"; {time.monotonic() - started:.0f} s" + ("" if proc is None or alive else "; NODE EXITED"))
+    for hang in found.hangs[:20]:
+        print("hang:", hang)
+    if log is not None and found.worker_crashes:
+        for line in log.read_text(errors="replace").splitlines():
+            if "died with signal" in line:
+                print(line)
+
+
+if __name__ == "__main__":
+    main()
