@@ -13,12 +13,13 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 
+#include "check.h"
+
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); exit(1); } } while (0)
 
 struct env {
     struct tb_node * node;

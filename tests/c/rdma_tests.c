@@ -11,6 +11,8 @@
 #include "transport.h"
 #include "transport/rdma.h"
 
+#include "check.h"
+
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -25,8 +27,6 @@
 
 extern char ** environ;
 
-#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-    fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } } while (0)
 
 struct pair { struct tb_transport * mine; pid_t child; };
 
@@ -79,14 +79,6 @@ static struct pair make_pair(int timeout_ms, int expect_rdma, int (*child_fn)(st
     fflush(stdout);
     return (struct pair) { t, pid };
 }
-
-static int child_status(pid_t pid) {
-    int st = 0;
-    CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
-
-static uint8_t pattern(uint64_t i, uint32_t salt) { return (uint8_t) ((i * 2654435761u) >> 13 ^ salt); }
 
 // --- streams ----------------------------------------------------------------------
 

@@ -6,6 +6,8 @@
 #include "transport.h"
 #include "transport/ring.h"
 
+#include "check.h"
+
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -17,8 +19,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-    fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } } while (0)
 
 struct pair { struct tb_transport * mine; pid_t child; };
 
@@ -53,14 +53,6 @@ static struct pair make_pair(uint32_t slots, uint32_t stride, int timeout_ms, in
     snprintf(t->peer, sizeof t->peer, "child");
     return (struct pair) { t, pid };
 }
-
-static int child_status(pid_t pid) {
-    int st = 0;
-    CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
-
-static uint8_t pattern(uint64_t i, uint32_t salt) { return (uint8_t) ((i * 2654435761u) >> 13 ^ salt); }
 
 // --- cases ------------------------------------------------------------------------
 

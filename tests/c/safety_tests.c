@@ -27,6 +27,8 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include "check.h"
+
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,7 +36,6 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); exit(1); } } while (0)
 #define MAXT 16
 
 static char current_case[512] = "(none)";
