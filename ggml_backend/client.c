@@ -14,6 +14,11 @@
 
 // ---- buffer -----------------------------------------------------------------
 
+// The node forgets every graph it kept (a buffer they may use was freed, or a new session).
+static void forget_kept_graphs(struct client_node * n) {
+    for (size_t i = 0; i < TB_KEPT_GRAPHS; i++) { n->kept[i].len = 0; n->kept[i].uid = 0; }
+}
+
 static const char * buft_get_name(ggml_backend_buffer_type_t buft);
 
 bool is_our_buffer(ggml_backend_buffer_t b) {
@@ -25,8 +30,7 @@ static void buffer_free(ggml_backend_buffer_t buffer) {
     struct client_node * n = cb->node;
     struct tb_buffer_req req = { .handle = cb->handle };
     pthread_mutex_lock(&n->lock);
-    n->last_graph_len = 0;                  // the node drops its kept graph with the buffer
-    n->last_graph_uid = 0;
+    forget_kept_graphs(n);                  // the node drops its kept graphs with the buffer
     node_post_locked(n, TB_CMD_FREE_BUFFER, &req, sizeof req, NULL, 0);
     if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "FREE_BUFFER", n->tp->error);
     pthread_mutex_unlock(&n->lock);
@@ -282,37 +286,51 @@ static void backend_synchronize(ggml_backend_t backend) {
     pthread_mutex_unlock(&n->lock);
 }
 
-// Posts the graph; when the node already holds an identical one (the usual
-// case from one generated token to the next), posts only "run it again".
+// Posts the graph; when the node already keeps an identical one (the usual
+// case from one generated token to the next, for each of a tensor split's
+// subgraphs too), posts only "run slot i again".
+static void post_recompute(struct client_node * n, size_t slot) {
+    const uint32_t s = (uint32_t) slot;
+    n->graphs_reused++;
+    n->kept[slot].used = ++n->kept_clock;
+    node_post_locked(n, TB_CMD_GRAPH_RECOMPUTE, &s, sizeof s, NULL, 0);
+}
+
 static enum ggml_status backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * g) {
     struct client_node * n = backend_node(backend);
     char err[256] = "";
     pthread_mutex_lock(&n->lock);
-    if (!n->failed && g->uid != 0 && g->uid == n->last_graph_uid && n->last_graph_len > 0) {
-        // the scheduler did not re-split: the node holds exactly this graph
-        n->graphs_reused++;
-        node_post_locked(n, TB_CMD_GRAPH_RECOMPUTE, NULL, 0, NULL, 0);
-        if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "GRAPH_RECOMPUTE", n->tp->error);
-        enum ggml_status st = n->failed ? GGML_STATUS_FAILED : GGML_STATUS_SUCCESS;
-        pthread_mutex_unlock(&n->lock);
-        return st;
+    size_t slot = TB_KEPT_GRAPHS;
+    for (size_t i = 0; i < TB_KEPT_GRAPHS && g->uid != 0; i++) {
+        if (n->kept[i].len > 0 && n->kept[i].uid == g->uid) slot = i;   // the scheduler did not re-split
     }
-    size_t len = n->failed ? 0 : encode_graph(n, g, err, sizeof err);
-    if (len == 0 && !n->failed) node_fail(n, "GRAPH_COMPUTE", err);
-    if (!n->failed) {
-        if (len == n->last_graph_len && memcmp(n->encode, n->last_graph, len) == 0) {
-            n->graphs_reused++;
-            node_post_locked(n, TB_CMD_GRAPH_RECOMPUTE, NULL, 0, NULL, 0);
-        } else {
-            n->graphs_sent++;
-            node_post_locked(n, TB_CMD_GRAPH_COMPUTE, n->encode, len, NULL, 0);
-            n->last_graph_len = tb_reserve(&n->last_graph, &n->last_graph_cap, len) == 0 ? len : 0;
-            if (n->last_graph_len) memcpy(n->last_graph, n->encode, len);
+    size_t len = 0;
+    if (!n->failed && slot == TB_KEPT_GRAPHS) {
+        len = encode_graph(n, g, err, sizeof err);
+        if (len == 0) node_fail(n, "GRAPH_COMPUTE", err);
+        for (size_t i = 0; i < TB_KEPT_GRAPHS && len > 0; i++) {
+            if (n->kept[i].len == len && memcmp(n->kept[i].bytes, n->encode, len) == 0) slot = i;
         }
-        n->last_graph_uid = g->uid;
-        // start the node now: the head may have its own work before it reads results
-        if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "GRAPH_COMPUTE", n->tp->error);
     }
+    if (!n->failed && slot < TB_KEPT_GRAPHS) {
+        n->kept[slot].uid = g->uid;
+        post_recompute(n, slot);
+    } else if (!n->failed) {
+        slot = 0;                                   // the least recently used slot
+        for (size_t i = 1; i < TB_KEPT_GRAPHS; i++) {
+            if (n->kept[i].used < n->kept[slot].used) slot = i;
+        }
+        struct kept_graph * k = &n->kept[slot];
+        k->len = tb_reserve(&k->bytes, &k->cap, len) == 0 ? len : 0;   // as encoded, with slot 0
+        if (k->len) memcpy(k->bytes, n->encode, len);
+        k->uid = g->uid;
+        k->used = ++n->kept_clock;
+        ((struct tb_graph_header *) n->encode)->slot = (uint32_t) slot;
+        n->graphs_sent++;
+        node_post_locked(n, TB_CMD_GRAPH_COMPUTE, n->encode, len, NULL, 0);
+    }
+    // start the node now: the head may have its own work before it reads results
+    if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "GRAPH_COMPUTE", n->tp->error);
     enum ggml_status st = n->failed ? GGML_STATUS_FAILED : GGML_STATUS_SUCCESS;
     pthread_mutex_unlock(&n->lock);
     return st;
@@ -690,8 +708,7 @@ int tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * 
     n->failed = false;
     n->error_kind = 0;
     n->error[0] = '\0';
-    n->last_graph_len = 0;                 // the new session holds no graph, file or link of the old one
-    n->last_graph_uid = 0;
+    forget_kept_graphs(n);                 // the new session holds no graph, file or link of the old one
     n->n_files = 0;
     n->n_links = 0;
     describe_node(n);

@@ -47,8 +47,9 @@ struct client_node {
     char   error[512];
 
     uint8_t * encode;  size_t encode_cap;    // graph message being built
-    uint8_t * last_graph; size_t last_graph_len, last_graph_cap; // what the node holds for RECOMPUTE
-    uint64_t last_graph_uid;                 // ggml's uid of that graph (0: unknown)
+    // The graphs the node keeps (slot i of TB_KEPT_GRAPHS), as encoded with slot 0, for RECOMPUTE.
+    struct kept_graph { uint64_t uid; uint8_t * bytes; size_t len, cap; uint64_t used; } kept[TB_KEPT_GRAPHS];
+    uint64_t kept_clock;                     // for least-recently-used replacement
     struct op_cache_entry op_cache[OP_CACHE_SIZE];
 
     struct node_file { char path[4096]; uint64_t id; } * files;  // head file -> node's file id (0: the node lacks it)

@@ -537,7 +537,7 @@ void node_destroy(struct client_node * n) {
     tb_close(n->tp);
     pthread_mutex_destroy(&n->lock);
     free(n->encode);
-    free(n->last_graph);
+    for (size_t i = 0; i < TB_KEPT_GRAPHS; i++) free(n->kept[i].bytes);
     free(n->files);
     free(n);
 }

@@ -50,8 +50,8 @@ struct node_conn {
     size_t   scratch_need;          // the most of it the current request asked for (scratch_reserve)
     uint32_t scratch_idle;          // requests in a row that needed under a quarter of payload_cap
     char     sticky[512];           // first failure of a posted request, reported with the next reply
-    struct ggml_context * graph_ctx; // the last graph, kept for GRAPH_RECOMPUTE
-    struct ggml_cgraph *  graph;
+    struct { struct ggml_context * ctx; struct ggml_cgraph * graph; } kept[TB_KEPT_GRAPHS];   // for GRAPH_RECOMPUTE
+    struct ggml_cgraph *  graph;    // the one to run
 
     // While a graph computes, the watchdog thread sends KEEPALIVE so the
     // client can tell a long computation from a dead node.
@@ -333,13 +333,21 @@ static int handle_alloc(struct node_conn * c, const struct tb_header * h, struct
     return 0;
 }
 
+static void forget_kept_graphs(struct node_conn * c) {
+    for (size_t i = 0; i < TB_KEPT_GRAPHS; i++) {
+        if (c->kept[i].ctx) ggml_free(c->kept[i].ctx);
+        c->kept[i].ctx = NULL;
+        c->kept[i].graph = NULL;
+    }
+    c->graph = NULL;
+}
+
 static int handle_free(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
     if (expect_len(h->len, sizeof(struct tb_buffer_req), "FREE_BUFFER", err, err_len) != 0) return -1;
     const struct tb_buffer_req * req = (const struct tb_buffer_req *) c->payload;
     for (size_t i = 0; i < c->n_buffers; i++) {
         if (c->buffers[i].handle == req->handle) {
-            // the kept graph may point into this buffer: forget it
-            if (c->graph_ctx) { ggml_free(c->graph_ctx); c->graph_ctx = NULL; c->graph = NULL; }
+            forget_kept_graphs(c);   // they may point into this buffer
             release_buffer(c, i);
             return 0;
         }
@@ -543,18 +551,28 @@ static int handle_graph_compute(struct node_conn * c, const struct tb_header * h
     struct ggml_context * ctx = decode_graph(c, h, true, &tensors, &g, &nt, err, err_len);
     if (!ctx) return -1;
     free(tensors);
-    if (c->graph_ctx) ggml_free(c->graph_ctx);
-    c->graph_ctx = ctx;
+    const uint32_t slot = ((const struct tb_graph_header *) c->payload)->slot;
+    if (slot >= TB_KEPT_GRAPHS) {
+        ggml_free(ctx);
+        snprintf(err, err_len, "GRAPH_COMPUTE: slot %u (a node keeps %d graphs)", slot, TB_KEPT_GRAPHS);
+        return -1;
+    }
+    if (c->kept[slot].ctx) ggml_free(c->kept[slot].ctx);
+    c->kept[slot].ctx = ctx;
+    c->kept[slot].graph = g;
     c->graph = g;
     return run_graph(c, err, err_len);
 }
 
 static int handle_graph_recompute(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
-    if (expect_len(h->len, 0, "GRAPH_RECOMPUTE", err, err_len) != 0) return -1;
-    if (!c->graph) {
-        snprintf(err, err_len, "GRAPH_RECOMPUTE without a previous graph");
+    if (expect_len(h->len, sizeof(uint32_t), "GRAPH_RECOMPUTE", err, err_len) != 0) return -1;
+    uint32_t slot;
+    memcpy(&slot, c->payload, sizeof slot);
+    if (slot >= TB_KEPT_GRAPHS || !c->kept[slot].graph) {
+        snprintf(err, err_len, "GRAPH_RECOMPUTE of slot %u, which holds no graph", slot);
         return -1;
     }
+    c->graph = c->kept[slot].graph;
     return run_graph(c, err, err_len);
 }
 
@@ -1486,7 +1504,7 @@ static void conn_free(struct node_conn * c) {
     for (size_t i = 0; i < c->n_files; i++) close(c->files[i].fd);
     for (size_t i = 0; i < c->n_peers; i++) tb_close(c->peers[i].tp);
     if (c->peer_listen_fd >= 0) close(c->peer_listen_fd);
-    if (c->graph_ctx) ggml_free(c->graph_ctx);
+    forget_kept_graphs(c);
     if (c->backend) ggml_backend_free(c->backend);
     free(c->buffers);
     free(c->payload);

@@ -54,7 +54,7 @@ enum tb_cmd {
     TB_CMD_MEMSET_TENSOR,    // tb_memset_req       posted
     TB_CMD_COPY_TENSOR,      // tb_copy_req         posted
     TB_CMD_GRAPH_COMPUTE,    // tb_graph_header + tensors + node indices  posted
-    TB_CMD_GRAPH_RECOMPUTE,  // empty: run the last graph again           posted
+    TB_CMD_GRAPH_RECOMPUTE,  // u32 slot: run a kept graph again           posted
     TB_CMD_SUPPORTS_OP,      // tb_graph_header + tensors (last one is the op)  reply: u8
     TB_CMD_SYNC,             // empty               reply: empty (carries the sticky error)
     TB_CMD_STATUS,           // empty               reply: tb_status
@@ -276,9 +276,16 @@ struct tb_wire_tensor {
     int32_t  reserved;
 };
 
+// A node keeps the last TB_KEPT_GRAPHS graphs a client sent, each in the slot
+// GRAPH_COMPUTE named; GRAPH_RECOMPUTE (payload: u32 slot) runs one again.
+// llama.cpp's tensor split runs a dozen subgraphs per token on every node:
+// each is sent once, then only named.
+#define TB_KEPT_GRAPHS 32
 struct tb_graph_header {
     uint32_t n_tensors;
     uint32_t n_nodes;         // for SUPPORTS_OP: 0
+    uint32_t slot;            // GRAPH_COMPUTE: where the node keeps it (< TB_KEPT_GRAPHS); otherwise 0
+    uint32_t reserved;
 };
 
 // ---- helpers shared by both sides -----------------------------------------

@@ -209,7 +209,8 @@ class Fuzzer:
             tensors.append(bytes(self.ffi.buffer(t)))
         nodes = [self.rng.randrange(0, n) for _ in range(self.rng.randint(1, n))] if self.rng.random() < 0.2 \
             else list(range(n))
-        return struct.pack("<II", n, len(nodes)) + b"".join(tensors) + struct.pack(f"<{len(nodes)}I", *nodes)
+        slot = self.rng.choice((0, 1, 31, 32, 2**32 - 1))   # tb_graph_header.slot: where the node keeps it
+        return struct.pack("<IIII", n, len(nodes), slot, 0) + b"".join(tensors) + struct.pack(f"<{len(nodes)}I", *nodes)
 
     # --- one frame -----------------------------------------------------------------
 

@@ -440,8 +440,36 @@ def test_host_buffers_ask_for_huge_pages(node: Any) -> None:
 
 def test_recompute_without_graph(node: Any) -> None:
     w = ready(node)
-    w.send(lib.TB_CMD_GRAPH_RECOMPUTE)
-    assert "without a previous graph" in w.sync_error()
+    w.send(lib.TB_CMD_GRAPH_RECOMPUTE, struct.pack("<I", 3))
+    assert "slot 3, which holds no graph" in w.sync_error()
+    w.send(lib.TB_CMD_GRAPH_RECOMPUTE, struct.pack("<I", lib.TB_KEPT_GRAPHS))
+    assert f"slot {lib.TB_KEPT_GRAPHS}, which holds no graph" in w.sync_error()
+
+
+def test_a_node_keeps_graphs_in_the_slots_named(node: Any) -> None:
+    """Two graphs kept in two slots run again by slot, each its own."""
+    w = ready(node)
+    handle = w.alloc(4096)
+    sqr = _ggml_op_index("SQR")
+    x = tensor(buffer=handle, offset=0)
+    for slot, out_offset in ((0, 64), (5, 128)):
+        y = tensor(buffer=handle, offset=out_offset, op=sqr, src=[0] + [-1] * 9, flags=GGML_TENSOR_FLAG_COMPUTE)
+        body = bytearray(graph([x, y], [1]))
+        struct.pack_into("<I", body, 8, slot)   # tb_graph_header.slot
+        w.send(lib.TB_CMD_GRAPH_COMPUTE, bytes(body))
+    assert w.sync_error() == ""
+    w.send(lib.TB_CMD_SET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=16) + struct.pack("<4f", 1, 2, 3, 4))
+    w.send(lib.TB_CMD_GRAPH_RECOMPUTE, struct.pack("<I", 5))   # only slot 5's graph: out at 128
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=192))
+    status, body = w.reply()
+    assert status == 0 and w.sync_error() == ""
+    values = struct.unpack("<48f", body)
+    assert values[32:36] == (1, 4, 9, 16) and values[16:20] != (1, 4, 9, 16), values
+    body = bytearray(graph([x, tensor(buffer=handle, offset=64, op=sqr, src=[0] + [-1] * 9,
+                                      flags=GGML_TENSOR_FLAG_COMPUTE)], [1]))
+    struct.pack_into("<I", body, 8, lib.TB_KEPT_GRAPHS)
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, bytes(body))
+    assert f"slot {lib.TB_KEPT_GRAPHS} (a node keeps {lib.TB_KEPT_GRAPHS} graphs)" in w.sync_error()
 
 
 def test_one_bad_client_does_not_disturb_another(node: Any) -> None:

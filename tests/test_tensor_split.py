@@ -60,6 +60,8 @@ def test_tensor_split_matches_single_process(n_nodes: int, nodes: Any, tmp_path:
     for node in result["nodes"]:
         assert node["allreduces"] == 2 * N_LAYER * STEADY_TOKENS, node
         assert node["peer_copies"] == 0, node
+        # each token's subgraphs are kept on the node and run again by slot, not sent again
+        assert node["graphs_sent"] == 0 and node["graphs_reused"] >= 2 * N_LAYER * STEADY_TOKENS, node
         assert not node["failed"], node["error"]
 
 
