@@ -145,8 +145,9 @@ def _serve(opts: LaunchOptions, llm: Llama, nodes: Nodes, record: Path, say: Cal
     reachable = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)   # how status here asks
     note_serving(record, f"http://{f'[{reachable}]' if ':' in reachable else reachable}:{port}", opts.api_key)
     alias = opts.alias or Path(opts.gguf).name.removesuffix(".gguf")
-    say(f"serving OpenAI-compatible API on http://{host}:{port}/v1 (model {alias!r}); Ctrl-C stops it")
-    failure = serve_http(llm, sock, alias, lambda: _cluster_failure(nodes), opts.api_key)
+    # Said once the app is built: a signal from then on stops the server, never interrupts building it.
+    failure = serve_http(llm, sock, alias, lambda: _cluster_failure(nodes), opts.api_key, on_ready=lambda: say(
+        f"serving OpenAI-compatible API on http://{host}:{port}/v1 (model {alias!r}); Ctrl-C stops it"))
     if failure:
         say("stopped: " + nodes.explain("generate", failure))
         return EXIT_FAILED

@@ -101,6 +101,7 @@ class RunningNode:
     log_path: Path
     port: int = 0
     pid: int | None = None     # the node's own pid, on the machine it runs on
+    listening: bool = False    # its log says it listens (and, for port 0, on which port)
 
     @property
     def endpoint(self) -> str:
@@ -113,11 +114,12 @@ class RunningNode:
         return self.proc.poll() is None
 
     def read_log_facts(self) -> None:
-        text = self.log_text()
+        text = self.log_text()   # read once: the port and "listening" must come from the same text
         if self.pid is None and (m := _PID_RE.search(text)):
             self.pid = int(m.group(1))
-        if not self.port and (m := _LISTENING_RE.search(text)):
-            self.port = int(m.group(1))
+        if not self.listening and (m := _LISTENING_RE.search(text)):
+            self.listening = True
+            self.port = self.port or int(m.group(1))
 
     def begin_stop(self) -> None:
         """Ask the node to stop: end of its stdin (over ssh too), and SIGTERM to a local node."""
@@ -232,7 +234,7 @@ def _wait_listening(node: RunningNode, deadline: float) -> None:
     spec = node.spec
     while time.monotonic() < deadline:
         node.read_log_facts()
-        if _LISTENING_RE.search(node.log_text()):
+        if node.listening:
             return
         if not node.alive():
             how = "ssh" if spec.start == "ssh" else "the node process"

@@ -96,8 +96,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve_http(llm: llama_cpp.Llama, sock: socket.socket, alias: str, failure: Callable[[], str | None],
-               api_key: str | None = None, log_level: str = "warning") -> str | None:
-    """Serve until SIGINT/SIGTERM (returns None) or until `failure()` reports a failed node (returns it)."""
+               api_key: str | None = None, log_level: str = "warning",
+               on_ready: Callable[[], None] | None = None) -> str | None:
+    """Serve until SIGINT/SIGTERM (returns None) or until `failure()` reports a failed node (returns it).
+    `on_ready` runs once the app is built, just before requests are taken."""
     app = make_app(llm, alias, api_key)
     import uvicorn
 
@@ -117,6 +119,8 @@ def serve_http(llm: llama_cpp.Llama, sock: socket.socket, alias: str, failure: C
     watcher = threading.Thread(target=watch, name="tbrpc-node-watch", daemon=True)
     watcher.start()
     try:
+        if on_ready is not None:
+            on_ready()
         server.run(sockets=[sock])
     finally:
         done.set()

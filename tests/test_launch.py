@@ -185,7 +185,10 @@ def test_concurrent_requests_take_turns(tmp_path: Path) -> None:
 
         # what the server shows about itself
         root = base.removesuffix("/v1")
-        status = http_json(f"{root}/tbrpc/status.json")
+        deadline = time.monotonic() + 30   # a request counts once its last byte is sent, a moment after the client has it
+        while (status := http_json(f"{root}/tbrpc/status.json"))["requests"]["count"] < 3:
+            assert time.monotonic() < deadline, status["requests"]
+            time.sleep(0.05)
         assert [n["name"] for n in status["nodes"]] == ["local0", "local1"], status["nodes"]
         (a0, a1), (b0, b1) = (n["layers"] for n in status["nodes"])
         assert (a0, b0, b1) == (0, a1 + 1, 17), status["nodes"]   # Gemma 3 270M: 18 layers, in plan order
