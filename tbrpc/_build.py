@@ -29,7 +29,7 @@ from cffi import FFI
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "ggml_backend"
 TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "transport/shm.c",
-                     "transport/verbs_load.c", "transport/rdma.c"]
+                     "transport/verbs_load.c", "transport/rdma.c", "transport/rdma_report.c"]
 # shm_open lives in librt, dlopen (of the verbs library) in libdl, on C libraries older than glibc 2.34
 SYSTEM_LIBS = ["-pthread"] + (["-lrt", "-ldl"] if sys.platform.startswith("linux") else [])
 # what needs no ggml: the transports and the shared-secret proofs (C tests build them alone)
@@ -108,7 +108,7 @@ def _declarations(header: str) -> str:
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
-CDEF = PROTO_CDEF + _declarations("node.h") + _declarations("tbrpc.h")
+CDEF = PROTO_CDEF + _declarations("node.h") + _declarations("tbrpc.h") + _declarations("transport/rdma_report.h")
 
 
 def llama_cpp_paths() -> tuple[Path, Path, bool]:
@@ -183,7 +183,7 @@ def make_ffi() -> FFI:
     link = ggml_link(lib) + [f"-Wl,-rpath,{path}" for path in rpaths]
     ffi.set_source(
         "tbrpc._native",
-        '#include "tbrpc.h"',
+        '#include "tbrpc.h"\n#include "transport/rdma_report.h"',
         # relative to the project root: setuptools refuses absolute source paths
         sources=[f"ggml_backend/{s}" for s in C_SOURCES],
         include_dirs=[str(C_DIR), str(include)],

@@ -186,6 +186,8 @@ static uint64_t host_id(void) {
     return checksum((const uint8_t *) buf, strlen(buf), 0x7462727063ull) | 1;
 }
 
+uint64_t tb_rdma_host_id(void) { return host_id(); }
+
 static uint8_t * rx_slot(struct tb_rdma * d, uint32_t i) { return d->mem + (size_t) i * d->stride; }
 static uint8_t * tx_slot(struct tb_rdma * d, uint32_t i) { return d->mem + ((size_t) d->slots + i) * d->stride; }
 
@@ -219,6 +221,11 @@ void tb_rdma_discard(struct tb_rdma * d) { close_endpoint(d); }
 static int env_u32(const char * name, uint32_t fallback) {
     const char * e = getenv(name);
     return e && *e ? (int) strtoul(e, NULL, 0) : (int) fallback;
+}
+
+void tb_rdma_geometry(int profile, uint32_t * slots, uint32_t * stride) {
+    *slots = (uint32_t) env_u32("TBRPC_RDMA_SLOTS", 16);
+    *stride = (uint32_t) env_u32("TBRPC_RDMA_STRIDE", profile == TB_RDMA_APPLE_UC ? 128u * 1024 : 256u * 1024);
 }
 
 // The GID an address has on a link: ::ffff:a.b.c.d for IPv4, else the IPv6 address.
@@ -319,8 +326,7 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     d->profile = tb_rdma_profile_default();
     mine->profile = (uint16_t) d->profile;
     int apple = d->profile == TB_RDMA_APPLE_UC;
-    d->slots = (uint32_t) env_u32("TBRPC_RDMA_SLOTS", 16);
-    d->stride = (uint32_t) env_u32("TBRPC_RDMA_STRIDE", apple ? 128u * 1024 : 256u * 1024);
+    tb_rdma_geometry(d->profile, &d->slots, &d->stride);
     if (!tb_ring_geometry_ok(d->slots, d->stride - TB_RDMA_PREFIX) || d->stride % APPLE_FRAME != 0 ||
         (apple && d->stride > APPLE_MAX_MSG) || (apple && d->slots * frames_of(d->stride) > 4095)) {
         snprintf(mine->reason, sizeof mine->reason, "no RDMA ring of %u slots of %u bytes", d->slots, d->stride);

@@ -74,3 +74,9 @@ struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * lo
 // Whether this process could offer RDMA at all: a verbs library loads and
 // lists a device. 1, or 0 with why not (a node sets TB_CAP_RDMA from this).
 int tb_rdma_available(char * why, size_t why_len);
+
+// With verbs headers only (rdma_report.c uses them): this host's id (equal ids
+// stay on TCP), and the ring geometry a connection registers with `profile`
+// (2 x slots x stride bytes).
+uint64_t tb_rdma_host_id(void);
+void tb_rdma_geometry(int profile, uint32_t * slots, uint32_t * stride);

@@ -65,6 +65,7 @@ static int load(void) {
     OPTIONAL(destroy_comp_channel, "ibv_destroy_comp_channel");
     OPTIONAL(get_cq_event, "ibv_get_cq_event");
     OPTIONAL(ack_cq_events, "ibv_ack_cq_events");
+    OPTIONAL(query_device, "ibv_query_device");
     if (!table.create_comp_channel || !table.destroy_comp_channel || !table.get_cq_event || !table.ack_cq_events) {
         table.create_comp_channel = NULL;   // all or nothing
     }
@@ -81,6 +82,10 @@ const struct tb_verbs * tb_verbs_load(char * err, size_t err_len) {
     if (!ok) snprintf(err, err_len, "%s", load_error);
     return ok ? &table : NULL;
 }
+const char * tb_verbs_wanted(void) {
+    const char * forced = getenv("TBRPC_VERBS_LIB");
+    return forced && *forced ? forced : system_libs[0];
+}
 #else
-typedef int tb_verbs_load_unused;   // built without verbs headers: nothing to load
+const char * tb_verbs_wanted(void) { return "none (built without verbs headers)"; }
 #endif

@@ -56,9 +56,13 @@ struct tb_verbs {
     int           (*destroy_comp_channel)(struct ibv_comp_channel * ch);
     int           (*get_cq_event)(struct ibv_comp_channel * ch, struct ibv_cq ** cq, void ** cq_context);
     void          (*ack_cq_events)(struct ibv_cq * cq, unsigned int n);
+    int           (*query_device)(struct ibv_context * ctx, struct ibv_device_attr * attr);   // optional
 };
 
 // The process's verbs table, loaded once (thread-safe). NULL with the reason
 // in err when no library or a required verb is missing.
 const struct tb_verbs * tb_verbs_load(char * err, size_t err_len);
 #endif
+
+// The library tb_verbs_load() opens first: $TBRPC_VERBS_LIB, else the system's.
+const char * tb_verbs_wanted(void);

@@ -34,8 +34,14 @@
 //
 // Configuration (read when the device list is taken): TBVSIM_DIR (required;
 // namespaces the sockets), TBVSIM_PROFILE, TBVSIM_DEVICE (name, default
-// simbolt0), TBVSIM_ADDR (the IPv4 address whose ::ffff: GID is index 1,
-// default 127.0.0.1), TBVSIM_PORT=down, TBVSIM_MAX_QPS, TBVSIM_FAIL_RTR=1,
+// simbolt0), TBVSIM_DEVICES=0 (the library lists no device), TBVSIM_ADDR (the
+// IPv4 address whose ::ffff: GID is index 1, default 127.0.0.1; "none": the
+// interface has no IPv4 address, so that GID is empty, as on a Mac whose enN
+// has none yet), TBVSIM_PORT=down|init|armed (port 1's state, default
+// active), TBVSIM_MAX_QPS (per device), TBVSIM_QPS_USED=N (QPs other
+// processes hold on the device: this process gets MAX_QPS - N),
+// TBVSIM_OPEN_ERRNO=N (ibv_open_device fails with errno N, as it does with
+// EACCES when /dev/infiniband/uverbs* is not accessible), TBVSIM_FAIL_RTR=1,
 // TBVSIM_FAULT=drop:N | corrupt:N[:OFFSET] (the Nth message this process
 // receives, 1-based; corrupt flips the byte at OFFSET, default 80: the first
 // payload byte of a tbrpc frame).
@@ -71,7 +77,7 @@ static struct {
     char dir[256];
     char device[64];
     struct in_addr addr;
-    int port_down, max_qps, fail_rtr;
+    int port_state, max_qps, qps_used, fail_rtr, devices, open_errno, no_addr;
     int fault;            // 0 none, 1 drop, 2 corrupt
     unsigned fault_n, fault_off;
 } cfg;
@@ -81,11 +87,17 @@ static void read_config(void) {
     cfg.profile = p && !strcmp(p, "apple-uc") ? APPLE_UC : p && !strcmp(p, "linux-uc") ? LINUX_UC : LINUX_RC;
     snprintf(cfg.dir, sizeof cfg.dir, "%s", getenv("TBVSIM_DIR") ? getenv("TBVSIM_DIR") : "default");
     snprintf(cfg.device, sizeof cfg.device, "%s", getenv("TBVSIM_DEVICE") ? getenv("TBVSIM_DEVICE") : "simbolt0");
-    if (!getenv("TBVSIM_ADDR") || inet_pton(AF_INET, getenv("TBVSIM_ADDR"), &cfg.addr) != 1) {
-        inet_pton(AF_INET, "127.0.0.1", &cfg.addr);
-    }
-    cfg.port_down = getenv("TBVSIM_PORT") && !strcmp(getenv("TBVSIM_PORT"), "down");
+    const char * addr = getenv("TBVSIM_ADDR");
+    cfg.no_addr = addr && !strcmp(addr, "none");
+    if (cfg.no_addr) memset(&cfg.addr, 0, sizeof cfg.addr);
+    else if (!addr || inet_pton(AF_INET, addr, &cfg.addr) != 1) inet_pton(AF_INET, "127.0.0.1", &cfg.addr);
+    const char * port = getenv("TBVSIM_PORT");
+    cfg.port_state = !port ? IBV_PORT_ACTIVE : !strcmp(port, "down") ? IBV_PORT_DOWN : !strcmp(port, "init") ? IBV_PORT_INIT
+                   : !strcmp(port, "armed") ? IBV_PORT_ARMED : IBV_PORT_ACTIVE;
     cfg.max_qps = getenv("TBVSIM_MAX_QPS") ? atoi(getenv("TBVSIM_MAX_QPS")) : (cfg.profile == APPLE_UC ? 10 : 64);
+    cfg.qps_used = getenv("TBVSIM_QPS_USED") ? atoi(getenv("TBVSIM_QPS_USED")) : 0;
+    cfg.devices = getenv("TBVSIM_DEVICES") ? atoi(getenv("TBVSIM_DEVICES")) != 0 : 1;
+    cfg.open_errno = getenv("TBVSIM_OPEN_ERRNO") ? atoi(getenv("TBVSIM_OPEN_ERRNO")) : 0;
     cfg.fail_rtr = getenv("TBVSIM_FAIL_RTR") && atoi(getenv("TBVSIM_FAIL_RTR"));
     cfg.fault = 0;
     cfg.fault_off = 80;
@@ -155,7 +167,7 @@ static void my_gid(union ibv_gid * g, int index) {
     if (index == 0) {
         g->raw[0] = 0xfe; g->raw[1] = 0x80;
         memcpy(g->raw + 12, &cfg.addr, 4);
-    } else {
+    } else if (!cfg.no_addr) {   // no IPv4 address on the interface: no IPv4-mapped GID (all zero)
         g->raw[10] = g->raw[11] = 0xff;
         memcpy(g->raw + 12, &cfg.addr, 4);
     }
@@ -484,9 +496,9 @@ EXPORT struct ibv_device ** ibv_get_device_list(int * num) {
     snprintf(sim_device.dev_name, sizeof sim_device.dev_name, "uverbs-sim");
     sim_device.node_type = IBV_NODE_CA;
     sim_device.transport_type = IBV_TRANSPORT_IB;
-    sim_list[0] = &sim_device;
+    sim_list[0] = cfg.devices ? &sim_device : NULL;
     sim_list[1] = NULL;
-    if (num) *num = 1;
+    if (num) *num = cfg.devices;
     return sim_list;
 }
 
@@ -495,6 +507,7 @@ EXPORT const char * ibv_get_device_name(struct ibv_device * d) { return d->name;
 EXPORT int ibv_fork_init(void) { return 0; }
 
 EXPORT struct ibv_context * ibv_open_device(struct ibv_device * dev) {
+    if (cfg.open_errno) { errno = cfg.open_errno; return NULL; }
     struct sim_ctx * c = calloc(1, sizeof *c);
     if (!c) return NULL;
     c->ctx.device = dev;
@@ -540,7 +553,7 @@ EXPORT int ibv_close_device(struct ibv_context * ctx) {
 
 EXPORT int ibv_query_device(struct ibv_context * ctx, struct ibv_device_attr * a) {
     memset(a, 0, sizeof *a);
-    a->max_qp = cfg.max_qps;
+    a->max_qp = cfg.max_qps;   // the device's limit, whoever holds them
     a->max_qp_wr = apple() ? 4095 : 16384;
     a->max_sge = 1;
     a->max_cqe = 65536;
@@ -554,7 +567,7 @@ EXPORT int ibv_query_port(struct ibv_context * ctx, uint8_t port, struct _compat
     struct ibv_port_attr * a = (struct ibv_port_attr *) out;
     if (port != 1) return EINVAL;
     memset(a, 0, sizeof *a);
-    a->state = cfg.port_down ? IBV_PORT_DOWN : IBV_PORT_ACTIVE;
+    a->state = cfg.port_state;
     a->max_mtu = IBV_MTU_4096;
     a->active_mtu = apple() ? IBV_MTU_4096 : IBV_MTU_1024;
     a->gid_tbl_len = 2;
@@ -676,7 +689,7 @@ EXPORT struct ibv_qp * ibv_create_qp(struct ibv_pd * pd, struct ibv_qp_init_attr
         return NULL;
     }
     pthread_mutex_lock(&c->lock);
-    if (c->live_qps >= cfg.max_qps) { pthread_mutex_unlock(&c->lock); errno = ENOMEM; return NULL; }
+    if (c->live_qps + cfg.qps_used >= cfg.max_qps) { pthread_mutex_unlock(&c->lock); errno = ENOMEM; return NULL; }
     struct sim_qp * q = calloc(1, sizeof *q);
     q->qp.context = pd->context;
     q->qp.pd = pd;
