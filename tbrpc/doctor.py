@@ -20,7 +20,7 @@ from typing import Any
 
 from tbrpc import secret as cluster_secret
 from tbrpc.client import AuthenticationError, NodeError, NodeVersionMismatch, probe
-from tbrpc.facts import collect, model_identity, package_version, tbrpc_version
+from tbrpc.facts import QP_PROBE, collect, model_identity, package_version, tbrpc_version
 from tbrpc.node_processes import _remote_word
 from tbrpc.spec import NodeSpec
 from tbrpc.units import format_size
@@ -70,12 +70,15 @@ def _start_command(spec: NodeSpec) -> str:
     return f"tbrpc node --host {spec.listen_address} --port {spec.port} --name {spec.name}"
 
 
-def _facts(spec: NodeSpec, model: str | None, timeout: float) -> tuple[dict[str, Any] | None, str, str]:
+def _facts(spec: NodeSpec, model: str | None, timeout: float,
+           toward: Sequence[str] = ()) -> tuple[dict[str, Any] | None, str, str]:
     """(facts, "", "") or (None, why, the check that failed: "ssh", "node facts" or "")."""
     if spec.start == "ssh" and spec.ssh is not None:
         words = [spec.python or "python3", "-m", "tbrpc.facts", "--host", spec.host]
         if model:
             words += ["--model", model]
+        for address in toward:
+            words += ["--toward", address]
         argv = spec.ssh_argv("exec " + " ".join(_remote_word(w) for w in words))
         try:
             proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
@@ -96,7 +99,7 @@ def _facts(spec: NodeSpec, model: str | None, timeout: float) -> tuple[dict[str,
         except (ValueError, IndexError):
             return None, f"unexpected answer from {spec.ssh_destination()}: {proc.stdout.strip()[-200:]}", "node facts"
     if spec.start == "local" or spec.host in _LOOPBACK:
-        return collect(model, spec.host), "", ""
+        return collect(model, spec.host, toward), "", ""
     return None, "no ssh access configured: only the network checks ran", ""
 
 
@@ -290,17 +293,190 @@ def _check_linux(n: _Node, linux: dict[str, Any]) -> None:
               "here (docs/benchmarks.md)", f"on {n.spec.name}: {enable}")
 
 
+# --- RDMA: per machine and per link -----------------------------------------------------------
+#
+# Judged from facts (tbrpc/facts.py): `rdma` is the verbs library's own report
+# (tb_rdma_report: a kind per device, the port state, the GID table, QPs still
+# granted), `sources` the address a machine sends from toward a peer, `os_build`
+# macOS's build. The head is judged like a node, under the name HEAD. Links are
+# the connections a layer split makes: the head to each node, and each node to
+# the next in the file's order (at the address in the next node's `links`, else
+# its `host`). Everything is decided by kinds and addresses, never by words.
+
+HEAD = "(head)"
+_DEVICE_FIX = {
+    "open_failed": "the verbs device files must be readable and writable by the user running tbrpc "
+                   "(`ls -l /dev/infiniband`; add the user to their group, or a udev rule)",
+    "port_down": "the port comes up when both ends have RDMA enabled and a TB5 cable joins them: check `rdma_ctl "
+                 "status` on the peer, the cable, and that it is not in a Mac Studio's port next to Ethernet (no RDMA) "
+                 "or a Thunderbolt 4 link; on Linux `ibv_devinfo` shows the port and the switch side",
+    "no_gid": "give the interface of this device an IPv4 address (its GID follows it; a link-local 169.254 address "
+              "can take minutes after boot): `sudo networksetup -setmanual <service> 10.0.12.1 255.255.255.252`",
+    "qp_budget": "every connection and node link takes a QP (Apple: at most 10 per device): stop other heads or "
+                 "sessions using this node (`tbrpc status`), or use fewer nodes per device",
+}
+
+
+def _mapped_gid(address: str) -> str:
+    """The GID text an address has on a device: ::ffff:a.b.c.d for IPv4, the address itself for IPv6."""
+    return address if ":" in address else f"::ffff:{address}"
+
+
+def _rdma_device_for(facts: dict[str, Any], address: str | None) -> dict[str, Any] | None:
+    """The device of `facts` whose GID table holds `address`."""
+    if not address:
+        return None
+    gid = _mapped_gid(address)
+    return next((d for d in facts.get("rdma", {}).get("devices", []) if gid in d.get("gids", [])), None)
+
+
+def _rdma_usable(facts: dict[str, Any]) -> bool:
+    rdma = facts.get("rdma", {})
+    return rdma.get("kind") == "usable" and any(d["kind"] == "usable" for d in rdma.get("devices", []))
+
+
+def _library_row(name: str, facts: dict[str, Any], needed: bool) -> tuple[str, str, str]:
+    """(status, detail, fix) for a machine whose verbs library gives no device at all."""
+    rdma, mac = facts.get("rdma", {}), facts.get("os") == "Darwin"
+    kind, text = rdma.get("kind"), rdma.get("text", "no RDMA facts")
+    status = WARN if needed else SKIP
+    if kind == "unavailable":
+        return status, text, f"install tbrpc and llama-cpp-python {package_version('llama_cpp_python')} on {name}"
+    if kind == "no_headers":
+        return status, text, ("build tbrpc with the macOS SDK (Xcode command line tools)" if mac else
+                              "sudo apt-get install libibverbs-dev, then reinstall tbrpc")
+    if kind == "no_library":
+        return status, f"no verbs library: {text}", ("RDMA over Thunderbolt needs macOS 26.2 or later "
+                                                    "(/usr/lib/librdma.dylib): update macOS" if mac else
+                                                    "sudo apt-get install libibverbs1 ibverbs-providers (rdma-core)")
+    ib = facts.get("linux", {}).get("infiniband", {})
+    if not mac and not ib.get("exists", True):
+        return status, f"{text}; there is no /dev/infiniband", ("load the NIC's RDMA driver (e.g. `sudo modprobe "
+                                                                 "mlx5_ib ib_uverbs`) or use TCP")
+    return status, text, ("RDMA needs Thunderbolt 5 on this Mac, enabled from Recovery (`rdma_ctl enable`)" if mac
+                          else "no RDMA NIC here: connections use TCP")
+
+
+def _device_summary(d: dict[str, Any]) -> str:
+    free = d.get("qp_free", -1)
+    qps = "" if free < 0 else f", {'at least ' if free >= QP_PROBE else ''}{free} QP(s) free of {d.get('max_qp') or '?'}"
+    gids = ", ".join(g for g in d.get("gids", []) if not g.startswith("fe80")) or "no IP GID"
+    return f"{d['text']} ({gids}{qps})"
+
+
+def _machine_rdma_rows(name: str, facts: dict[str, Any], addresses: Sequence[str | None]) -> list[tuple[str, str, str, str]]:
+    """(check, status, detail, fix) rows for one machine; `addresses`: its end of each link that crosses hosts."""
+    rdma = facts.get("rdma", {})
+    needed = bool(addresses)
+    if rdma.get("kind") != "usable":
+        return [("rdma devices", *_library_row(name, facts, needed))]
+    devices = rdma["devices"]
+    rows: list[tuple[str, str, str, str]] = []
+    summary = "; ".join(_device_summary(d) for d in devices)
+    usable = [d for d in devices if d["kind"] == "usable"]
+    if usable:
+        rows.append(("rdma devices", OK, summary, ""))
+    else:
+        fix = _DEVICE_FIX.get(devices[0]["kind"], "")
+        bad = [f"/dev/infiniband/{f['name']}" for f in facts.get("linux", {}).get("infiniband", {}).get("devices", [])
+               if not f["access"]]
+        if devices[0]["kind"] == "open_failed" and bad:
+            fix = f"{', '.join(bad)}: not readable and writable by you; " + fix
+        rows.append(("rdma devices", WARN if needed else SKIP, summary, fix))
+    need: dict[str, int] = {}
+    for address in addresses:
+        d = _rdma_device_for(facts, address)
+        if d is not None:
+            need[d["name"]] = need.get(d["name"], 0) + 1
+    for d in devices:
+        wanted, free = need.get(d["name"], 0), d.get("qp_free", -1)
+        if wanted and 0 <= free < wanted:
+            rows.append(("rdma QPs", WARN, f"{d['name']} grants {free} more QP(s) ({d.get('max_qp') or '?'} at most, "
+                         f"QPs of running sessions count); this cluster needs {wanted} on it: the rest stay on TCP",
+                         _DEVICE_FIX["qp_budget"]))
+    memlock, total = facts.get("linux", {}).get("memlock", None), rdma.get("ring_bytes", 0) * sum(need.values())
+    if facts.get("os") == "Linux" and usable and total and memlock is not None and memlock < total:
+        rows.append(("locked memory", WARN, f"ulimit -l is {format_size(memlock)}; each RDMA connection registers "
+                     f"{format_size(rdma['ring_bytes'])} ({rdma.get('profile')}), {sum(need.values())} here need "
+                     f"{format_size(total)}", f"on {name}: `ulimit -l unlimited` where the node starts, or a memlock "
+                     "line in /etc/security/limits.conf (systemd: LimitMEMLOCK=infinity)"))
+    return rows
+
+
+def _link_rdma_row(a: str, a_facts: dict[str, Any], a_addr: str | None,
+                   b: str, b_facts: dict[str, Any], b_addr: str) -> tuple[str, str, str]:
+    """(status, detail, fix) for the connection from machine a (at a_addr) to machine b (at b_addr)."""
+    ra, rb = a_facts.get("rdma", {}), b_facts.get("rdma", {})
+    if ra.get("host_id") and ra.get("host_id") == rb.get("host_id"):
+        return SKIP, "same host: shared memory carries it, not RDMA", ""
+    for end, facts in ((a, a_facts), (b, b_facts)):
+        if not _rdma_usable(facts):
+            return WARN, f"TCP: {end} has no usable RDMA device (its `rdma devices` row says why)", ""
+    if ra.get("profile") != rb.get("profile"):
+        return WARN, f"TCP: profiles differ ({a} {ra.get('profile')}, {b} {rb.get('profile')})", \
+            "set the same TBRPC_RDMA_PROFILE on both, or none"
+    if a_facts.get("os") == b_facts.get("os") == "Darwin" and a_facts.get("os_build") != b_facts.get("os_build"):
+        return WARN, (f"TCP: macOS builds differ ({a} {a_facts.get('os_build')}, {b} {b_facts.get('os_build')}); "
+                      "RDMA over Thunderbolt needs the same build on both Macs"), "update both Macs to the same macOS build"
+    for end, facts, address in ((a, a_facts, a_addr), (b, b_facts, b_addr)):
+        if address is None:
+            return WARN, f"TCP: {end} has no route to {b_addr}", f"give {end} an address on the cable to {b}"
+        d = _rdma_device_for(facts, address)
+        if d is None:
+            on = facts.get("macos", {}).get("link", {})
+            bridge = on.get("address") == address and str(on.get("interface", "")).startswith("bridge")
+            why = f" ({address} is on the Thunderbolt Bridge {on.get('interface')}, which gives RDMA no GID)" if bridge else ""
+            return WARN, f"TCP: no RDMA device of {end} has a GID for {address}{why}", (
+                "turn the Thunderbolt Bridge off (networksetup -setnetworkserviceenabled 'Thunderbolt Bridge' off) "
+                "and give each cable its own subnet (docs/cluster.md, Four Macs)" if bridge else
+                f"use {end}'s address on the cable between {a} and {b} (`host`, or `links` in the cluster file)")
+        if d["kind"] != "usable":
+            return WARN, f"TCP: {end}: {d['text']}", _DEVICE_FIX.get(d["kind"], "")
+    da, db = _rdma_device_for(a_facts, a_addr), _rdma_device_for(b_facts, b_addr)
+    return OK, f"RDMA possible: {a} {da['name']} ({a_addr}) to {b} {db['name']} ({b_addr}), {ra.get('profile')}", ""  # type: ignore[index]
+
+
+def rdma_links(specs: Sequence[NodeSpec]) -> list[tuple[str, str, str]]:
+    """The connections of a layer split: (from, to, the address `from` dials `to` at)."""
+    links = [(HEAD, s.name, s.host) for s in specs]
+    return links + [(a.name, b.name, dict(b.links).get(a.name, b.host)) for a, b in zip(specs, specs[1:])]
+
+
+def rdma_checks(specs: Sequence[NodeSpec], head_facts: dict[str, Any],
+                node_facts: dict[str, dict[str, Any]]) -> list[Check]:
+    """RDMA rows for the head and every node with facts, then one row per link whose ends both have facts."""
+    facts = {HEAD: head_facts, **node_facts}
+    ends: dict[str, list[str | None]] = {name: [] for name in facts}
+    link_rows: list[Check] = []
+    for a, b, b_addr in rdma_links(specs):
+        if a not in facts or b not in facts:
+            continue
+        a_addr = facts[a].get("sources", {}).get(b_addr)
+        status, detail, fix = _link_rdma_row(a, facts[a], a_addr, b, facts[b], b_addr)
+        link_rows.append(Check(b, f"rdma from {a}", status, detail, fix))
+        if status != SKIP:   # a link between hosts: both ends need a device and a QP for it
+            ends[a].append(a_addr)
+            ends[b].append(b_addr)
+    machine_rows = [Check(name, check, status, detail, fix) for name in facts
+                    for check, status, detail, fix in _machine_rdma_rows(name, facts[name], ends[name])]
+    return machine_rows + link_rows
+
+
 def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float = 5.0) -> list[Check]:
     """Every check of every node, in order."""
     reference = model_identity(gguf) if gguf else None
     checks: list[Check] = []
+    toward: dict[str, list[str]] = {}
+    for a, _, address in rdma_links(specs):
+        toward.setdefault(a, []).append(address)
+    node_facts: dict[str, dict[str, Any]] = {}
     for spec in specs:
         n = _Node(spec)
         up, answer = _check_reachable(n, timeout)
         if up:
             _check_device(n, answer[0])
         model = spec.model or gguf
-        facts, why, failing = _facts(spec, model, timeout=max(30.0, timeout))
+        facts, why, failing = _facts(spec, model, timeout=max(30.0, timeout), toward=toward.get(spec.name, []))
         if facts is None:
             if failing == "ssh":
                 n.add("ssh", FAIL, why, f"`{spec.ssh.human() if spec.ssh else 'ssh'}` must work without a password "
@@ -319,8 +495,9 @@ def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float 
                 _check_macos(n, facts["macos"])
             if "linux" in facts:
                 _check_linux(n, facts["linux"])
+            node_facts[spec.name] = facts
         checks.extend(n.checks)
-    return checks
+    return checks + rdma_checks(specs, collect(None, None, toward.get(HEAD, [])), node_facts)
 
 
 def format_checks(checks: Sequence[Check]) -> str:
@@ -337,7 +514,7 @@ def format_checks(checks: Sequence[Check]) -> str:
             lines.append(f"{indent}fix: {c.fix}")
     failed = sum(1 for c in checks if c.status == FAIL)
     warned = sum(1 for c in checks if c.status == WARN)
-    nodes = len({c.node for c in checks})
+    nodes = len({c.node for c in checks if c.node != HEAD})
     lines.append("")
     lines.append(f"{nodes} node(s): {failed} failed check(s), {warned} warning(s)" if failed or warned
                  else f"{nodes} node(s): all checks passed")

@@ -1,12 +1,16 @@
 """What a machine says about itself, for ``tbrpc doctor``.
 
 Run on each node (over ssh, or in-process for nodes on this machine) as
-``python -m tbrpc.facts [--model PATH] [--host ADDR]``; prints one JSON
-object: OS, tbrpc and llama-cpp-python versions, the model file's identity
-(size and a fast fingerprint), on Linux the transparent-huge-page mode, and
-on macOS RDMA, the Thunderbolt link of the node's address and the GPU
-wired-memory limit. It imports neither
-llama_cpp nor tbrpc's C library, so it answers even where those are broken.
+``python -m tbrpc.facts [--model PATH] [--host ADDR] [--toward ADDR ...]``;
+prints one JSON object: OS (and on macOS its build), tbrpc and
+llama-cpp-python versions, the model file's identity (size and a fast
+fingerprint), the RDMA devices as the verbs library sees them (rdma_facts),
+the address this machine sends from toward each --toward address, on Linux
+the transparent-huge-page mode, the locked-memory limit and
+/dev/infiniband, and on macOS rdma_ctl, the Thunderbolt link of the node's
+address and the GPU wired-memory limit. Only rdma_facts needs tbrpc's C
+library (and so llama_cpp); where that does not load, it says why and the
+rest still answers.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
+import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -174,6 +181,55 @@ def macos_facts(host: str | None) -> dict[str, Any]:
 
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+INFINIBAND = Path("/dev/infiniband")
+RDMA_KINDS = {0: "usable", 1: "no_headers", 2: "no_library", 3: "no_device", 4: "open_failed", 5: "port_down",
+              6: "no_gid", 7: "qp_budget"}   # enum tb_rdma_verdict (ggml_backend/transport/rdma_report.h)
+QP_PROBE = 16   # count free QPs up to this many per device: more than any node of a ring needs
+
+
+def rdma_facts(qp_probe: int = QP_PROBE) -> dict[str, Any]:
+    """The verbs library's view (tb_rdma_report): {"kind", "text", "library", "profile", "host_id",
+    "ring_bytes", "devices": [{"name", "kind", "text", "errno", "port", "port_state", "link_layer",
+    "active_mtu", "max_qp", "qp_free", "gids"}]}; kind "unavailable" when tbrpc's C library does not load."""
+    try:
+        from tbrpc.native import load, text
+
+        ffi, lib = load()
+    except Exception as exc:   # noqa: BLE001 - any reason the library cannot load is the answer
+        return {"kind": "unavailable", "text": f"tbrpc's C library does not load: {exc}", "devices": []}
+    r = ffi.new("struct tb_rdma_report *")
+    lib.tb_rdma_report(r, qp_probe)
+    devices = [{"name": text(d.name), "kind": RDMA_KINDS[d.kind], "text": text(d.text), "errno": d.error_number,
+                "port": d.port, "port_state": d.port_state, "link_layer": d.link_layer, "active_mtu": d.active_mtu,
+                "max_qp": d.max_qp, "qp_free": d.qp_free, "gids": [text(d.gids[i]) for i in range(d.n_gids)]}
+               for d in (r.devices[i] for i in range(r.n_devices))]
+    return {"kind": RDMA_KINDS[r.kind], "text": text(r.text), "library": text(r.library), "profile": text(r.profile),
+            "host_id": f"{r.host_id:016x}", "ring_bytes": r.ring_bytes, "devices": devices}
+
+
+def source_address(destination: str) -> str | None:
+    """The address this machine sends from toward `destination` (a UDP connect: no packet leaves)."""
+    try:
+        family = socket.AF_INET6 if ":" in destination else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((destination, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def memlock_limit() -> int | None:
+    """RLIMIT_MEMLOCK's soft limit in bytes (`ulimit -l`), None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def infiniband_facts(root: Path = INFINIBAND) -> dict[str, Any]:
+    """The verbs device files: {"exists", "devices": [{"name", "access"}]}; access: read and write for this user."""
+    if not root.is_dir():
+        return {"exists": False, "devices": []}
+    return {"exists": True, "devices": [{"name": p.name, "access": os.access(p, os.R_OK | os.W_OK)}
+                                        for p in sorted(root.iterdir()) if p.name.startswith("uverbs")]}
 
 
 def linux_facts() -> dict[str, Any]:
@@ -182,14 +238,24 @@ def linux_facts() -> dict[str, Any]:
         m = re.search(r"\[(\w+)\]", THP_ENABLED.read_text())
     except OSError:
         m = None
-    return {"transparent_hugepage": m.group(1) if m else None}
+    return {"transparent_hugepage": m.group(1) if m else None, "memlock": memlock_limit(),
+            "infiniband": infiniband_facts()}
 
 
-def collect(model: str | None = None, host: str | None = None) -> dict[str, Any]:
+def os_build() -> str | None:
+    """macOS's build ("25C56"): RDMA over Thunderbolt needs the same one on every Mac (TN3205)."""
+    if platform.system() != "Darwin":
+        return None
+    rc, out = _run(["sw_vers", "-buildVersion"])
+    return out.strip() if rc == 0 else None
+
+
+def collect(model: str | None = None, host: str | None = None, toward: Sequence[str] = ()) -> dict[str, Any]:
     facts: dict[str, Any] = {
         "os": platform.system(), "release": platform.release(), "machine": platform.machine(),
-        "python": sys.version.split()[0], "tbrpc": tbrpc_version(),
+        "os_build": os_build(), "python": sys.version.split()[0], "tbrpc": tbrpc_version(),
         "llama_cpp_python": package_version("llama_cpp_python"),
+        "rdma": rdma_facts(), "sources": {address: source_address(address) for address in toward},
     }
     if model:
         facts["model"] = model_identity(model)
@@ -204,8 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tbrpc.facts")
     parser.add_argument("--model")
     parser.add_argument("--host")
+    parser.add_argument("--toward", action="append", default=[], help="an address this machine sends to (repeat)")
     args = parser.parse_args(argv)
-    print(json.dumps(collect(args.model, args.host)))
+    print(json.dumps(collect(args.model, args.host, args.toward)))
 
 
 if __name__ == "__main__":
