@@ -28,6 +28,8 @@ loads the model and then
    buckets but spin-wait), summed over the processes: in a layer split the
    head and the nodes work one after the other, so what is left is time
    nobody computes: wake-up latency, the scheduler handing the core over.
+   "sleeps/token" counts the voluntary context switches of all those
+   processes per token in phase 1: each is a sleep some wake-up ended.
 
 Per transport it prints the buckets in ms per token at 1, 2, 4 nodes, and
 the per-added-node cost ((4 nodes - 1 node) / 3) of each, TCP and shared
@@ -127,6 +129,17 @@ def cpu_s(pid: int) -> float:
     return total / 1e9
 
 
+def switches(pid: int) -> int:
+    """Context switches of every thread of `pid`: each voluntary one is a sleep that a wake-up ends."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches"):
+                    total += int(line.split()[1])
+    return total
+
+
 class Head:
     """bench_paired.py's stepping head, with the transport from TBRPC_TRANSPORT."""
 
@@ -178,15 +191,15 @@ def perf_buckets(data: Path, head_pids: set[int], files: dict[str, str]) -> dict
             sym, _, dso = line.rpartition(" (")
             frames.append((dso.rstrip(")"), sym.split(" ", 1)[1] if " " in sym else sym))
         dso, sym = frames[0]
-        name = bucket(head, dso, sym, files)
+        name, via = bucket(head, dso, sym, files), ""
         if name == "libc, other":
             for caller_dso, caller in frames[1:]:
                 found = bucket(head, caller_dso, caller, files)
                 if found not in ("libc, other", "kernel"):
-                    name = found
+                    name, via = found, f" (from {caller})"
                     break
         counts[(head, name)] += 1
-        TOP[(("head " if head else "node ") + name, Path(dso).name, sym)] += 1
+        TOP[(("head " if head else "node ") + name, Path(dso).name, sym + via)] += 1
     return counts
 
 
@@ -198,8 +211,10 @@ def one_config(gguf: str, transport: str, n_nodes: int, steps: int, tmp: Path, f
             head.steps(20)   # warm up
             pids = [head.proc.pid] + [p for pid in nodes.pids() for p in group_pids(os.getpgid(pid))]
             before = {p: cpu_s(p) for p in pids}
+            sleeps = sum(switches(p) for p in pids)
             ms = head.steps(steps)
             cpu_ms = {p: (cpu_s(p) - before[p]) * 1e3 / steps for p in pids}
+            sleeps = (sum(switches(p) for p in pids) - sleeps) / steps
             data = tmp / f"perf-{transport}-{n_nodes}.data"
             perf = subprocess.Popen(["perf", "record", "-q", "--call-graph", CALL_GRAPH, "-e", "cpu-clock", "-F", "999", "-o", str(data),
                                      "-p", ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -210,14 +225,14 @@ def one_config(gguf: str, transport: str, n_nodes: int, steps: int, tmp: Path, f
         finally:
             head.close()
     samples = perf_buckets(data, {head.proc.pid}, files)
-    row: dict[str, float] = {"wall": statistics.median(ms)}
+    row: dict[str, float] = {"wall": statistics.median(ms), "sleeps/token": sleeps}
     for side, side_pids in ((True, [pids[0]]), (False, pids[1:])):
         total = sum(v for (h, _), v in samples.items() if h == side) or 1
         cpu = sum(cpu_ms[p] for p in side_pids)   # phase 1's CPU, split in phase 2's proportions
         for (h, name), v in samples.items():
             if h == side:
                 row[name] = row.get(name, 0.0) + cpu * v / total
-    row["off-CPU"] = row["wall"] - sum(v for k, v in row.items() if k not in ("wall", "spin-wait"))
+    row["off-CPU"] = row["wall"] - sum(v for k, v in row.items() if k not in ("wall", "spin-wait", "sleeps/token"))
     return row
 
 
@@ -249,7 +264,7 @@ def main() -> None:
     def med(transport: str, n: int, key: str) -> float:
         return statistics.median(r.get(key, 0.0) for r in rows[(transport, n)])
 
-    keys = ("wall", *BUCKETS, "off-CPU")
+    keys = ("wall", *BUCKETS, "off-CPU", "sleeps/token")
     head = f"{'ms per token':18}" + "".join(f"{'tcp ' + str(n):>9}" for n in counts) + \
         "".join(f"{'shm ' + str(n):>9}" for n in counts) + f"{'tcp +node':>11}{'shm +node':>11}"
     print(head)
