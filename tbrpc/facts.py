@@ -184,7 +184,10 @@ THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 INFINIBAND = Path("/dev/infiniband")
 RDMA_KINDS = {0: "usable", 1: "no_headers", 2: "no_library", 3: "no_device", 4: "open_failed", 5: "port_down",
               6: "no_gid", 7: "qp_budget"}   # enum tb_rdma_verdict (ggml_backend/transport/rdma_report.h)
-QP_PROBE = 16   # count free QPs up to this many per device: more than any node of a ring needs
+# Count free QPs up to this many per device: as many as one device of a ring
+# (or a head's star of 4) needs, and no more, since the probe holds them for
+# the moment it takes and a connection set up in that moment could miss one.
+QP_PROBE = 4
 
 
 def rdma_facts(qp_probe: int = QP_PROBE) -> dict[str, Any]:
