@@ -3,9 +3,12 @@
 Per node: reachable; handshake (protocol and ggml ABI) and package versions;
 device and usable memory against the cluster file; the model file on the
 node against the head's copy (size and a fast fingerprint); ssh and, on
-macOS nodes, RDMA, the Thunderbolt link of the node's address and the GPU
-wired-memory limit. A node's own facts come from ``python -m tbrpc.facts``,
-run over ssh, or in this process for nodes on this machine.
+macOS nodes, rdma_ctl, the Thunderbolt link of the node's address and the GPU
+wired-memory limit. Then, for the head and every node, whether RDMA can
+carry its connections and why not, and per link of a layer split whether
+both ends can meet over RDMA (rdma_checks). A node's own facts come from
+``python -m tbrpc.facts``, run over ssh, or in this process for nodes on
+this machine.
 """
 
 from __future__ import annotations
