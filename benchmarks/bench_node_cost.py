@@ -33,7 +33,10 @@ loads the model and then
 
 Per transport it prints the buckets in ms per token at 1, 2, 4 nodes, and
 the per-added-node cost ((4 nodes - 1 node) / 3) of each, TCP and shared
-memory side by side, with the load average. perf's own CPU perturbs phase 2:
+memory side by side, with the load average. --node-python NAME=PATH runs
+every configuration once more with the nodes started by PATH (a wrapper
+that puts another tree first on PYTHONPATH): a node-side change measured
+side by side with this tree, in turns. perf's own CPU perturbs phase 2:
 the wall figures come from phase 1, the split from phase 2 scaled to phase
 1's CPU totals per process.
 
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -67,7 +71,8 @@ from tbrpc.spec import local_specs
 HERE = Path(__file__).resolve().parent
 N_CTX = 1024   # room for the prompt, 20 warm-up steps and two phases of --steps
 C_DIR = HERE.parent / "ggml_backend"
-TRANSPORTS = ("tcp", "auto")   # "auto": shared memory for nodes on this host
+TRANSPORTS = (("tcp", "tcp"), ("shm", "auto"))   # (label, TBRPC_TRANSPORT); "auto": shared memory on one host
+Setup = tuple[str, str, "str | None"]   # (label, transport, the nodes' python: None for this tree's)
 BUCKETS = ("compute", "dispatch", "decode/validate", "session", "encode", "scheduling", "python", "wire",
            "spin-wait", "kernel", "libc, other")
 NODE_FILES = {"node_graphs.c": "decode/validate", "op_rules.c": "decode/validate", "split_rules.c": "decode/validate",
@@ -203,10 +208,13 @@ def perf_buckets(data: Path, head_pids: set[int], files: dict[str, str]) -> dict
     return counts
 
 
-def one_config(gguf: str, transport: str, n_nodes: int, steps: int, tmp: Path, files: dict[str, str]) -> dict[str, float]:
+def one_config(gguf: str, setup: Setup, n_nodes: int, steps: int, tmp: Path, files: dict[str, str]) -> dict[str, float]:
     """ms per token: "wall", and per bucket (CPU of head and nodes), "off-CPU"."""
-    with running(local_specs(n_nodes, threads=1), tmp / f"{transport}-{n_nodes}") as nodes:
-        head = Head(nodes.endpoints, gguf, transport, N_CTX, tmp / f"head-{transport}-{n_nodes}.log")
+    label, transport, node_python = setup
+    specs = [dataclasses.replace(s, python=node_python) for s in local_specs(n_nodes, threads=1)]
+    where = label.replace(" ", "-")
+    with running(specs, tmp / f"{where}-{n_nodes}") as nodes:
+        head = Head(nodes.endpoints, gguf, transport, N_CTX, tmp / f"head-{where}-{n_nodes}.log")
         try:
             head.steps(20)   # warm up
             pids = [head.proc.pid] + [p for pid in nodes.pids() for p in group_pids(os.getpgid(pid))]
@@ -215,7 +223,7 @@ def one_config(gguf: str, transport: str, n_nodes: int, steps: int, tmp: Path, f
             ms = head.steps(steps)
             cpu_ms = {p: (cpu_s(p) - before[p]) * 1e3 / steps for p in pids}
             sleeps = (sum(switches(p) for p in pids) - sleeps) / steps
-            data = tmp / f"perf-{transport}-{n_nodes}.data"
+            data = tmp / f"perf-{where}-{n_nodes}.data"
             perf = subprocess.Popen(["perf", "record", "-q", "--call-graph", CALL_GRAPH, "-e", "cpu-clock", "-F", "999", "-o", str(data),
                                      "-p", ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)   # perf attaches
@@ -243,6 +251,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400, help="decode steps per phase (two phases per run)")
     parser.add_argument("--rounds", type=int, default=2, help="each configuration this often, in turns; medians")
     parser.add_argument("--top", type=int, default=30, help="list this many of the busiest symbols")
+    parser.add_argument("--node-python", action="append", default=[], metavar="NAME=PATH",
+                        help="also run every configuration with nodes started by PATH (e.g. a wrapper that puts "
+                             "another tree first on PYTHONPATH): a change on the node side, measured side by side")
     parser.add_argument("--call-graph", default="dwarf", choices=("fp", "dwarf"),
                         help="how perf walks stacks (dwarf: slower, but sees through libraries without frame pointers)")
     args = parser.parse_args()
@@ -252,27 +263,32 @@ def main() -> None:
     counts = [int(n) for n in args.nodes.split(",")]
     files = function_files()
     print(f"machine: {split.machine()}; model {gguf}", flush=True)
+    setups: list[Setup] = [(label, transport, None) for label, transport in TRANSPORTS]
+    for variant in args.node_python:
+        name, _, path = variant.partition("=")
+        setups += [(f"{label} {name}", transport, path) for label, transport in TRANSPORTS]
     rows: dict[tuple[str, int], list[dict[str, float]]] = collections.defaultdict(list)
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="bench_node_cost-") as tmp:
         for _ in range(args.rounds):
             for n in counts:
-                for transport in TRANSPORTS:
-                    rows[(transport, n)].append(one_config(gguf, transport, n, args.steps, Path(tmp), files))
+                for setup in setups:
+                    rows[(setup[0], n)].append(one_config(gguf, setup, n, args.steps, Path(tmp), files))
                     loads.append(os.getloadavg()[0])
 
-    def med(transport: str, n: int, key: str) -> float:
-        return statistics.median(r.get(key, 0.0) for r in rows[(transport, n)])
+    def med(label: str, n: int, key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in rows[(label, n)])
 
     keys = ("wall", *BUCKETS, "off-CPU", "sleeps/token")
-    head = f"{'ms per token':18}" + "".join(f"{'tcp ' + str(n):>9}" for n in counts) + \
-        "".join(f"{'shm ' + str(n):>9}" for n in counts) + f"{'tcp +node':>11}{'shm +node':>11}"
-    print(head)
+    labels = [setup[0] for setup in setups]
+    width = max(9, *(len(f"{label} {n}") + 1 for label in labels for n in counts))
+    print(f"{'ms per token':18}" + "".join(f"{label + ' ' + str(n):>{width}}" for label in labels for n in counts)
+          + "".join(f"{label + ' +node':>{width + 2}}" for label in labels))
     lo, hi = counts[0], counts[-1]
     for key in keys:
-        cells = [med(t, n, key) for t in TRANSPORTS for n in counts]
-        added = [(med(t, hi, key) - med(t, lo, key)) / (hi - lo) for t in TRANSPORTS] if hi > lo else [0.0, 0.0]
-        print(f"{key:18}" + "".join(f"{c:9.3f}" for c in cells) + "".join(f"{a:11.3f}" for a in added))
+        cells = [med(label, n, key) for label in labels for n in counts]
+        added = [(med(label, hi, key) - med(label, lo, key)) / (hi - lo) if hi > lo else 0.0 for label in labels]
+        print(f"{key:18}" + "".join(f"{c:{width}.3f}" for c in cells) + "".join(f"{a:{width + 2}.3f}" for a in added))
     print(f"load average (1 min) at the start and after each configuration: {' '.join(f'{x:.2f}' for x in loads)}")
     print(f"{args.rounds} round(s) of {args.steps} steps per configuration, taken in turns; medians over rounds")
     total = sum(TOP.values()) or 1
