@@ -154,10 +154,7 @@ class Cluster:
             if endpoint in self._endpoints:
                 index = self._endpoints.index(endpoint)
                 if self.info(index).failed:   # restarted since? connect again, as the same device
-                    err = error_buffer()
-                    rc = self._lib.tbrpc_client_reconnect_node(self._client, index, transport.encode(), err, len(err))
-                    if rc != 0:
-                        raise node_error(rc, text(err))
+                    self._reconnect(index, transport)
                 return self.info(index).device_name
             err = error_buffer()
             key = self._ffi.NULL if secret is None else self._ffi.new("uint8_t[]", secret)
@@ -170,6 +167,21 @@ class Cluster:
             name = self.info(index).device_name
             _check_visible_to_libllama(name, endpoint)
             return name
+
+    def reconnect(self, endpoint: str, transport: str = "auto") -> None:
+        """Connect again to the node at `endpoint` (restarted there, or its connection lost), as the
+        same device with a fresh session. NodeError when it does not answer, or while buffers of the
+        old session are still open on this head (close the model that used it first)."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
+        with self._lock:
+            self._reconnect(self._endpoints.index(endpoint), transport)
+
+    def _reconnect(self, index: int, transport: str) -> None:
+        err = error_buffer()
+        rc = self._lib.tbrpc_client_reconnect_node(self._client, index, transport.encode(), err, len(err))
+        if rc != 0:
+            raise node_error(rc, text(err))
 
     def __len__(self) -> int:
         return len(self._endpoints)

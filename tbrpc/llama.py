@@ -275,6 +275,7 @@ class Llama(llama_cpp.Llama):
             if split != "ffn":   # llama.cpp's own split modes
                 kwargs = {**context_kwargs(split=split), **kwargs}
         self._tbrpc_nodes: Nodes | None = None
+        self._tbrpc_owns_nodes = not isinstance(cluster, Nodes)   # given Nodes stay the caller's to stop
         say: Say = on_event or (lambda message: None)
         if isinstance(cluster, Nodes):
             nodes = cluster
@@ -354,11 +355,12 @@ class Llama(llama_cpp.Llama):
 
     def _tbrpc_stop(self) -> None:
         nodes, self._tbrpc_nodes = getattr(self, "_tbrpc_nodes", None), None
-        if nodes is not None:
+        if nodes is not None and getattr(self, "_tbrpc_owns_nodes", False):
             nodes.stop()
 
     def close(self) -> None:
-        """Free the model (its buffers on the nodes), then stop the nodes this Llama started."""
+        """Free the model (its buffers on the nodes), then stop the nodes this Llama started
+        (not those it was given as ``cluster=Nodes``: a serving launch reloads onto them)."""
         try:
             if hasattr(self, "_stack"):
                 super().close()

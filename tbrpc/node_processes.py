@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tbrpc.client import (
@@ -33,6 +33,7 @@ from tbrpc.client import (
     NodeVersionMismatch,
     probe,
 )
+from tbrpc.client import cluster as client_cluster
 from tbrpc import secret as cluster_secret
 from tbrpc.native import TbrpcError
 from tbrpc.spec import NodeSpec
@@ -245,6 +246,16 @@ def _wait_listening(node: RunningNode, deadline: float) -> None:
                      f"{_tail(node.log_path)}", _start_hint(spec, node.log_text()))
 
 
+def until_answering(spec: NodeSpec, node: RunningNode | None, deadline: float) -> tuple[str, NodeInfo]:
+    """Wait for a node to listen (one started here: its log says so) and to answer the handshake;
+    returns its endpoint and what it said. LaunchError naming the node otherwise."""
+    endpoint = spec.endpoint
+    if node is not None:
+        _wait_listening(node, deadline)
+        endpoint = node.endpoint
+    return endpoint, wait_handshake(spec, endpoint, deadline, node)
+
+
 def _start_hint(spec: NodeSpec, log: str) -> str:
     if "Address already in use" in log or "address already in use" in log.lower():
         return f"port {spec.port} is taken on {spec.host} by something that is not a tbrpc node: pick another port"
@@ -319,6 +330,41 @@ class Nodes:
                 return f"node {node.spec.name} ({node.endpoint}): the node process exited with code {node.proc.returncode}"
         return None
 
+    def failed(self) -> dict[int, str]:
+        """Index -> what happened, for each node of this cluster that has failed: a node process
+        started here that exited, or a connection of this process's Cluster that failed."""
+        out: dict[int, str] = {}
+        running = {n.endpoint: n for n in self.started}
+        for i, (spec, endpoint) in enumerate(zip(self.specs, self.endpoints)):
+            node = running.get(endpoint)
+            if node is not None and not node.alive():
+                out[i] = f"node {spec.name} ({endpoint}): the node process exited with code {node.proc.returncode}"
+        for info in client_cluster().nodes():
+            if info.failed and info.endpoint in self.endpoints:
+                out.setdefault(self.endpoints.index(info.endpoint), info.error)
+        return out
+
+    def started_here(self, index: int) -> RunningNode | None:
+        """The process this launch started for node `index`, if it started one."""
+        return next((n for n in self.started if n.endpoint == self.endpoints[index]), None)
+
+    def restart(self, index: int, head_model: str | None, timeout: float = START_TIMEOUT_S) -> NodeInfo:
+        """Start node `index` again, on the port it had, after its process exited; wait until it
+        answers. Its old log is kept beside the new one (NAME.log.1). LaunchError naming it otherwise."""
+        old = self.started_here(index)
+        if old is None or old.alive():
+            raise ValueError(f"node {self.specs[index].name} was not started here, or still runs")
+        old.stop()
+        spec = replace(old.spec, port=old.port)
+        old.log_path.replace(old.log_path.with_name(old.log_path.name + ".1"))
+        new = start_process(spec, old.log_path.parent, head_model)
+        self.started[self.started.index(old)] = new
+        try:
+            return until_answering(spec, new, time.monotonic() + timeout)[1]
+        except BaseException:
+            new.stop()
+            raise
+
     def explain(self, step: str, message: str) -> str:
         """`message` (from the core or llama.cpp) as: node NAME (endpoint), step STEP: ... try: ..."""
         running = {n.endpoint: n for n in self.started}
@@ -385,12 +431,7 @@ def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START
                 slots.append(new)
         endpoints, infos = [], []
         for spec, slot in zip(specs, slots):
-            if slot is not None:
-                _wait_listening(slot, deadline)
-                endpoint = slot.endpoint
-            else:
-                endpoint = spec.endpoint
-            info = wait_handshake(spec, endpoint, deadline, slot)
+            endpoint, info = until_answering(spec, slot, deadline)
             say(f"node {spec.name}: {endpoint} answers ({info.node_device}, {info.mem_total / 2**30:.1f} GiB)")
             endpoints.append(endpoint)
             infos.append(info)

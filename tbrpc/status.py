@@ -207,6 +207,8 @@ def format_serving(launches: Sequence[tuple[dict[str, Any], dict[str, Any]]]) ->
         model, q = snap["model"], snap["requests"]
         lines.append(f"launch {launch['pid']}: {model['alias']} (context {model['context'] or '?'}) at {launch['http']}/v1; "
                      f"{q['count']} request(s), {q['in_flight']} running or waiting, {q['tokens']} token(s)")
+        if snap.get("waiting"):   # a node failed: requests get 503 until it is back and the model reloaded
+            lines.append(f"  503 to every request: {snap['waiting']['message']}")
         for x in q["recent"][:5]:
             first = f", first token {x['first_token_s'] * 1000:.0f} ms" if x.get("first_token_s") is not None else ""
             lines.append(f"  {x['path']}: {x['tokens']} token(s), {x['tokens_per_s']:.1f} tok/s{first}, HTTP {x['status']}")
@@ -229,4 +231,4 @@ def rows_json(rows: Sequence[Row], launches: Sequence[tuple[dict[str, Any], dict
         out.append(row)
     return {"nodes": out,
             "launches": [{"pid": launch["pid"], "http": launch["http"], "model": snap["model"],
-                          "requests": snap["requests"]} for launch, snap in launches]}
+                          "requests": snap["requests"], "waiting": snap.get("waiting")} for launch, snap in launches]}
