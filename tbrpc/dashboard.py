@@ -17,7 +17,6 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,12 +24,7 @@ from fastapi import HTTPException, Request as HttpRequest   # the server extra; 
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from tbrpc.client import cluster as client_cluster
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from tbrpc.outage import ASGIApp, Message, Receive, Scope, Send
 
 TIMED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RECENT = 20
