@@ -122,7 +122,8 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
     """Say whether a model fits a cluster, which layers go where, and the llama.cpp flags. Exit 1 if it does not fit."""
     import json
 
-    from tbrpc.node_memory import load_cluster_file, nodes_from_flags
+    from tbrpc.cluster_file import cluster_secret_file, load_cluster_file
+    from tbrpc.node_memory import nodes_from_flags
     from tbrpc.plan import format_table, plan as make_plan
 
     try:
@@ -130,7 +131,6 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
             raise ValueError("use either --cluster or --node/--nodes")
         if cluster_file:
             from tbrpc import secret
-            from tbrpc.spec import cluster_secret_file
 
             if not offline and secret.file_for() is None:
                 _use_secret(cluster_secret_file(cluster_file))   # the nodes it asks may want the secret
@@ -215,8 +215,8 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
 
     from tbrpc.launch import LaunchOptions, launch as run_launch
     from tbrpc.llama import context_kwargs
+    from tbrpc.cluster_file import choose_cluster
     from tbrpc.node_memory import ClusterError
-    from tbrpc.spec import choose_cluster
 
     if prompt is not None and chat:
         raise click.UsageError("use either --prompt or --chat")
@@ -247,17 +247,20 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, secret_fi
     """Check every node: reachable, versions, secret, device and memory, model file, ssh, RDMA/Thunderbolt on Macs."""
     _use_secret(secret_file)
     from tbrpc.doctor import diagnose, failed, format_checks
-    from tbrpc.node_memory import ClusterError
-    from tbrpc.spec import choose_cluster, endpoint_specs, load_specs
-
     from tbrpc import secret
-    from tbrpc.spec import cluster_secret_file
+    from tbrpc.cluster_file import choose_cluster, read
+    from tbrpc.node_memory import ClusterError
+    from tbrpc.spec import endpoint_specs
 
     try:
         path = None if endpoints else choose_cluster(cluster_file, None)
-        specs = endpoint_specs(list(endpoints)) if path is None else load_specs(path)
-        if path is not None and secret.file_for() is None:
-            _use_secret(cluster_secret_file(path))
+        if path is None:
+            specs = endpoint_specs(list(endpoints))
+        else:
+            cluster = read(path)
+            specs = list(cluster.specs)
+            if secret.file_for() is None:
+                _use_secret(cluster.secret_file)
     except ClusterError as e:
         raise click.UsageError(str(e)) from e
     checks = diagnose(specs, gguf, timeout)
@@ -278,21 +281,21 @@ def status(cluster_file: str | None, timeout: float, as_json: bool, secret_file:
     _use_secret(secret_file)
     import json
 
+    from tbrpc.cluster_file import default_cluster_file, read
     from tbrpc.node_memory import ClusterError
-    from tbrpc.spec import default_cluster_file, load_specs
     from tbrpc.status import format_rows, format_serving, query, rows_json, serving, targets
 
     if endpoints:
         listed = [(e, e) for e in endpoints]
     else:
         from tbrpc import secret
-        from tbrpc.spec import cluster_secret_file
 
         path = cluster_file or default_cluster_file()
         try:
-            listed = [(s.name, s.endpoint) for s in load_specs(path)] if path else []
-            if path and secret.file_for() is None:
-                _use_secret(cluster_secret_file(path))
+            cluster = read(path) if path else None
+            listed = [(s.name, s.endpoint) for s in cluster.specs] if cluster else []
+            if cluster and secret.file_for() is None:
+                _use_secret(cluster.secret_file)
         except ClusterError as e:
             raise click.UsageError(str(e)) from e
     with_launches = not endpoints and not cluster_file

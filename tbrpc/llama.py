@@ -31,6 +31,7 @@ import llama_cpp.llama_cpp as llama_lib
 from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.client import connect
+from tbrpc.cluster_file import cluster_secret_file, load_specs
 from tbrpc.gguf_model import GGUFError
 from tbrpc.native import TbrpcError
 from tbrpc.node_memory import Node, Report, size_nodes
@@ -46,7 +47,7 @@ from tbrpc.plan import (
     format_table,
     plan,
 )
-from tbrpc.spec import NodeSpec, cluster_secret_file, endpoint_specs, load_specs, local_specs
+from tbrpc.spec import NodeSpec, endpoint_specs, local_specs
 from tbrpc.units import format_size
 
 ClusterArg = str | os.PathLike[str] | Sequence[str] | int | Nodes

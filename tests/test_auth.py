@@ -347,7 +347,7 @@ def test_local_nodes_get_a_fresh_secret_per_run(tmp_path: Path, monkeypatch: pyt
 def test_a_cluster_files_secret_reaches_the_nodes_launch_starts(tmp_path: Path, key: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from tbrpc.node_processes import _node_argv
-    from tbrpc.spec import cluster_secret_file, load_specs
+    from tbrpc.cluster_file import cluster_secret_file, load_specs
 
     monkeypatch.delenv("TBRPC_SECRET_FILE", raising=False)
     cluster = tmp_path / "c.toml"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from tbrpc.cluster_file import load_cluster_file, load_specs, read_cluster_file
 from tbrpc.node_memory import (
-    FROM_FILE, ClusterError, ClusterNode, NoAnswer, Node, Report, load_cluster_file, make_node, nodes_from_flags,
-    read_cluster_file, size_nodes, with_origin,
+    FROM_FILE, ClusterError, ClusterNode, NoAnswer, Node, Report, make_node, nodes_from_flags, size_nodes, with_origin,
 )
 from tbrpc.units import GiB, format_size, parse_size
 
@@ -225,7 +225,7 @@ links = {{ s3 = "10.0.34.4" }}
 
 
 def test_links_say_which_cable_each_pair_uses(tmp_path: Path) -> None:
-    from tbrpc.spec import cable_gaps, load_specs
+    from tbrpc.spec import cable_gaps
 
     path = tmp_path / "ring.toml"
     path.write_text(RING.replace("{s3_links}", 'links = { s2 = "10.0.23.3", s4 = "10.0.34.3" }').replace("{{", "{")
