@@ -131,8 +131,10 @@ class Serving:
 
     def _outage(self, failed: dict[int, str]) -> Outage:
         names = {i: f"{self.nodes.specs[i].name} ({self.nodes.endpoints[i]})" for i in failed}
+        restart = any((n := self.nodes.started_here(i)) is not None and not n.alive() for i in failed)
         return Outage([names[i] for i in sorted(failed)],
-                      "; ".join(failed[i].removeprefix(f"node {names[i]}: ") for i in sorted(failed)))
+                      "; ".join(failed[i].removeprefix(f"node {names[i]}: ") for i in sorted(failed)),
+                      state="restarting" if restart else "waiting")
 
     def _reconnect(self, indices: list[int]) -> None:
         """The failed nodes' devices connect again (the model that used them is freed by now)."""

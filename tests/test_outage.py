@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -132,3 +133,62 @@ def test_restarts_a_node_it_started(tmp_path: Path) -> None:
         pids = with_descendants(after)
         stop(launch)
         assert_gone(pids)
+
+
+def test_requests_in_flight_get_the_error_and_a_node_that_never_returns_is_waited_for(tmp_path: Path) -> None:
+    """Gemma (slow enough to kill a node mid-answer): a stream under way ends without [DONE], a plain
+    request under way gets the 503; with the node gone for good launch keeps waiting until Ctrl-C."""
+    first, second = start_node(tmp_path), start_node(tmp_path)
+    started = [first, second]
+    cluster = tmp_path / "two.toml"
+    cluster.write_text("".join(f'[[node]]\nname = "n{i}"\nhost = "127.0.0.1"\nport = {n.port}\nstart = "manual"\n\n'
+                               for i, n in enumerate(started)))
+    long = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+    try:
+        with start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--cluster", str(cluster), "--ctx", "256",
+                          "--port", "0") as launch:
+            base = launch.http_base()
+            root = base.removesuffix("/v1")
+            request = urllib.request.Request(f"{base}/completions", data=json.dumps({**long, "stream": True}).encode(),
+                                             headers={"Content-Type": "application/json"})
+            lines = []
+            with urllib.request.urlopen(request, timeout=60) as stream:
+                lines.append(stream.readline())       # the first event: generation is under way
+                second.proc.kill()
+                second.proc.wait()
+                started_at = time.monotonic()
+                lines.extend(stream)                  # the rest, until the server ends the stream
+            assert time.monotonic() - started_at < 60
+            events = [line for line in lines if line.startswith(b"data: ")]
+            assert 1 <= len(events) < long["max_tokens"] and b"data: [DONE]" not in b"".join(lines), lines[-3:]
+            launch.wait_for(r"model freed")
+
+            again = start_node(tmp_path, "--port", str(second.port))
+            started.append(again)
+            launch.wait_for(r"serving again")
+            answer: dict[str, Any] = {}
+
+            def ask() -> None:
+                answer["refused"] = refused(f"{base}/completions", long)
+
+            asking = threading.Thread(target=ask)
+            asking.start()
+            deadline = time.monotonic() + 60
+            while http_json(f"{root}/tbrpc/status.json")["requests"]["in_flight"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.5)                           # into the generation
+            again.proc.kill()
+            again.proc.wait()
+            asking.join(timeout=60)
+            code, _, body, _ = answer["refused"]
+            assert code == 503 and f"node n1 (127.0.0.1:{second.port})" in body["error"]["message"], body
+
+            launch.wait_for(r"node n1 \(127\.0\.0\.1:\d+\): waiting for it \(1 probe")   # it never comes back
+            time.sleep(2 * 0.5 + 1.0)                 # several probes later: still waiting, still answering 503
+            assert refused(f"{base}/completions", long)[0] == 503
+            assert http_json(f"{root}/tbrpc/status.json")["waiting"]["probes"] >= 2
+            stop(launch)
+            assert "stopping (SIGINT)" in launch.stderr
+    finally:
+        stop_nodes([n for n in started if n.proc.poll() is None])
