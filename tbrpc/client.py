@@ -25,9 +25,14 @@ class NodeError(TbrpcError):
     """A node is unreachable, refused the handshake, died or stopped answering.
 
     Each kind of failure is a subclass (``kind`` names it too); the message
-    names the node and says what happened. Callers branch on the class."""
+    names the node and says what happened, ``endpoint`` is the node's
+    "host:port" (None when not known). Callers branch on the class."""
 
     kind = "error"
+
+    def __init__(self, message: str, endpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
 
 
 class NodeUnreachable(NodeError):
@@ -73,9 +78,9 @@ _ERROR_CLASSES: dict[int, type[NodeError]] = {
 }
 
 
-def node_error(kind: int, message: str) -> NodeError:
+def node_error(kind: int, message: str, endpoint: str | None = None) -> NodeError:
     """The NodeError subclass for a C error kind (positive or negative), with `message`."""
-    return _ERROR_CLASSES.get(abs(kind), NodeError)(message)
+    return _ERROR_CLASSES.get(abs(kind), NodeError)(message, endpoint)
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ class NodeInfo:
 
     def exception(self) -> NodeError:
         """The NodeError of this node's failure (its class says the kind)."""
-        return node_error(self.error_kind, self.error)
+        return node_error(self.error_kind, self.error, self.endpoint)
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,7 @@ class Cluster:
             index = self._lib.tbrpc_client_add_node(self._client, endpoint.encode(), int(timeout * 1000),
                                                     transport.encode(), key, len(secret or b""), err, len(err))
             if index < 0:
-                raise node_error(index, text(err))
+                raise node_error(index, text(err), endpoint)
             self._endpoints.append(endpoint)
             self._lib.tbrpc_client_register(self._client, err, len(err))
             name = self.info(index).device_name
@@ -181,7 +186,7 @@ class Cluster:
         err = error_buffer()
         rc = self._lib.tbrpc_client_reconnect_node(self._client, index, transport.encode(), err, len(err))
         if rc != 0:
-            raise node_error(rc, text(err))
+            raise node_error(rc, text(err), self._endpoints[index])
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -241,7 +246,7 @@ class Cluster:
         err = error_buffer()
         rc = self._lib.tbrpc_client_node_status(self._client, index, out, err, len(err))
         if rc != 0:
-            raise node_error(rc, text(err))
+            raise node_error(rc, text(err), self._endpoints[index])
         return _status_from_c(out)
 
     def reset_stats(self) -> None:
@@ -349,7 +354,7 @@ def _install_error_hooks(c: Cluster) -> None:
                 raise new[0].exception()
             if before and _call_failed(name, result):   # it may have run on a node that failed earlier
                 first = next(iter(before.values()))
-                raise node_error(first.error_kind, "; ".join(info.error for info in before.values()))
+                raise node_error(first.error_kind, "; ".join(info.error for info in before.values()), first.endpoint)
             return result
 
         checked._tbrpc_wrapped = True  # type: ignore[attr-defined]
@@ -390,7 +395,7 @@ def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT_S,
     c_key = ffi.NULL if key is None else ffi.new("uint8_t[]", key)
     rc = lib.tbrpc_probe(endpoint.encode(), int(timeout * 1000), c_key, len(key or b""), hello, status, err, len(err))
     if rc != 0:
-        raise node_error(rc, text(err))
+        raise node_error(rc, text(err), endpoint)
     info = NodeInfo(
         endpoint=endpoint, device_name="", node_name=text(hello.node_name), node_device=text(hello.device_name),
         description=text(hello.device_description), mem_free=hello.mem_free, mem_total=hello.mem_total,

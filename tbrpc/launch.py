@@ -26,7 +26,7 @@ from tbrpc.gguf_model import GGUFError, load_gguf
 from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_tensor_mode
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster, with_secret
 from tbrpc.native import TbrpcError
-from tbrpc.node_processes import LaunchError, Nodes, head_secret_file, start_nodes
+from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
 from tbrpc.outage import Serving
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
 from tbrpc.spec import cable_gaps
@@ -86,10 +86,6 @@ class _Signals:
     def __exit__(self, *exc: object) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)
-
-
-def _cluster_failure(nodes: Nodes) -> str | None:
-    return next(iter(nodes.failed().values()), None)
 
 
 def _first_load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[str], None]) -> Llama:
@@ -176,13 +172,13 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             try:   # a header read: refuse a file that is not a model before starting anything
                 model = load_gguf(opts.gguf)
             except GGUFError as exc:
-                raise TbrpcError(f"step plan: {exc}\n  try: --gguf must be a GGUF model "
-                                 "(for a split set, its first shard)") from exc
+                raise TbrpcError.at("plan", f"{exc}\n  try: --gguf must be a GGUF model "
+                                    "(for a split set, its first shard)") from exc
             if opts.split == "tensor" or opts.llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR:
                 try:   # an architecture llama.cpp will not tensor-split: say so before starting nodes
                     check_tensor_mode(model.architecture)
                 except PlanError as exc:
-                    raise TbrpcError(f"step plan: {exc}") from exc
+                    raise TbrpcError.at("plan", str(exc)) from exc
             if opts.prompt is None and not opts.chat:
                 require_server()
             check_draft(opts.draft, opts.draft_model, opts.gguf)
@@ -215,16 +211,16 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
         except DoesNotFitError as exc:
             say(str(exc))
             return EXIT_DOES_NOT_FIT
-        except (LaunchError, TbrpcError) as exc:
-            message = str(exc)
-            if not message.startswith(("node ", "step ")):
-                message = nodes.explain(step, message) if nodes else f"step {step}: {message}"
-            say(message)
+        except TbrpcError as exc:   # LaunchError included: it names its node and step
+            if exc.step is not None:
+                say(str(exc))
+            else:
+                say(nodes.explain(step, exc) if nodes else f"step {step}: {exc}")
             return EXIT_FAILED
         except ValueError as exc:  # llama-cpp-python's "Failed to load model" and friends
-            failure = _cluster_failure(nodes) if nodes else None
+            failure = nodes.first_failure() if nodes else None
             if failure and nodes:
-                say(nodes.explain(step, failure))
+                say(nodes.explain(step, failure[1], failure[0]))
             else:
                 say(f"step {step}: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
                     f"and the node logs in {log_dir}")

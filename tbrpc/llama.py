@@ -43,6 +43,7 @@ from tbrpc.plan import (
     SPLIT_MODES,
     Plan,
     PlanError,
+    TensorSplitError,
     cache_type_name,
     format_table,
     plan,
@@ -57,6 +58,8 @@ Say = Callable[[str], Any]
 
 class DoesNotFitError(TbrpcError):
     """The planner says the model does not fit on these nodes at this context."""
+
+    step = "plan"
 
     def __init__(self, message: str, the_plan: Plan) -> None:
         super().__init__(message)
@@ -103,10 +106,10 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
         # every node is a TBRPC device; the head keeps only embeddings, inputs and logits (result.head)
         result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="none", **plan_kwargs)
     except (PlanError, GGUFError) as exc:
-        if str(exc).startswith("tensor split"):   # the planner's own way out is in the message
-            raise TbrpcError(f"step plan: {exc}") from exc
-        raise TbrpcError(f"step plan: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
-                         "and the context size") from exc
+        if isinstance(exc, TensorSplitError):   # the planner's own way out is in the message
+            raise TbrpcError.at("plan", str(exc)) from exc
+        raise TbrpcError.at("plan", f"{exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
+                            "and the context size") from exc
     if not result.fits:
         why = result.shortfall.message if result.shortfall else "does not fit"
         raise DoesNotFitError(
@@ -311,7 +314,7 @@ class Llama(llama_cpp.Llama):
             self.tbrpc_devices = [connect([e], transport=s.transport, secret_file=head_secret_file(s))[0]
                                   for e, s in zip(nodes.endpoints, nodes.specs)]
         except TbrpcError as exc:
-            raise type(exc)(nodes.explain("connect", str(exc))) from exc
+            raise nodes.explained("connect", exc) from exc
         by_name = {s.name: e for s, e in zip(nodes.specs, nodes.endpoints)}
         for spec, endpoint in zip(nodes.specs, nodes.endpoints):
             for source, host in spec.links:   # how the nodes reach each other over their own cables
@@ -337,11 +340,11 @@ class Llama(llama_cpp.Llama):
             try:
                 super().__init__(model_path, **kwargs)
             except TbrpcError as exc:
-                raise type(exc)(nodes.explain("load", str(exc))) from exc
+                raise nodes.explained("load", exc) from exc
             except ValueError as exc:
-                failure = nodes.failure()
+                failure = nodes.first_failure()
                 if failure:
-                    raise TbrpcError(nodes.explain("load", failure)) from exc
+                    raise nodes.explained("load", TbrpcError(failure[1]), failure[0]) from exc
                 raise
         self.tbrpc_load_seconds = time.monotonic() - started
 

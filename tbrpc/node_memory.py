@@ -24,7 +24,6 @@ import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
 
 from tbrpc.units import format_size, parse_size
 
@@ -219,7 +218,7 @@ def _sized(entry: ClusterNode, report: Report, shared_by: int) -> Node:
 
 
 def _missing(entry: ClusterNode, answer: NoAnswer | None) -> str:
-    add = f"add `memory = \"...\"` to its [[node]] table"
+    add = "add `memory = \"...\"` to its [[node]] table"
     if answer is None:
         return (f"node {entry.name} ({entry.endpoint}): the cluster file gives it no `memory` and the nodes were not "
                 f"asked (planning offline): {add}, or plan with the node running (`tbrpc plan` without --offline)")

@@ -36,11 +36,11 @@ from tbrpc.client import (
 from tbrpc.client import cluster as client_cluster
 from tbrpc import secret as cluster_secret
 from tbrpc.native import TbrpcError
-from tbrpc.spec import NodeSpec
+from tbrpc.spec import NodeSpec, split_endpoint
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
-_LISTENING_RE = re.compile(r"tbrpc node listening on \S+?:(\d+)")
+_LISTENING_RE = re.compile(r"tbrpc node listening on \S+?:(\d+)")   # what `tbrpc node` prints (cli.py)
 _PID_RE = re.compile(r"tbrpc node pid (\d+)")
 
 
@@ -53,6 +53,12 @@ class LaunchError(TbrpcError):
         if hint:
             message += f"\n  try: {hint}"
         super().__init__(message)
+
+
+def listening_port(log: str) -> int | None:
+    """The port a node's log (its stderr) says it listens on, once it does; else None."""
+    m = _LISTENING_RE.search(log)
+    return int(m.group(1)) if m else None
 
 
 def step_error(spec: NodeSpec, step: str, what: str, hint: str = "") -> LaunchError:
@@ -118,9 +124,9 @@ class RunningNode:
         text = self.log_text()   # read once: the port and "listening" must come from the same text
         if self.pid is None and (m := _PID_RE.search(text)):
             self.pid = int(m.group(1))
-        if not self.listening and (m := _LISTENING_RE.search(text)):
+        if not self.listening and (port := listening_port(text)) is not None:
             self.listening = True
-            self.port = self.port or int(m.group(1))
+            self.port = self.port or port
 
     def begin_stop(self) -> None:
         """Ask the node to stop: end of its stdin (over ssh too), and SIGTERM to a local node."""
@@ -295,9 +301,8 @@ def wait_handshake(spec: NodeSpec, endpoint: str, deadline: float, node: Running
 
 def answers(endpoint: str, timeout: float = 1.0, secret_file: str | None = None) -> tuple[NodeInfo | None, NodeError | None]:
     """(info, None) when a tbrpc node answers at `endpoint`, else (None, why)."""
-    host, _, port = endpoint.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
+        with socket.create_connection(split_endpoint(endpoint), timeout=timeout):
             pass
     except OSError as exc:
         return None, NodeUnreachable(f"unreachable: {exc}")
@@ -322,13 +327,6 @@ class Nodes:
             return
         self._stopped = True
         stop_all(self.started)
-
-    def failure(self) -> str | None:
-        """A message naming a node this process started that has died, else None."""
-        for node in self.started:
-            if not node.alive():
-                return f"node {node.spec.name} ({node.endpoint}): the node process exited with code {node.proc.returncode}"
-        return None
 
     def failed(self) -> dict[int, str]:
         """Index -> what happened, for each node of this cluster that has failed: a node process
@@ -365,20 +363,35 @@ class Nodes:
             new.stop()
             raise
 
-    def explain(self, step: str, message: str) -> str:
-        """`message` (from the core or llama.cpp) as: node NAME (endpoint), step STEP: ... try: ..."""
-        running = {n.endpoint: n for n in self.started}
-        for spec, endpoint in zip(self.specs, self.endpoints):
-            if endpoint in message or f"node {spec.name} " in message:
-                node = running.get(endpoint)
-                if node is not None and not node.alive() and "exited with code" not in message:
-                    message += f" (the node process exited with code {node.proc.returncode})"
-                log = f"its log: {node.log_path}" if node else f"its log on {spec.host}"
-                hint = (f"{log}; `tbrpc status` shows its memory in use; "
-                        "`tbrpc doctor` checks every node; then launch again")
-                message = message.removeprefix(f"node {spec.name} ({endpoint}): ")
-                return f"node {spec.name} ({endpoint}), step {step}: {message}\n  try: {hint}"
-        return f"step {step}: {message}\n  try: `tbrpc doctor` checks every node"
+    def explain(self, step: str, error: TbrpcError | str, index: int | None = None) -> str:
+        """`error` as: node NAME (endpoint), step STEP: ... try: ..., for node `index`, else the node a
+        NodeError names by its endpoint; otherwise: step STEP: ... A failure() message (a str) already
+        says how the process ended; for a NodeError of a node whose process exited, that is added."""
+        if index is None and isinstance(error, NodeError) and error.endpoint in self.endpoints:
+            index = self.endpoints.index(error.endpoint)
+        message = str(error)
+        if index is None:
+            return f"step {step}: {message}\n  try: `tbrpc doctor` checks every node"
+        spec, endpoint, node = self.specs[index], self.endpoints[index], self.started_here(index)
+        if node is not None and not node.alive() and isinstance(error, NodeError):
+            message += f" (the node process exited with code {node.proc.returncode})"
+        log = f"its log: {node.log_path}" if node else f"its log on {spec.host}"
+        hint = f"{log}; `tbrpc status` shows its memory in use; `tbrpc doctor` checks every node; then launch again"
+        message = message.removeprefix(f"node {spec.name} ({endpoint}): ")
+        return f"node {spec.name} ({endpoint}), step {step}: {message}\n  try: {hint}"
+
+    def explained(self, step: str, error: TbrpcError, index: int | None = None) -> TbrpcError:
+        """`error` again, of the same class, its message explained (``explain``) and its step set."""
+        if isinstance(error, NodeError):
+            again: TbrpcError = type(error)(self.explain(step, error, index), error.endpoint)
+        else:
+            again = type(error)(self.explain(step, error, index))
+        again.step = step
+        return again
+
+    def first_failure(self) -> tuple[int, str] | None:
+        """(index, what happened) of the first failed node (``failed``), else None."""
+        return next(iter(self.failed().items()), None)
 
     def pids(self) -> list[int]:
         """Pids of the node processes started here (on their own machines)."""

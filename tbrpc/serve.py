@@ -36,9 +36,9 @@ def require_server() -> None:
         import llama_cpp.server.app  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise ServeError(f"step serve: the HTTP API needs llama-cpp-python's server extra ({exc.name} is missing)\n"
-                         f"  try: pip install 'llama-cpp-python[server]=={SUPPORTED_LLAMA_CPP_PYTHON}', "
-                         "or use --prompt / --chat") from exc
+        raise ServeError.at("serve", f"the HTTP API needs llama-cpp-python's server extra ({exc.name} is missing)\n"
+                            f"  try: pip install 'llama-cpp-python[server]=={SUPPORTED_LLAMA_CPP_PYTHON}', "
+                            "or use --prompt / --chat") from exc
 
 
 def make_app(serving: Serving, alias: str, api_key: str | None = None) -> Any:
@@ -101,8 +101,8 @@ def listen(host: str, port: int) -> socket.socket:
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        raise ServeError(f"step serve: cannot listen on {host}:{port}: {exc.strerror or exc}\n"
-                         "  try: another --port (0 picks a free one), or stop what uses this one") from exc
+        raise ServeError.at("serve", f"cannot listen on {host}:{port}: {exc.strerror or exc}\n"
+                            "  try: another --port (0 picks a free one), or stop what uses this one") from exc
     return sock
 
 

@@ -108,12 +108,21 @@ def local_specs(n: int, threads: int | None = None) -> list[NodeSpec]:
             for i in range(n)]
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """"host:port" ("[::1]:50052" for IPv6) -> (host, port); ValueError saying what is wrong."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f'expected "host:port", got {endpoint!r}')
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 def endpoint_specs(endpoints: list[str]) -> list[NodeSpec]:
     """Nodes given as "host:port", started by someone else."""
     specs = []
     for i, endpoint in enumerate(endpoints):
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ClusterError(f'node #{i + 1}: expected "host:port", got {endpoint!r}')
-        specs.append(NodeSpec(name=endpoint, host=host, port=int(port), start="manual"))
+        try:
+            host, port = split_endpoint(endpoint)
+        except ValueError as exc:
+            raise ClusterError(f"node #{i + 1}: {exc}") from exc
+        specs.append(NodeSpec(name=endpoint, host=host, port=port, start="manual"))
     return specs

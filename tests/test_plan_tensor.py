@@ -27,7 +27,7 @@ from tbrpc.cli import main as cli_main
 from tbrpc.gguf_model import load_gguf
 from tbrpc.node_memory import make_node
 from tbrpc.plan import PlanError, plan
-from tbrpc.units import MiB, format_size
+from tbrpc.units import format_size
 
 TINY = dict(n_layer=6, n_embd=128, n_vocab=384, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
 # The matrices llama.cpp's meta device cuts (llama_meta_device_get_split_state):
