@@ -15,9 +15,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from tbrpc import defaults
 from tbrpc.native import TbrpcError, VersionMismatchError, error_buffer, load, text
 
-DEFAULT_TIMEOUT_S = 10.0
 TRANSPORTS = ("auto", "tcp")
 
 
@@ -299,7 +299,7 @@ def default_transport() -> str:
     return chosen
 
 
-def connect(nodes: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, transport: str | None = None,
+def connect(nodes: Sequence[str], timeout: float = defaults.STALL_TIMEOUT_S, transport: str | None = None,
             secret_file: str | os.PathLike[str] | None = None) -> list[str]:
     """Connect to each "host:port" node; return their ggml device names, in order.
 
@@ -380,7 +380,7 @@ def _call_failed(name: str, result: Any) -> bool:
     return result < 0 if name == "llama_decode" else not result
 
 
-def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT_S,
+def probe(endpoint: str, timeout: float = defaults.STALL_TIMEOUT_S,
           secret_file: str | os.PathLike[str] | None = None) -> tuple[NodeInfo, NodeStatus]:
     """Connect, handshake, read status and disconnect (for doctor and launch).
 

@@ -47,10 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tbrpc import defaults
 from tbrpc.client import TRANSPORTS
 from tbrpc.node_memory import (
-    DEFAULT_ASK_TIMEOUT_S,
-    DEFAULT_METAL_FRACTION,
     FROM_FILE,
     KINDS,
     LOOPBACK,
@@ -116,7 +115,7 @@ def choose_cluster(cluster_file: str | os.PathLike[str] | None, local: int | Non
 # --- reading it ----------------------------------------------------------------------------
 
 
-def read(path: str | os.PathLike[str], metal_fraction: float = DEFAULT_METAL_FRACTION) -> ClusterFile:
+def read(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FRACTION) -> ClusterFile:
     """Read and check the whole file; ClusterError naming the file, the node and the key otherwise."""
     try:
         data = tomllib.loads(Path(path).read_text())
@@ -149,7 +148,7 @@ def read(path: str | os.PathLike[str], metal_fraction: float = DEFAULT_METAL_FRA
     return ClusterFile(str(path), secret_file, tuple(nodes), tuple(specs))
 
 
-def read_cluster_file(path: str | os.PathLike[str], metal_fraction: float = DEFAULT_METAL_FRACTION) -> list[ClusterNode]:
+def read_cluster_file(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FRACTION) -> list[ClusterNode]:
     """The planner's view of each ``[[node]]`` table: where it is, and its memory if the file says."""
     return list(read(path, metal_fraction).nodes)
 
@@ -164,8 +163,8 @@ def cluster_secret_file(path: str | os.PathLike[str]) -> str | None:
     return read(path).secret_file
 
 
-def load_cluster_file(path: str | os.PathLike[str], metal_fraction: float = DEFAULT_METAL_FRACTION, *,
-                      ask: bool = False, timeout: float = DEFAULT_ASK_TIMEOUT_S) -> list[Node]:
+def load_cluster_file(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FRACTION, *,
+                      ask: bool = False, timeout: float = defaults.ASK_TIMEOUT_S) -> list[Node]:
     """The planner's nodes of a cluster file.
 
     ``ask=False`` plans offline: every node needs `memory` (or `usable_memory`).

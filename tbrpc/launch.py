@@ -19,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, TextIO
 
+from tbrpc import defaults
 from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
@@ -42,7 +43,7 @@ class LaunchOptions:
     cluster: ClusterArg
     ctx: int | None = None
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = defaults.HTTP_PORT
     prompt: str | None = None
     chat: bool = False
     max_tokens: int = 128
@@ -51,7 +52,7 @@ class LaunchOptions:
     alias: str | None = None
     api_key: str | None = None
     log_dir: Path | None = None
-    start_timeout: float = 60.0
+    start_timeout: float = defaults.START_TIMEOUT_S
     verbose: bool = False
     threads: int | None = None   # the head's, and those of started nodes that name none
     draft: str | None = None        # "prompt-lookup[:N]"

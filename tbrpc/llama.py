@@ -28,6 +28,7 @@ from typing import Any
 import llama_cpp
 import llama_cpp.llama_cpp as llama_lib
 
+from tbrpc import defaults
 from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.client import connect
@@ -269,7 +270,7 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str, *, cluster: ClusterArg, progress: bool | Progress = False,
-                 log_dir: str | os.PathLike[str] | None = None, start_timeout: float = 60.0,
+                 log_dir: str | os.PathLike[str] | None = None, start_timeout: float = defaults.START_TIMEOUT_S,
                  plan_options: dict[str, Any] | None = None, on_event: Say | None = None, split: str | None = None,
                  secret_file: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         if split is not None:

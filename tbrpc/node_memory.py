@@ -25,16 +25,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from tbrpc import defaults
 from tbrpc.units import format_size, parse_size
 
-# macOS's default GPU wired-memory cap on machines with more than 64 GB of
-# RAM (recommendedMaxWorkingSetSize); smaller Macs get about two thirds.
-DEFAULT_METAL_FRACTION = 0.75
-DEFAULT_PORT = 50052
 
 KINDS = ("metal", "cpu")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-DEFAULT_ASK_TIMEOUT_S = 3.0
 
 # Where a node's usable figure came from (Node.memory_from)
 GIVEN = "given"                  # make_node's caller
@@ -56,7 +52,7 @@ class Node:
     usable_bytes: int  # what the model may use on this node
     limit_source: str  # human explanation of where usable_bytes came from and how it was chosen
     host: str = ""
-    port: int = DEFAULT_PORT
+    port: int = defaults.PORT
     kind: str = "metal"
     memory_from: str = GIVEN  # FROM_FILE, FROM_FLAGS, FROM_NODE or GIVEN: whose figure usable_bytes is
     reported_bytes: int | None = None  # what the node reported (its share of it), when it was asked
@@ -70,7 +66,7 @@ def _usable(memory: int, kind: str, usable: int | None, wired_limit: int | None,
     if wired_limit is not None:
         return wired_limit, f"Metal wired limit {format_size(wired_limit)} (iogpu.wired_limit_mb raised)"
     limit = int(memory * fraction)
-    how = "macOS default" if fraction == DEFAULT_METAL_FRACTION else "set with --metal-fraction"
+    how = "macOS default" if fraction == defaults.METAL_FRACTION else "set with --metal-fraction"
     return limit, f"Metal wired limit assumed {fraction:.0%} of RAM ({how}); raise iogpu.wired_limit_mb to use more"
 
 
@@ -79,11 +75,11 @@ def make_node(
     memory: int | str,
     *,
     host: str = "",
-    port: int = DEFAULT_PORT,
+    port: int = defaults.PORT,
     kind: str = "metal",
     usable_memory: int | str | None = None,
     wired_limit: int | str | None = None,
-    metal_fraction: float = DEFAULT_METAL_FRACTION,
+    metal_fraction: float = defaults.METAL_FRACTION,
 ) -> Node:
     if kind not in KINDS:
         raise ClusterError(f"node {name}: kind must be one of {', '.join(KINDS)}, not {kind!r}")
@@ -138,7 +134,7 @@ class NoAnswer:
     why: str
 
 
-def ask_nodes(entries: Sequence[ClusterNode], timeout: float = DEFAULT_ASK_TIMEOUT_S) -> list[Report | NoAnswer]:
+def ask_nodes(entries: Sequence[ClusterNode], timeout: float = defaults.ASK_TIMEOUT_S) -> list[Report | NoAnswer]:
     """Ask every node for its memory (a handshake, in parallel); a node without a fixed port cannot be asked."""
     try:
         from tbrpc.client import probe
@@ -230,7 +226,7 @@ def _missing(entry: ClusterNode, answer: NoAnswer | None) -> str:
 _NODES_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\S+)\s*$")
 
 
-def nodes_from_flags(node_flags: list[str], nodes_flag: str | None, metal_fraction: float = DEFAULT_METAL_FRACTION) -> list[Node]:
+def nodes_from_flags(node_flags: list[str], nodes_flag: str | None, metal_fraction: float = defaults.METAL_FRACTION) -> list[Node]:
     """``--node mac1=512GiB`` (repeatable) or ``--nodes 4x512GiB`` (named node0..N-1)."""
     if node_flags and nodes_flag:
         raise ClusterError("use either --node or --nodes, not both")

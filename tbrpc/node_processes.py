@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tbrpc import defaults
+from tbrpc import secret as cluster_secret
 from tbrpc.client import (
     AuthenticationError,
     NodeError,
@@ -34,12 +36,9 @@ from tbrpc.client import (
     probe,
 )
 from tbrpc.client import cluster as client_cluster
-from tbrpc import secret as cluster_secret
 from tbrpc.native import TbrpcError
 from tbrpc.spec import NodeSpec, split_endpoint
 
-START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 10.0
 _LISTENING_RE = re.compile(r"tbrpc node listening on \S+?:(\d+)")   # what `tbrpc node` prints (cli.py)
 _PID_RE = re.compile(r"tbrpc node pid (\d+)")
 
@@ -148,7 +147,7 @@ class RunningNode:
             self._signal(signal.SIGKILL)
             self.proc.wait()
 
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+    def stop(self, timeout: float = defaults.STOP_TIMEOUT_S) -> None:
         """Stop the node: end of its stdin, then SIGTERM, then SIGKILL. Idempotent."""
         self.begin_stop()
         self.finish_stop(time.monotonic() + timeout)
@@ -248,7 +247,7 @@ def _wait_listening(node: RunningNode, deadline: float) -> None:
             raise step_error(spec, "start", f"{how} exited with code {node.proc.returncode} before listening; "
                              f"its log ({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
         time.sleep(0.05)
-    raise step_error(spec, "start", f"not listening after {START_TIMEOUT_S:.0f} s; its log ({node.log_path}):\n    "
+    raise step_error(spec, "start", f"not listening after {defaults.START_TIMEOUT_S:.0f} s; its log ({node.log_path}):\n    "
                      f"{_tail(node.log_path)}", _start_hint(spec, node.log_text()))
 
 
@@ -346,7 +345,7 @@ class Nodes:
         """The process this launch started for node `index`, if it started one."""
         return next((n for n in self.started if n.endpoint == self.endpoints[index]), None)
 
-    def restart(self, index: int, head_model: str | None, timeout: float = START_TIMEOUT_S) -> NodeInfo:
+    def restart(self, index: int, head_model: str | None, timeout: float = defaults.START_TIMEOUT_S) -> NodeInfo:
         """Start node `index` again, on the port it had, after its process exited; wait until it
         answers. Its old log is kept beside the new one (NAME.log.1). LaunchError naming it otherwise."""
         old = self.started_here(index)
@@ -404,7 +403,7 @@ class Nodes:
         self.stop()
 
 
-def stop_all(nodes: Sequence[RunningNode], timeout: float = STOP_TIMEOUT_S) -> None:
+def stop_all(nodes: Sequence[RunningNode], timeout: float = defaults.STOP_TIMEOUT_S) -> None:
     """Stop nodes in parallel, without threads (this also runs from __del__ at interpreter exit)."""
     for node in nodes:
         node.begin_stop()
@@ -413,7 +412,7 @@ def stop_all(nodes: Sequence[RunningNode], timeout: float = STOP_TIMEOUT_S) -> N
         node.finish_stop(deadline)
 
 
-def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START_TIMEOUT_S,
+def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = defaults.START_TIMEOUT_S,
                 on_event: object = None, head_model: str | None = None) -> Nodes:
     """Start (or find already running) every node and wait until each answers the handshake.
 
@@ -455,7 +454,7 @@ def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START
 
 
 @contextmanager
-def running(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START_TIMEOUT_S) -> Iterator[Nodes]:
+def running(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = defaults.START_TIMEOUT_S) -> Iterator[Nodes]:
     nodes = start_nodes(specs, log_dir, timeout)
     try:
         yield nodes

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+from tbrpc import defaults
 from tbrpc.cluster_file import load_cluster_file, load_specs, read_cluster_file
 from tbrpc.node_memory import (
     FROM_FILE, ClusterError, ClusterNode, NoAnswer, Node, Report, make_node, nodes_from_flags, size_nodes, with_origin,
@@ -242,3 +244,12 @@ def test_links_say_which_cable_each_pair_uses(tmp_path: Path) -> None:
     path.write_text(RING.replace("{s3_links}", 'links = { s2 = 7 }').replace("{{", "{").replace("}}", "}"))
     with pytest.raises(ClusterError, match='node s3: links must be a table of node name = "address"'):
         load_specs(path)
+
+
+def test_the_idle_timeout_default_is_the_nodes_own() -> None:
+    """`tbrpc node --idle-timeout`'s default (tbrpc/defaults.py) is the figure the node uses for 0,
+    TB_IDLE_MS in the C headers: the two cannot drift apart."""
+    headers = "".join(p.read_text() for p in (Path(__file__).resolve().parent.parent / "ggml_backend").glob("*.h"))
+    m = re.search(r"#define TB_IDLE_MS\s+\((\d+) \* 1000\)", headers)
+    assert m, "TB_IDLE_MS is no longer defined as (seconds * 1000) in ggml_backend/*.h"
+    assert defaults.IDLE_TIMEOUT_S == int(m.group(1))
