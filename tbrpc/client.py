@@ -256,12 +256,6 @@ class Cluster:
         """endpoint -> info of every node that has failed (``info.exception()`` is its NodeError)."""
         return {n.endpoint: n for n in self.nodes() if n.failed}
 
-    def raise_if_failed(self) -> None:
-        err = error_buffer()
-        kind = self._lib.tbrpc_client_failed(self._client, err, len(err))
-        if kind:
-            raise node_error(kind, text(err))
-
 
 def _check_visible_to_libllama(device_name: str, endpoint: str) -> None:
     """The device must be in the registry libllama reads, not in a second copy of libggml."""

@@ -999,13 +999,6 @@ def _context(model: GGUFModel, params: ArchParams, ctx: int | None, **kwargs: An
     return ContextParams(ctx=ctx, **kwargs)
 
 
-def default_ctx(gguf: str | os.PathLike[str] | GGUFModel) -> int:
-    """The context the planner assumes when none is given: min(32768, the model's training context)."""
-    model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
-    n_ctx_train = arch_params(model).n_ctx_train
-    return min(DEFAULT_CTX, n_ctx_train or DEFAULT_CTX)
-
-
 def plan(
     gguf: str | os.PathLike[str] | GGUFModel,
     nodes: Sequence[Node],
