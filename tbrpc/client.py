@@ -12,8 +12,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tbrpc import defaults
 from tbrpc.native import TbrpcError, VersionMismatchError, error_buffer, load, text

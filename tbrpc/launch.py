@@ -13,11 +13,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from tbrpc import defaults
 from tbrpc import secret as cluster_secret
