@@ -178,8 +178,10 @@ def load_cluster_file(path: str | os.PathLike[str], metal_fraction: float = defa
 def _plan_entry(table: dict[str, Any], where: str, fraction: float) -> ClusterNode:
     """The memory keys: a figure the planner may use as a cap, or none (the node is asked)."""
     name, host, kind = str(table["name"]), str(table["host"]), str(table.get("kind", "metal"))
+    port = table["port"]
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ClusterError(f"{where}: port must be a whole number from 0 to 65535, not {port!r}")
     try:
-        port = int(table["port"])
         if kind not in KINDS:
             raise ClusterError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
         if "memory" in table:
@@ -234,10 +236,10 @@ def spec_from_table(table: dict[str, Any], plan_node: Node | None, where: str,
     links = table.get("links", {})
     if not isinstance(links, dict) or not all(isinstance(v, str) and v for v in links.values()):
         raise ClusterError(f'{where}: links must be a table of node name = "address", e.g. links = {{ studio1 = "10.0.12.2" }}')
-    try:
-        port, threads = int(table.get("port", 0)), int(table.get("threads", 0))
-    except (TypeError, ValueError) as exc:
-        raise ClusterError(f"{where}: port and threads must be whole numbers ({exc})") from exc
+    port, threads = table.get("port", 0), table.get("threads", 0)
+    for key, value in (("port", port), ("threads", threads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ClusterError(f"{where}: {key} must be a whole number, not {value!r}")
     return NodeSpec(
         name=str(table["name"]), host=host, port=port, start=start, ssh=ssh,
         python=table.get("python"), model=table.get("model"), device=table.get("device"),

@@ -12,6 +12,7 @@ from tbrpc.cluster_file import load_cluster_file, load_specs, read_cluster_file
 from tbrpc.node_memory import (
     FROM_FILE, ClusterError, ClusterNode, NoAnswer, Node, Report, make_node, nodes_from_flags, size_nodes, with_origin,
 )
+from tbrpc.spec import endpoint_specs, split_endpoint
 from tbrpc.units import GiB, format_size, parse_size
 
 
@@ -253,3 +254,25 @@ def test_the_idle_timeout_default_is_the_nodes_own() -> None:
     m = re.search(r"#define TB_IDLE_MS\s+\((\d+) \* 1000\)", headers)
     assert m, "TB_IDLE_MS is no longer defined as (seconds * 1000) in ggml_backend/*.h"
     assert defaults.IDLE_TIMEOUT_S == int(m.group(1))
+
+
+def test_bad_values_name_the_file_the_node_and_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    for line, message in [('port = "x"', "node a: port must be a whole number from 0 to 65535, not 'x'"),
+                          ("port = 70000", "node a: port must be a whole number from 0 to 65535, not 70000"),
+                          ('port = 1\nthreads = "many"', "node a: threads must be a whole number, not 'many'"),
+                          ('port = 1\nkind = "tpu"', "node a: kind must be one of metal, cpu, not 'tpu'")]:
+        path.write_text(f'[[node]]\nname = "a"\nhost = "h"\n{line}\n')
+        with pytest.raises(ClusterError) as bad:
+            load_specs(path)
+        assert str(bad.value) == f"{path}: {message}"
+
+
+def test_endpoints_are_host_colon_port() -> None:
+    assert split_endpoint("10.0.0.2:50052") == ("10.0.0.2", 50052)
+    assert split_endpoint("[::1]:50052") == ("::1", 50052)
+    for bad in ("10.0.0.2", ":50052", "h:port", "h:70000", "h:"):
+        with pytest.raises(ValueError, match=f'expected "host:port", got {re.escape(repr(bad))}'):
+            split_endpoint(bad)
+    with pytest.raises(ClusterError, match='node #2: expected "host:port"'):
+        endpoint_specs(["h:1", "nope"])
