@@ -23,7 +23,7 @@ from helpers import ENV
 from tbrpc import doctor
 from tbrpc._build import build_verbs_sim, have_verbs_headers
 from tbrpc.doctor import OK, SKIP, WARN, Check, _link_rdma_row, _machine_rdma_rows, diagnose, format_checks
-from tbrpc.spec import load_specs
+from tbrpc.cluster_file import load_specs
 
 pytestmark = pytest.mark.skipif(not have_verbs_headers(), reason="no <infiniband/verbs.h> (apt-get install libibverbs-dev)")
 
