@@ -561,15 +561,18 @@ def hello_nonce(w: Wire) -> bytes:
     return bytes(ffi.from_buffer("struct tb_hello *", bytearray(body)).file_nonce)
 
 
-def open_held_file(w: Wire, nonce: bytes, path: Path, name: str | None = None, proof_of: Path | None = None) -> int:
-    """OPEN_FILE for `path` as the head does it: size, fingerprint, and the
-    proof for this session (computed over `proof_of`, by default the file itself)."""
-    identity = ffi.new("struct tb_file_identity *")
+def open_held_file(w: Wire, nonce: bytes, path: Path, name: str | None = None, proof_of: Path | None = None,
+                   hash_of: Path | None = None) -> int:
+    """OPEN_FILE for `path` as the head does it: size, the proof for this
+    session (computed over `proof_of`, by default the file itself) and the
+    content hash (of `hash_of`, by default the file itself)."""
     err = ffi.new("char[]", 256)
-    assert lib.tbrpc_file_identity(str(path).encode(), identity, err, 256) == 0, ffi.string(err)
+    size = path.stat().st_size
     proof = ffi.new("uint8_t[16]")
-    assert lib.tb_file_proof_path(str(proof_of or path).encode(), identity.size, nonce, proof, err, 256) == 0
-    w.send(lib.TB_CMD_OPEN_FILE, pack("struct tb_open_file", size=identity.size, fingerprint=bytes(identity.fingerprint),
+    assert lib.tb_file_proof_path(str(proof_of or path).encode(), size, nonce, proof, err, 256) == 0
+    content_hash = ffi.new("uint8_t[32]")
+    assert lib.tb_file_hash_path(str(hash_of or path).encode(), ffi.NULL, content_hash, ffi.NULL, err, 256) == 0, ffi.string(err)
+    w.send(lib.TB_CMD_OPEN_FILE, pack("struct tb_open_file", size=size, content_hash=bytes(content_hash),
                                       proof=bytes(proof), name=(name or path.name).encode()))
     status, body = w.reply()
     assert status == 0, body
