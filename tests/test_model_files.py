@@ -130,6 +130,24 @@ def test_content_hash_is_the_tree_sha256_of_its_definition(tmp_path: Path, size:
     assert computed and got == tree_sha256(data)
 
 
+def test_the_portable_sha256_gives_the_same_hash(tmp_path: Path) -> None:
+    """Where the CPU has SHA instructions (auth.c uses them), the portable
+    code must still agree: it is what a CPU without them runs."""
+    import subprocess
+    import sys
+
+    data = os.urandom(CHUNK + 777)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(data)
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_model_files import content_hash; from pathlib import Path; "
+            f"print(content_hash(Path({str(path)!r}))[0].hex())")
+    for portable in ("1", "0"):
+        env = {**os.environ, "TBRPC_SHA256_PORTABLE": portable}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent.parent)
+        assert bytes.fromhex(out.stdout.strip().splitlines()[-1]) == tree_sha256(data), portable
+
+
 def node_log_lines(node: Any, needle: str) -> list[str]:
     return [line for line in node.log_text().splitlines() if needle in line]
 
