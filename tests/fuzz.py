@@ -58,6 +58,7 @@ REQUEST_U64S = {"ALLOC_BUFFER": 1, "FREE_BUFFER": 1, "BUFFER_CLEAR": 4, "MEMSET_
                 "TRANSPORT_OFFER": 2, "SET_TENSOR_2D": 5, "LOAD_FROM_FILE_2D": 8, "ALLREDUCE": 37, "AUTH": 4,
                 "PEER_CONNECT": 34, "OPEN_FILE": 39, "TRANSPORT_SWITCH": 0}
 ENDS_STREAM = ("TRANSPORT_SWITCH", "KEEPALIVE", "HELLO", "AUTH")   # after these the fuzzer reconnects
+MODEL_FILE = ("fuzz.gguf", 1 << 20)   # what `main` puts in the node's --model-dir: OPEN_FILE names it often
 RARE = {**{name: 0.15 for name in ENDS_STREAM}, "OPEN_FILE": 0.25}   # how often they are drawn, relative to the rest
 
 
@@ -243,6 +244,10 @@ class Fuzzer:
         elif name in ("SET_TENSOR", "SET_TENSOR_2D") and r < 0.8:
             head = self.fields(3 if name == "SET_TENSOR" else 5)
             payload = head + bytes(self.rng.choice((0, 4, 64, 4096)))
+        elif name == "OPEN_FILE" and r < 0.5:   # the node's own file, with a size that may match and a forged proof
+            file_name, size = MODEL_FILE
+            payload = (struct.pack("<Q", self.rng.choice((size, size - 1, self.u64()))) + self.rng.randbytes(48) +
+                       file_name.encode().ljust(256, b"\0"))
         elif name in REQUEST_U64S and r < 0.8:
             payload = self.fields(REQUEST_U64S[name])
         else:
@@ -337,8 +342,12 @@ def main() -> None:
     proc, log = None, None
     endpoint = args.node
     if endpoint is None:
-        log = Path(tempfile.mkdtemp(prefix="tbrpc-fuzz-")) / "node.log"
-        proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1"],
+        work = Path(tempfile.mkdtemp(prefix="tbrpc-fuzz-"))
+        log = work / "node.log"
+        (work / "models").mkdir()
+        (work / "models" / MODEL_FILE[0]).write_bytes(os.urandom(MODEL_FILE[1]))
+        proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1",
+                                 "--model-dir", str(work / "models")],
                                 stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
         deadline = time.monotonic() + 30
         while not (m := re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))):
