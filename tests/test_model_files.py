@@ -159,10 +159,18 @@ def wait_for_log(node: Any, needle: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def one_byte_off(real: Path, copy: Path, at: int) -> None:
+def node_and_head_copies(tmp_path: Path, size: int, differ_at: int) -> tuple[Path, Path]:
+    """A node's served/m.gguf of `size` random bytes, and the head's
+    head/m.gguf that differs from it in the one byte at `differ_at`."""
+    served, head = tmp_path / "served", tmp_path / "head"
+    served.mkdir()
+    head.mkdir()
+    real = served / "m.gguf"
+    real.write_bytes(os.urandom(size))
     data = bytearray(real.read_bytes())
-    data[at] ^= 0x01
-    copy.write_bytes(bytes(data))
+    data[differ_at] ^= 0x01
+    (head / "m.gguf").write_bytes(bytes(data))
+    return real, head / "m.gguf"
 
 
 def test_one_different_byte_in_the_middle_is_refused(nodes: Any, tmp_path: Path, monkeypatch: Any) -> None:
@@ -172,13 +180,7 @@ def test_one_different_byte_in_the_middle_is_refused(nodes: Any, tmp_path: Path,
 
     ffi, lib = load()
     monkeypatch.setenv("TBRPC_HASH_CACHE", str(tmp_path / "cache"))
-    served, head = tmp_path / "served", tmp_path / "head"
-    served.mkdir()
-    head.mkdir()
-    real = served / "m.gguf"
-    real.write_bytes(os.urandom(8 << 20))
-    differs = head / "m.gguf"
-    one_byte_off(real, differs, 4 << 20)           # between the fingerprint's samples (model_file.c)
+    real, differs = node_and_head_copies(tmp_path, 8 << 20, 4 << 20)   # between the fingerprint's samples (model_file.c)
 
     def fingerprint(path: Path) -> bytes:
         out, err = ffi.new("struct tb_file_identity *"), ffi.new("char[256]")
@@ -186,7 +188,7 @@ def test_one_different_byte_in_the_middle_is_refused(nodes: Any, tmp_path: Path,
         return bytes(out.fingerprint)
 
     assert fingerprint(real) == fingerprint(differs), "the old identity would have accepted this copy"
-    node = nodes(1, "--model-dir", str(served))[0]
+    node = nodes(1, "--model-dir", str(real.parent))[0]
     w = Wire(node.endpoint)
     nonce = hello_nonce(w)
     # a head whose 32 proof blocks all missed the one byte (proof over the node's copy)
@@ -252,13 +254,7 @@ def test_a_planted_cache_entry_cannot_make_a_different_file_served(nodes: Any, t
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     monkeypatch.setenv("TBRPC_HASH_CACHE", str(cache))
-    served, head = tmp_path / "served", tmp_path / "head"
-    served.mkdir()
-    head.mkdir()
-    real = served / "m.gguf"
-    real.write_bytes(os.urandom(6 << 20))
-    differs = head / "m.gguf"
-    one_byte_off(real, differs, 3 << 20)
+    real, differs = node_and_head_copies(tmp_path, 6 << 20, 3 << 20)
     claimed, _ = content_hash(differs)
     if how == "a symlink":
         target = tmp_path / "elsewhere.hash"
@@ -271,6 +267,6 @@ def test_a_planted_cache_entry_cannot_make_a_different_file_served(nodes: Any, t
         entry.chmod(0o666 if how == "writable by others" else 0o600)
     if how == "group-writable dir":
         cache.chmod(0o770)
-    w = Wire(nodes(1, "--model-dir", str(served))[0].endpoint)
+    w = Wire(nodes(1, "--model-dir", str(real.parent))[0].endpoint)
     got = open_held_file(w, hello_nonce(w), differs, proof_of=real)
     assert got == (1 if how == "believed" else 0), how
