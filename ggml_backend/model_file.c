@@ -257,7 +257,7 @@ static void entry_key(const struct stat * st, struct hash_entry * e) {
 // Create `dir` (and its parents) if needed; usable only if it is a directory
 // of ours that nobody else may write to (else another user could plant
 // entries in it).
-static bool cache_dir_usable(const char * dir) {
+bool tb_hash_cache_usable(const char * dir) {
     if (!dir || !*dir) return false;
     char path[4096];
     snprintf(path, sizeof path, "%s", dir);
@@ -318,7 +318,7 @@ int tb_file_hash_cached(int fd, const char * cache_dir, const int * stop, uint8_
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) { snprintf(err, err_len, "not a regular file"); return -1; }
     struct hash_entry e;
     entry_key(&st, &e);
-    const bool cache = cache_dir_usable(cache_dir);
+    const bool cache = tb_hash_cache_usable(cache_dir);
     if (cache && cache_read(cache_dir, &e, out)) return 0;
     if (flock(fd, LOCK_EX) != 0) { snprintf(err, err_len, "flock: %s", strerror(errno)); return -1; }
     int rc = 0;

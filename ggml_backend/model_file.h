@@ -17,6 +17,7 @@
 //   - mapping lookup: which file, and where in it, a head pointer lies.
 #pragma once
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -63,6 +64,10 @@ int tb_file_hash_fd(int fd, uint64_t size, int n_threads, const int * stop, uint
 // $XDG_CACHE_HOME/tbrpc/hashes, else $HOME/.cache/tbrpc/hashes. Empty when
 // none can be named (no cache then).
 void tb_hash_cache_dir(char * out, size_t len);
+
+// Whether hashes can be cached in `dir`: created (0700) if missing, then it
+// must be a directory of this user that no one else may write to.
+bool tb_hash_cache_usable(const char * dir);
 
 // The content hash of an open regular file, from the cache in `cache_dir`
 // (NULL or "": no cache) when an entry for the same device, inode, size,

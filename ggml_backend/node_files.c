@@ -74,6 +74,10 @@ void * node_hash_model_files(void * arg) {
 #ifdef __linux__
     (void) setpriority(PRIO_PROCESS, (id_t) syscall(SYS_gettid), 10);   // its hashing threads inherit this
 #endif
+    if (!tb_hash_cache_usable(n->hash_cache))
+        node_log(n, "no usable cache for content hashes (%s): a model file is hashed again for every session that "
+                 "opens it; set TBRPC_HASH_CACHE to a directory only this user can write",
+                 n->hash_cache[0] ? n->hash_cache : "no TBRPC_HASH_CACHE, XDG_CACHE_HOME or HOME");
     char dirs[sizeof n->model_dirs];
     snprintf(dirs, sizeof dirs, "%s", n->model_dirs);
     char * save = NULL;
