@@ -717,6 +717,7 @@ def test_a_graph_stops_when_its_client_goes(node: Any) -> None:
     w = ready(node)
     n = 1024
     handle = w.alloc(3 * n * n * 4)
+    w.alloc(32 << 20)   # 2000 products of 2^30 need 32 MiB more held (op_rules.h: 65536 element operations per byte)
     mul_mat = _ggml_op_index("MUL_MAT")
     square = dict(buffer=handle, ne=[n, n, 1, 1], nb=[4, 4 * n, 4 * n * n, 4 * n * n])
     tensors = [tensor(**square, offset=0), tensor(**square, offset=4 * n * n)]   # W, x0
@@ -724,8 +725,8 @@ def test_a_graph_stops_when_its_client_goes(node: Any) -> None:
         tensors.append(tensor(**square, offset=4 * n * n * (1 + (i + 1) % 2), op=mul_mat, flags=GGML_TENSOR_FLAG_COMPUTE,
                               src=[0, len(tensors) - 1] + [-1] * 8))
     w.send(lib.TB_CMD_GRAPH_COMPUTE, graph(tensors, list(range(2, len(tensors)))))
-    time.sleep(1.0)   # it is computing, its buffer held
-    held = 3 * n * n * 4
+    time.sleep(1.0)   # it is computing, its buffers held
+    held = 3 * n * n * 4 + (32 << 20)
     assert tbrpc.probe(node.endpoint, timeout=5)[1].bytes_allocated >= held
     w.sock.close()
     deadline = time.monotonic() + 15
