@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 
 import models
-from helpers import run_head
+from helpers import PROMPT, layer_weight_bytes, run_head
 from test_protocol import Wire, hello_nonce, open_held_file
-from test_split import PROMPT, layer_weight_bytes
 
 N_PREDICT = 8
 FILE_MIN = 256 << 10   # client.c: smaller writes are sent, larger ones read from the node's file
