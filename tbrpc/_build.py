@@ -29,7 +29,7 @@ from cffi import FFI
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "ggml_backend"
 TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "transport/shm.c",
-                     "transport/verbs_load.c", "transport/rdma.c"]
+                     "transport/verbs_load.c", "transport/rdma.c", "transport/upgrade.c"]
 # shm_open lives in librt, dlopen (of the verbs library) in libdl, on C libraries older than glibc 2.34
 SYSTEM_LIBS = ["-pthread"] + (["-lrt", "-ldl"] if sys.platform.startswith("linux") else [])
 # what needs no ggml: the transports and the shared-secret proofs (C tests build them alone)
@@ -74,7 +74,8 @@ enum tb_cmd { TB_CMD_HELLO, TB_CMD_GET_MEMORY, TB_CMD_ALLOC_BUFFER, TB_CMD_FREE_
 struct tb_auth_req { uint8_t mac[32]; };
 struct tb_auth_reply { uint8_t mac[32]; struct tb_hello hello; };
 struct tb_peer_listen_reply { uint64_t token, port; };
-struct tb_peer_connect { char host[256]; uint64_t port, token; };
+struct tb_peer_connect { char host[256]; uint64_t port, token, caps, flags; };
+struct tb_peer_connect_reply { uint64_t peer_id; char transport[96]; };
 struct tb_peer_greeting { char magic[8]; uint8_t nonce[32]; uint8_t mac[32]; };
 struct tb_peer_answer { uint8_t nonce[32]; uint8_t mac[32]; char name[64]; };
 void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint8_t out[32]);

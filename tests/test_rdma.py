@@ -156,7 +156,7 @@ def test_builds_without_verbs_headers(tmp_path) -> None:
     """-DTB_NO_VERBS stands for a machine without the headers: rdma.c is a stub that says so."""
     src = tmp_path / "stub.c"
     src.write_text('#include "transport/rdma.h"\n#include <stdio.h>\n#include <string.h>\n'
-                   'int main(void) { char why[200]; struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", why, sizeof why);\n'
+                   'int main(void) { char why[200]; struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", NULL, why, sizeof why);\n'
                    '  printf("%s\\n", why); return t != NULL || strstr(why, "built without verbs headers") == NULL; }\n')
     exe = build_program(src, tmp_path / "stub", with_ggml=False, defines=("TB_NO_VERBS",))
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)

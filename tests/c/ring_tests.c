@@ -38,7 +38,7 @@ static struct pair make_pair(uint32_t slots, uint32_t stride, int timeout_ms, in
         struct tb_shm * mine = tb_shm_attach(&offer, err, sizeof err);
         CHECK(mine, "attach: %s", err);
         CHECK(write(sv[1], "a", 1) == 1, "confirm");   // as the head confirms over TCP
-        struct tb_transport * t = tb_shm_transport(mine, tb_tcp_from_fd(sv[1], timeout_ms), err, sizeof err);
+        struct tb_transport * t = tb_shm_transport(mine, tb_adopt(sv[1], timeout_ms), err, sizeof err);
         CHECK(t, "child transport: %s", err);
         snprintf(t->peer, sizeof t->peer, "parent");
         int rc = child_fn(t);
@@ -48,7 +48,7 @@ static struct pair make_pair(uint32_t slots, uint32_t stride, int timeout_ms, in
     close(sv[1]);
     char confirm;   // the creator keeps the name until the attacher confirms
     CHECK(read(sv[0], &confirm, 1) == 1, "no confirmation");
-    struct tb_transport * t = tb_shm_transport(seg, tb_tcp_from_fd(sv[0], timeout_ms), err, sizeof err);
+    struct tb_transport * t = tb_shm_transport(seg, tb_adopt(sv[0], timeout_ms), err, sizeof err);
     CHECK(t, "parent transport: %s", err);
     snprintf(t->peer, sizeof t->peer, "child");
     return (struct pair) { t, pid };
