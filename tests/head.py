@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,11 @@ def main(spec_path: str, out_path: str) -> None:
         np.save(spec["logits_path"], logits)
         if nodes:
             result["nodes"] = [vars(n) for n in tbrpc.cluster().nodes()]
+        if spec.get("then_run"):   # another program, while this head still holds its connections and links
+            run = spec["then_run"]
+            proc = subprocess.run(run["argv"], capture_output=True, text=True, timeout=300,
+                                  env={**os.environ, **run.get("env", {})})
+            result["then_run"] = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr[-3000:]}
     except Exception as e:  # the test asserts on type and message
         result["error"] = {"type": type(e).__name__, "message": str(e)}
         if nodes:  # are the nodes that did not fail still usable?
