@@ -324,6 +324,9 @@ def test_ring_of_four_over_rdma_links_and_the_qp_budget(built, sim_nodes, monkey
     assert over_rdma["tokens"] == over_tcp["tokens"]
     assert np.array_equal(rdma_logits, tcp_logits)
     assert sum(n["peer_copies"] for n in over_rdma["nodes"]) >= 3 * (8 - 1)   # activations node to node
+    alone, alone_logits = run_head(tmp_path, model=spec["model"], prompt=spec["prompt"], n_predict=8)   # one process
+    assert alone["error"] is None and over_rdma["tokens"] == alone["tokens"]
+    assert np.array_equal(rdma_logits, alone_logits)
 
     # node 1's QPs while the first head holds them: its head connection and every link to or from it
     links_of = [[part for part in n["links"].split("; ") if part] for n in over_rdma["nodes"]]
