@@ -251,20 +251,25 @@ def one_process(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("model_name", ["deepseek2", "gemma"])
 def test_split_over_rdma_matches_one_process(built, sim_nodes, one_process, monkeypatch, model_name, n_nodes, profile,
                                              tmp_path) -> None:
-    """tests/test_split.py's check over the stand-in's RDMA: every head connection really on RDMA, and the
-    same tokens and bitwise the same logits as one process."""
+    """tests/test_split.py's check over the stand-in's RDMA: every head connection and every node-to-node
+    link really on RDMA (each node its own "host": address, GID, host id), and the same tokens and bitwise
+    the same logits as one process."""
     import numpy as np
 
     import models
     from helpers import run_head
 
     base, base_logits = one_process(model_name)
-    started = sim_nodes(n_nodes, profile)
+    addresses = [f"127.0.0.{3 + i}" for i in range(n_nodes)]
+    started = sim_nodes(n_nodes, profile, addresses=addresses)
     head_env(monkeypatch, built, tmp_path, profile)
+    endpoints = [f"{address}:{n.port}" for address, n in zip(addresses, started)]
     result, logits = run_head(tmp_path, model=str(models.ensure(model_name)), prompt="The capital of France is",
-                              n_predict=8, nodes=[f"127.0.0.3:{n.port}" for n in started])
+                              n_predict=8, nodes=endpoints)
     assert result["error"] is None, result["error"]
     assert all(n["transport"].startswith("rdma ") for n in result["nodes"]), result["nodes"]
+    for node, following in zip(result["nodes"], endpoints[1:]):
+        assert f"{following} rdma " in node["links"], node["links"]   # activations node to node over RDMA
     assert result["tokens"] == base["tokens"]
     assert np.array_equal(logits, base_logits), f"max |diff| {np.max(np.abs(logits - base_logits))}"
 

@@ -52,7 +52,7 @@ void tb_upgrade_answer(const struct tb_transport_req * req, const char * no_shm,
 }
 
 struct tb_shm * tb_upgrade_attach(const struct tb_transport_reply * rep, char * why, size_t why_len) {
-    if (memchr(rep->declined, '\0', sizeof rep->declined) == NULL || rep->declined[0]) {
+    if (rep->declined[0]) {   // the peer's words, bounded: they need not end in a NUL
         snprintf(why, why_len, "%.*s", (int) sizeof rep->declined - 1, rep->declined);
         return NULL;
     }
