@@ -405,3 +405,24 @@ def test_the_eleventh_qp_of_a_device(built, sim_nodes, monkeypatch, budget, elev
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines == [f"transport: {APPLE}"] * 10 + [f"transport: {eleventh}"], lines
+
+
+@pytest.mark.parametrize("profile", ["apple-uc", "linux-rc"])
+def test_node_killed_across_an_rdma_link_is_named_at_once(built, sim_nodes, monkeypatch, profile, tmp_path) -> None:
+    """As tests/test_links.py over shm and TCP: the upstream node dies while the downstream one waits for its
+    activations over an RDMA link (a dead UC peer gives no completion error); the link's TCP anchor ends
+    the wait, so the error names the dead node without waiting out the head's 30 s timeout."""
+    import models
+    from helpers import run_head
+
+    addresses = ["127.0.0.3", "127.0.0.4"]
+    a, b = sim_nodes(2, profile, addresses=addresses)
+    head_env(monkeypatch, built, tmp_path, profile)
+    endpoints = [f"{address}:{n.port}" for address, n in zip(addresses, (a, b))]
+    result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is", n_predict=12,
+                         nodes=endpoints, timeout=30.0, kill={"pid": a.proc.pid, "after_tokens": 3})
+    assert f"link from peer {endpoints[0]}: transport rdma simbolt0" in b.log_text(), b.log_text()[-2000:]
+    assert result["error"] is not None and result["error"]["type"] == "NodeFailed", result["error"]
+    message = result["error"]["message"]
+    assert endpoints[0] in message and "no answer within" not in message, message
+    assert a.proc.wait(timeout=10) == -9
