@@ -296,6 +296,7 @@ int tb_listener_fd(const struct tb_listener * l) { return l->fd; }
 int tb_accept_fd(struct tb_listener * l) {
     int fd;
     do { fd = accept(l->fd, NULL, NULL); } while (fd < 0 && errno == EINTR);
+    if (fd >= 0) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);   // BSDs pass the listener's on: not ours to hand on
     return fd;
 }
 
