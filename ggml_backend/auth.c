@@ -41,8 +41,8 @@ static void compress_portable(uint32_t st[8], const uint8_t b[64]) {
 }
 
 // The CPU's own SHA-256 instructions, where there are any: compress_hw() and
-// cpu_has_sha2(), one pair per architecture; compress_blocks() below is the
-// one place that picks between them and the portable code.
+// cpu_has_sha_instructions(), one pair per architecture. compress_blocks()
+// below is the one place that picks between them and the portable code.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define TB_SHA256_HW "x86 SHA-NI"
 #include <cpuid.h>
@@ -84,21 +84,26 @@ static void compress_hw(uint32_t st[8], const uint8_t * p, size_t n_blocks) {
 }
 
 // SHA (CPUID leaf 7, EBX bit 29), SSSE3 and SSE4.1 (leaf 1, ECX bits 9 and 19).
-static bool cpu_has_sha2(void) {
+static bool cpu_has_sha_instructions(void) {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b >> 29 & 1)) return false;
     return __get_cpuid(1, &a, &b, &c, &d) && (c >> 19 & 1) && (c >> 9 & 1);
 }
-#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#elif defined(__aarch64__) && (defined(__ARM_FEATURE_SHA2) || (defined(__GNUC__) && !defined(__clang__)))
+// Built where the target has SHA-2 anyway (every Apple Silicon target does),
+// or by GCC, which compiles it for this one function ("+crypto": AES and
+// SHA-2, what GCC's arm_neon.h asks for). Clang 14's arm_neon.h declares the
+// intrinsics only for such a target, so a clang build for plain ARMv8.0 has
+// the portable code alone.
 #define TB_SHA256_HW "ARMv8 SHA2"
 #include <arm_neon.h>
 #if defined(__linux__)
 #include <sys/auxv.h>
 #endif
-#if defined(__ARM_FEATURE_SHA2)   // the target has it anyway (every Apple Silicon target does)
+#if defined(__ARM_FEATURE_SHA2)
 #define TB_ARM_SHA2
 #else
-#define TB_ARM_SHA2 __attribute__((target("+crypto")))   // AES and SHA-2; GCC 12's arm_neon.h asks for it
+#define TB_ARM_SHA2 __attribute__((target("+crypto")))
 #endif
 
 // The same compression with ARMv8's SHA-2 instructions. The state stays in
@@ -136,7 +141,7 @@ static void compress_hw(uint32_t st[8], const uint8_t * p, size_t n_blocks) {
 }
 
 // Every Apple Silicon CPU has them; Linux says so in the ELF auxiliary vector.
-static bool cpu_has_sha2(void) {
+static bool cpu_has_sha_instructions(void) {
 #if defined(__APPLE__) || defined(__ARM_FEATURE_SHA2)
     return true;
 #elif defined(__linux__) && defined(HWCAP_SHA2)
@@ -147,22 +152,20 @@ static bool cpu_has_sha2(void) {
 }
 #endif
 
+#ifdef TB_SHA256_HW
 // Which compression this process runs: the CPU's SHA instructions when it has
 // them, unless TBRPC_SHA256_PORTABLE is set (tests compare both ways). Asked once.
 static bool use_sha_instructions(void) {
-#ifdef TB_SHA256_HW
     static int known;   // 0: not asked yet, 1: no, 2: yes
     int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
     if (v == 0) {
         const char * portable = getenv("TBRPC_SHA256_PORTABLE");
-        v = !(portable && *portable && strcmp(portable, "0") != 0) && cpu_has_sha2() ? 2 : 1;
+        v = !(portable && *portable && strcmp(portable, "0") != 0) && cpu_has_sha_instructions() ? 2 : 1;
         __atomic_store_n(&known, v, __ATOMIC_RELAXED);
     }
     return v == 2;
-#else
-    return false;
-#endif
 }
+#endif
 
 const char * tb_sha256_impl(void) {
 #ifdef TB_SHA256_HW
