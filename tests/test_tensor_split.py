@@ -26,6 +26,7 @@ import pytest
 
 import models
 from helpers import run_head
+from tbrpc.native import load as load_native
 
 PROMPT = "The capital of France is"
 N_PREDICT = 12
@@ -106,3 +107,53 @@ def test_deepseek2_with_its_ffn_split_across_nodes(n_nodes: int, own_copy: bool,
     for node in result["nodes"]:
         assert node["allreduces"] == DEEPSEEK2_LAYERS * STEADY_TOKENS, node
         assert not node["failed"], node["error"]
+
+
+def _head_bytes_per_token(result: dict[str, Any]) -> list[tuple[float, float]]:
+    """(sent, received) per decoded token on each of the head's node connections."""
+    return [(n["bytes_sent"] / STEADY_TOKENS, n["bytes_received"] / STEADY_TOKENS) for n in result["nodes"]]
+
+
+@pytest.mark.parametrize("env", [{}, {"TBRPC_NO_ALLREDUCE": "1"}], ids=["allreduce", "butterfly"])
+def test_no_allreduce_byte_crosses_the_heads_connections(env: dict[str, str], nodes: Any, tmp_path: Path) -> None:
+    """Counted on the head's own connections (the transport's byte counters):
+    per decoded token the head receives from each node exactly one reply, its
+    slice of the logits, and nothing else -- so not one byte of the 2 x 6
+    partial sums of n_embd floats. A partial sum is made on a node, so it
+    could only reach the head's sending side after crossing its receiving
+    side. With tbrpc's ALLREDUCE and with llama.cpp's butterfly of PEER_SEND
+    copies alike, the partial sums go over the nodes' own links."""
+    model = str(models.ensure("llama-f32"))
+    started = nodes(2)
+    result, _ = run_head(tmp_path, model=model, prompt=PROMPT, n_predict=N_PREDICT, flash_attn=True, split_mode=3,
+                         nodes=[n.endpoint for n in started], env=env)
+    assert result["error"] is None, result["error"]
+    meta = gguf.GGUFReader(model)
+    n_vocab = int(meta.fields["llama.vocab_size"].parts[-1][0])
+    n_embd = int(meta.fields["llama.embedding_length"].parts[-1][0])
+    ffi, _ = load_native()
+    reply_frame = ffi.sizeof("struct tb_header") + ffi.sizeof("struct tb_reply_status")
+    logits_slice = n_vocab // 2 * 4   # output.weight is cut by vocabulary rows: half each, gathered by the head
+    partials = 2 * N_LAYER * n_embd * 4   # what the all-reduces of one token move, per node
+    for (sent, received), node in zip(_head_bytes_per_token(result), result["nodes"]):
+        assert received == logits_slice + reply_frame, (received, node)
+        assert received < partials
+        assert node["allreduces"] + node["peer_copies"] >= 2 * N_LAYER * STEADY_TOKENS, node   # the reductions did run
+
+
+def test_the_byte_count_sees_an_allreduce_through_the_head(nodes: Any, tmp_path: Path) -> None:
+    """The negative of the test above: with no peer links (TBRPC_NO_PEER_LINKS),
+    tbrpc offers neither ALLREDUCE nor node-to-node copies, so llama.cpp's
+    butterfly copies every partial through the head (a GET_TENSOR from one
+    node, a SET_TENSOR to the other). The same counters then show each
+    partial arriving: the assertion above fails in this mode."""
+    model = str(models.ensure("llama-f32"))
+    started = nodes(2)
+    result, _ = run_head(tmp_path, model=model, prompt=PROMPT, n_predict=N_PREDICT, flash_attn=True, split_mode=3,
+                         nodes=[n.endpoint for n in started], env={"TBRPC_NO_PEER_LINKS": "1"})
+    assert result["error"] is None, result["error"]
+    n_embd = int(gguf.GGUFReader(model).fields["llama.embedding_length"].parts[-1][0])
+    partials = 2 * N_LAYER * n_embd * 4
+    for (sent, received), node in zip(_head_bytes_per_token(result), result["nodes"]):
+        assert node["allreduces"] == 0 and node["peer_copies"] == 0, node
+        assert received >= partials and sent >= partials, (sent, received, node)
