@@ -962,7 +962,18 @@ def all_reduces_per_token(model: GGUFModel, p: ArchParams, ffn_only: bool = Fals
     return count
 
 
-def check_tensor_mode(arch: str) -> None:
+def check_tensor_mode(arch: str, n_head_kv: Sequence[int] = ()) -> None:
+    """Refuse what llama.cpp's tensor split refuses or aborts on. ``n_head_kv``:
+    KV heads per layer (0 where a layer has no attention), when known and not MLA.
+
+    llama.cpp cuts attention by whole KV heads, so a layer with one KV head is
+    not shared at all: one node gets the whole of it. Worse, for such a model
+    (Gemma 3 270M) the meta device of the llama.cpp in 0.3.36 aborts the
+    process at the first one-token decode: the reshape of the [head_dim] K row
+    into [head_dim, 1 head, 1 token] has one dimension by ggml_n_dims, so its
+    rule (ggml-backend-meta.cpp:622) keeps the split on axis 0, inside the
+    head, and the per-row rule of the k-norm RMS_NORM that follows asserts
+    (GGML_ASSERT(src_ss[0].axis != GGML_BACKEND_SPLIT_AXIS_0), :543)."""
     if arch in TENSOR_REFUSED_ARCHS:
         raise PlanError(
             f"tensor split: llama.cpp refuses architecture '{arch}' in tensor mode (llm_arch_supports_sm_tensor is false "
@@ -975,6 +986,11 @@ def check_tensor_mode(arch: str) -> None:
     if arch in TENSOR_UNMODELLED_ARCHS:
         raise PlanError(f"tensor split: architecture '{arch}' has split rules of its own in llama.cpp that the planner "
                         "does not model; use --split layer")
+    if any(n == 1 for n in n_head_kv):
+        raise PlanError(
+            f"tensor split: this {arch} model has one KV head per layer, which llama.cpp's tensor split gives whole "
+            "to one node (its meta device in llama-cpp-python 0.3.36 aborts on it at the first generated token); "
+            "use --split layer")
 
 
 # --- public API -------------------------------------------------------------------
@@ -1052,7 +1068,7 @@ def plan(
     layout = weight_layout(model, params, load_mtp=load_mtp)
     if split in ("tensor", "ffn"):
         if split == "tensor":
-            check_tensor_mode(params.arch)
+            check_tensor_mode(params.arch, () if params.is_mla else params.n_head_kv)
         elif head_device != "none":
             raise PlanError("ffn split: tbrpc's meta device is made of TBRPC nodes only; use head_device 'none'")
         if head_device == "cpu":

@@ -455,3 +455,18 @@ def test_the_page_shows_each_nodes_share_of_a_tensor_split(llama_f32: Path, tmp_
         assert [n["share"] for n in status["nodes"]] == ["50% of each layer"] * 2, status["nodes"]
         launch.proc.send_signal(signal.SIGINT)
         assert launch.finish() == 0, launch.stderr
+
+
+def test_one_kv_head_refused_in_tensor_mode() -> None:
+    """Gemma 3 270M has one KV head per layer: llama.cpp's tensor split cuts
+    attention by whole KV heads, so one node would get all of it, and its meta
+    device aborts the process on such a model at the first generated token.
+    The planner refuses it with that reason instead, before anything loads."""
+    path = models.ensure("gemma")
+    with pytest.raises(PlanError, match=r"one KV head per layer.*aborts.*--split layer"):
+        plan(path, _cpu_nodes(2), ctx=256, split="tensor", head_device="none")
+    result = CliRunner().invoke(cli_main, ["plan", "--gguf", str(path), "--nodes", "2x4GiB", "--split", "tensor"])
+    assert result.exit_code != 0 and "one KV head" in result.output
+    assert plan(path, _cpu_nodes(2), ctx=256, head_device="none").fits   # the layer split is unchanged
+    # two KV heads (the tiny llama) are cut, one whole head per node
+    assert plan(models.ensure("llama-f32"), _cpu_nodes(2), ctx=256, split="tensor", head_device="none").fits

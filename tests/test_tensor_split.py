@@ -157,3 +157,4 @@ def test_the_byte_count_sees_an_allreduce_through_the_head(nodes: Any, tmp_path:
     for (sent, received), node in zip(_head_bytes_per_token(result), result["nodes"]):
         assert node["allreduces"] == 0 and node["peer_copies"] == 0, node
         assert received >= partials and sent >= partials, (sent, received, node)
+
