@@ -10,7 +10,6 @@
 #include <string.h>
 
 #define SET_CHUNK (64ull << 20)        // weights cross in 64 MiB messages
-#define FILE_MIN (256u << 10)          // smaller writes cost less to send than to look up (a /proc/self/maps parse)
 
 // ---- buffer -----------------------------------------------------------------
 
@@ -42,61 +41,6 @@ static void buffer_free(ggml_backend_buffer_t buffer) {
 static void * buffer_get_base(ggml_backend_buffer_t buffer) {
     struct client_buffer * cb = buffer->context;
     return (void *) (uintptr_t) cb->base;
-}
-
-// Identity of a file the head has mapped, computed once per path.
-static int head_file_identity(struct tbrpc_client * c, const char * path, struct tb_file_identity * out) {
-    pthread_mutex_lock(&c->lock);
-    for (size_t i = 0; i < c->n_head_files; i++) {
-        if (strcmp(c->head_files[i].path, path) == 0) {
-            *out = c->head_files[i].identity;
-            int ok = c->head_files[i].ok;
-            pthread_mutex_unlock(&c->lock);
-            return ok ? 0 : -1;
-        }
-    }
-    pthread_mutex_unlock(&c->lock);
-    struct head_file hf = { .ok = 0 };
-    char why[256];
-    snprintf(hf.path, sizeof hf.path, "%s", path);
-    hf.ok = tb_file_identity_path(path, &hf.identity, why, sizeof why) == 0;
-    pthread_mutex_lock(&c->lock);
-    struct head_file * grown = realloc(c->head_files, (c->n_head_files + 1) * sizeof *grown);
-    if (grown) { c->head_files = grown; c->head_files[c->n_head_files++] = hf; }
-    pthread_mutex_unlock(&c->lock);
-    *out = hf.identity;
-    return hf.ok ? 0 : -1;
-}
-
-// When [data, data+size) lies in a model file the head has mapped (llama.cpp
-// loads with mmap) and the node holds the same file, the node's id for it;
-// otherwise 0 and the bytes are sent. Caller holds n->lock.
-static uint64_t node_file_for(struct client_node * n, const void * data, size_t size, uint64_t * file_offset) {
-    char path[4096];
-    if (!n->client || size < FILE_MIN || tb_find_file_mapping(data, size, path, sizeof path, file_offset) != 0) return 0;
-    for (size_t i = 0; i < n->n_files; i++) {
-        if (strcmp(n->files[i].path, path) == 0) return n->files[i].id;
-    }
-    struct tb_open_file req;
-    memset(&req, 0, sizeof req);
-    uint64_t id = 0;
-    struct tb_file_identity identity;
-    const char * base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
-    char why[256];
-    if (head_file_identity(n->client, path, &identity) == 0 && strlen(base) < sizeof req.name &&
-        tb_file_proof_path(path, identity.size, n->info.file_nonce, req.proof, why, sizeof why) == 0) {
-        req.size = identity.size;
-        memcpy(req.fingerprint, identity.fingerprint, sizeof req.fingerprint);
-        snprintf(req.name, sizeof req.name, "%s", base);
-        if (node_call_locked(n, TB_CMD_OPEN_FILE, &req, sizeof req, NULL, 0, &id, sizeof id) != 0) id = 0;
-    }
-    struct node_file * grown = realloc(n->files, (n->n_files + 1) * sizeof *grown);
-    if (grown) {
-        n->files = grown;
-        snprintf(n->files[n->n_files].path, sizeof n->files[n->n_files].path, "%s", path);
-        n->files[n->n_files++].id = id;
-    }
-    return id;
 }
 
 static void buffer_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * tensor, const void * data, size_t offset, size_t size) {
@@ -334,51 +278,6 @@ static enum ggml_status backend_graph_compute(ggml_backend_t backend, struct ggm
     enum ggml_status st = n->failed ? GGML_STATUS_FAILED : GGML_STATUS_SUCCESS;
     pthread_mutex_unlock(&n->lock);
     return st;
-}
-
-// The host part of an endpoint, as the other nodes should dial it.
-static void endpoint_host(const struct client_node * n, char * host, size_t len) {
-    int port = 0;
-    char err[64];
-    if (tb_parse_endpoint(n->endpoint, host, len, &port, err, sizeof err) != 0) host[0] = '\0';
-}
-
-// A link a -> b: b listens, then b accepts while a dials (the dialer sends
-// nothing until the listener has proven itself, so both must be at it at
-// once: b's PEER_ACCEPT is sent before a's PEER_CONNECT and answered after).
-// Three round trips, once per pair. Returns the link, or NULL when the pair
-// cannot talk directly (the head then relays, as before). ggml's scheduler
-// sets links up from one thread; b's lock is held across a's call, and no
-// caller holds a's while waiting for b's.
-static struct peer_link * peer_link(struct client_node * a, struct client_node * b) {
-    for (size_t i = 0; i < a->n_links; i++) {
-        if (a->links[i].to == b) return a->links[i].usable ? &a->links[i] : NULL;
-    }
-    if (a == b || a->n_links == sizeof a->links / sizeof a->links[0] || getenv("TBRPC_NO_PEER_LINKS")) return NULL;
-    struct peer_link * link = &a->links[a->n_links++];
-    *link = (struct peer_link) { .to = b };
-    struct tb_peer_listen_reply listen = { 0, 0 };
-    struct tb_peer_connect conn;
-    memset(&conn, 0, sizeof conn);
-    if (node_call(b, TB_CMD_PEER_LISTEN, NULL, 0, &listen, sizeof listen) != 0 || listen.port == 0) return NULL;
-    endpoint_host(b, conn.host, sizeof conn.host);
-    for (size_t i = 0; i < b->n_addresses; i++) {
-        if (b->addresses[i].from == a) snprintf(conn.host, sizeof conn.host, "%s", b->addresses[i].host);
-    }
-    conn.port = listen.port;
-    conn.token = listen.token;
-    pthread_mutex_lock(&b->lock);
-    const uint64_t accept_id = node_call_send_locked(b, TB_CMD_PEER_ACCEPT, &listen.token, sizeof listen.token);
-    const int connected = accept_id ? node_call(a, TB_CMD_PEER_CONNECT, &conn, sizeof conn, &link->out_id, sizeof link->out_id) : -1;
-    // a could not dial (or prove itself): b would wait out its timeout for
-    // nobody. Any next request ends b's wait; SYNC costs nothing.
-    const uint64_t nudge_id = accept_id && (connected != 0 || !link->out_id) ? node_call_send_locked(b, TB_CMD_SYNC, NULL, 0) : 0;
-    const int accepted = accept_id ? node_call_reply_locked(b, TB_CMD_PEER_ACCEPT, accept_id, &link->in_id, sizeof link->in_id) : -1;
-    if (nudge_id) node_call_reply_locked(b, TB_CMD_SYNC, nudge_id, NULL, 0);
-    pthread_mutex_unlock(&b->lock);
-    if (connected != 0 || accepted != 0 || !link->out_id || !link->in_id) return NULL;
-    link->usable = true;
-    return link;
 }
 
 // The scheduler's copy of a split's input from the node that computed it to

@@ -134,6 +134,14 @@ uint64_t alloc_size_key(const struct ggml_tensor * op);
 bool ask_node_about_op(struct client_node * n, uint16_t cmd, uint64_t key, const struct ggml_tensor * op,
                        uint64_t * answer, size_t answer_len);
 
+// When [data, data+size) lies in a model file the head has mapped and the
+// node holds the same file (OPEN_FILE), the node's id for it; otherwise 0
+// and the bytes must be sent. Caller holds n->lock.
+uint64_t node_file_for(struct client_node * n, const void * data, size_t size, uint64_t * file_offset);
+// The link a -> b (PEER_LISTEN on b, PEER_CONNECT on a, PEER_ACCEPT on b),
+// set up once per pair; NULL when the pair cannot talk directly.
+struct peer_link * peer_link(struct client_node * a, struct client_node * b);
+
 // ---- ggml side (client.c) ------------------------------------------------------
 
 // True for buffers of a TBRPC buffer type (of any node).

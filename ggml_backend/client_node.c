@@ -1,6 +1,7 @@
 // client_node.c - one tbrpc node seen from the head: its connection,
-// requests and replies, the handshake, and the messages that describe graphs
-// and ops. The ggml objects that use it are in client.c.
+// requests and replies, the handshake, the messages that describe graphs
+// and ops, the node's copies of model files (OPEN_FILE) and node-to-node
+// links. The ggml objects that use it are in client.c.
 //
 // Every call that talks to a node goes through node_call (waits for the
 // answer) or node_post (does not). A node that fails is marked failed; from
@@ -84,7 +85,8 @@ int node_call_reply_locked(struct client_node * n, uint16_t cmd, uint64_t id, vo
         node_fail_kind(n, reply_kind(n, cmd, st.status), step, msg);   // the stream is not resynchronised past an error: stop using it
         return -1;
     }
-    if (body != out_len) {
+    const struct tb_command * row = tb_command(cmd);   // proto.c's table says how long each reply is
+    if (body != out_len || (row->reply == TB_LEN_EXACT && body != row->reply_len)) {
         snprintf(err, sizeof err, "reply of %llu bytes, expected %zu", (unsigned long long) body, out_len);
         node_fail(n, step, err);
         return -1;
@@ -291,10 +293,8 @@ done:
 
 // ---- questions about ops ------------------------------------------------------
 
-static uint64_t mix(uint64_t h, uint64_t v) {
-    for (int b = 0; b < 8; b++) { h ^= (v >> (8 * b)) & 0xff; h *= 0x100000001b3ull; }
-    return h;
-}
+// The op keys below mix values into one FNV-1a (proto.h).
+static inline uint64_t mix(uint64_t h, uint64_t v) { return tb_fnv1a_u64(h, v); }
 
 // How t lies in memory, as ggml's layout predicates see it. Devices test
 // different ones: Metal wants contiguous rows for unary and binary ops, rows
@@ -313,7 +313,7 @@ static uint64_t layout_bits(const struct ggml_tensor * t) {
 // dimensions, which change with every batch size and would make every new
 // prompt length cost round trips.
 uint64_t supports_key(const struct ggml_tensor * op) {
-    uint64_t h = mix(0xcbf29ce484222325ull, 1);
+    uint64_t h = mix(TB_FNV_OFFSET, 1);
     h = mix(mix(mix(mix(h, op->op), op->type), (uint64_t) op->ne[0]), layout_bits(op));
     for (size_t i = 0; i < GGML_MAX_OP_PARAMS / sizeof(int32_t); i++) h = mix(h, (uint32_t) op->op_params[i]);
     for (int s = 0; s < GGML_MAX_SRC; s++) {
@@ -325,7 +325,7 @@ uint64_t supports_key(const struct ggml_tensor * op) {
 
 // An allocation size may depend on every dimension of the op and its sources.
 uint64_t alloc_size_key(const struct ggml_tensor * op) {
-    uint64_t h = mix(0xcbf29ce484222325ull, 2);
+    uint64_t h = mix(TB_FNV_OFFSET, 2);
     h = mix(mix(h, op->op), op->type);
     for (int d = 0; d < GGML_MAX_DIMS; d++) h = mix(h, (uint64_t) op->ne[d]);
     for (size_t i = 0; i < GGML_MAX_OP_PARAMS / sizeof(int32_t); i++) h = mix(h, (uint32_t) op->op_params[i]);
@@ -382,6 +382,112 @@ bool ask_node_about_op(struct client_node * n, uint16_t cmd, uint64_t key, const
     }
     pthread_mutex_unlock(&n->lock);
     return ok;
+}
+
+// ---- model files the node holds too ----------------------------------------
+
+#define FILE_MIN (256u << 10)          // smaller writes cost less to send than to look up (a /proc/self/maps parse)
+
+// Identity of a file the head has mapped, computed once per path.
+static int head_file_identity(struct tbrpc_client * c, const char * path, struct tb_file_identity * out) {
+    pthread_mutex_lock(&c->lock);
+    for (size_t i = 0; i < c->n_head_files; i++) {
+        if (strcmp(c->head_files[i].path, path) == 0) {
+            *out = c->head_files[i].identity;
+            int ok = c->head_files[i].ok;
+            pthread_mutex_unlock(&c->lock);
+            return ok ? 0 : -1;
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    struct head_file hf = { .ok = 0 };
+    char why[256];
+    snprintf(hf.path, sizeof hf.path, "%s", path);
+    hf.ok = tb_file_identity_path(path, &hf.identity, why, sizeof why) == 0;
+    pthread_mutex_lock(&c->lock);
+    struct head_file * grown = realloc(c->head_files, (c->n_head_files + 1) * sizeof *grown);
+    if (grown) { c->head_files = grown; c->head_files[c->n_head_files++] = hf; }
+    pthread_mutex_unlock(&c->lock);
+    *out = hf.identity;
+    return hf.ok ? 0 : -1;
+}
+
+// When [data, data+size) lies in a model file the head has mapped (llama.cpp
+// loads with mmap) and the node holds the same file, the node's id for it;
+// otherwise 0 and the bytes are sent. Caller holds n->lock.
+uint64_t node_file_for(struct client_node * n, const void * data, size_t size, uint64_t * file_offset) {
+    char path[4096];
+    if (!n->client || size < FILE_MIN || tb_find_file_mapping(data, size, path, sizeof path, file_offset) != 0) return 0;
+    for (size_t i = 0; i < n->n_files; i++) {
+        if (strcmp(n->files[i].path, path) == 0) return n->files[i].id;
+    }
+    struct tb_open_file req;
+    memset(&req, 0, sizeof req);
+    uint64_t id = 0;
+    struct tb_file_identity identity;
+    const char * base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    char why[256];
+    if (head_file_identity(n->client, path, &identity) == 0 && strlen(base) < sizeof req.name &&
+        tb_file_proof_path(path, identity.size, n->info.file_nonce, req.proof, why, sizeof why) == 0) {
+        req.size = identity.size;
+        memcpy(req.fingerprint, identity.fingerprint, sizeof req.fingerprint);
+        snprintf(req.name, sizeof req.name, "%s", base);
+        if (node_call_locked(n, TB_CMD_OPEN_FILE, &req, sizeof req, NULL, 0, &id, sizeof id) != 0) id = 0;
+    }
+    struct node_file * grown = realloc(n->files, (n->n_files + 1) * sizeof *grown);
+    if (grown) {
+        n->files = grown;
+        snprintf(n->files[n->n_files].path, sizeof n->files[n->n_files].path, "%s", path);
+        n->files[n->n_files++].id = id;
+    }
+    return id;
+}
+
+// ---- node-to-node links --------------------------------------------------------
+
+// The host part of an endpoint, as the other nodes should dial it.
+static void endpoint_host(const struct client_node * n, char * host, size_t len) {
+    int port = 0;
+    char err[64];
+    if (tb_parse_endpoint(n->endpoint, host, len, &port, err, sizeof err) != 0) host[0] = '\0';
+}
+
+// A link a -> b: b listens, then b accepts while a dials (the dialer sends
+// nothing until the listener has proven itself, so both must be at it at
+// once: b's PEER_ACCEPT is sent before a's PEER_CONNECT and answered after).
+// Three round trips, once per pair. Returns the link, or NULL when the pair
+// cannot talk directly (the head then relays, as before). ggml's scheduler
+// sets links up from one thread; b's lock is held across a's call, and no
+// caller holds a's while waiting for b's.
+struct peer_link * peer_link(struct client_node * a, struct client_node * b) {
+    for (size_t i = 0; i < a->n_links; i++) {
+        if (a->links[i].to == b) return a->links[i].usable ? &a->links[i] : NULL;
+    }
+    if (a == b || a->n_links == sizeof a->links / sizeof a->links[0] || getenv("TBRPC_NO_PEER_LINKS")) return NULL;
+    struct peer_link * link = &a->links[a->n_links++];
+    *link = (struct peer_link) { .to = b };
+    struct tb_peer_listen_reply listen = { 0, 0 };
+    struct tb_peer_connect conn;
+    memset(&conn, 0, sizeof conn);
+    if (node_call(b, TB_CMD_PEER_LISTEN, NULL, 0, &listen, sizeof listen) != 0 || listen.port == 0) return NULL;
+    endpoint_host(b, conn.host, sizeof conn.host);
+    for (size_t i = 0; i < b->n_addresses; i++) {
+        if (b->addresses[i].from == a) snprintf(conn.host, sizeof conn.host, "%s", b->addresses[i].host);
+    }
+    conn.port = listen.port;
+    conn.token = listen.token;
+    pthread_mutex_lock(&b->lock);
+    const uint64_t accept_id = node_call_send_locked(b, TB_CMD_PEER_ACCEPT, &listen.token, sizeof listen.token);
+    const int connected = accept_id ? node_call(a, TB_CMD_PEER_CONNECT, &conn, sizeof conn, &link->out_id, sizeof link->out_id) : -1;
+    // a could not dial (or prove itself): b would wait out its timeout for
+    // nobody. Any next request ends b's wait; SYNC costs nothing.
+    const uint64_t nudge_id = accept_id && (connected != 0 || !link->out_id) ? node_call_send_locked(b, TB_CMD_SYNC, NULL, 0) : 0;
+    const int accepted = accept_id ? node_call_reply_locked(b, TB_CMD_PEER_ACCEPT, accept_id, &link->in_id, sizeof link->in_id) : -1;
+    if (nudge_id) node_call_reply_locked(b, TB_CMD_SYNC, nudge_id, NULL, 0);
+    pthread_mutex_unlock(&b->lock);
+    if (connected != 0 || accepted != 0 || !link->out_id || !link->in_id) return NULL;
+    link->usable = true;
+    return link;
 }
 
 // ---- connecting ---------------------------------------------------------------

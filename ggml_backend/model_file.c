@@ -1,5 +1,6 @@
 // model_file.c - file identity and "which file is this pointer in".
 #include "model_file.h"
+#include "proto.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -20,13 +21,13 @@
 #define SAMPLE_BYTES (64u << 10)
 #define N_SAMPLES    14
 
+// Two lanes of FNV-1a (proto.h) from different starts: 128 bits.
 struct fnv2 { uint64_t a, b; };
+#define FNV2_START { TB_FNV_OFFSET, 0x84222325cbf29ce4ull }
 
 static void fnv2_add(struct fnv2 * h, const uint8_t * p, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        h->a = (h->a ^ p[i]) * 0x100000001b3ull;
-        h->b = (h->b ^ p[i]) * 0x100000001b3ull;
-    }
+    h->a = tb_fnv1a(h->a, p, n);
+    h->b = tb_fnv1a(h->b, p, n);
 }
 
 // Hash `len` bytes at `offset` (clipped to the file) into h.
@@ -53,7 +54,7 @@ int tb_file_identity_fd(int fd, struct tb_file_identity * out, char * err, size_
     uint8_t * buf = malloc(EDGE_BYTES);
     if (!buf) { snprintf(err, err_len, "out of memory"); return -1; }
     const uint64_t size = (uint64_t) st.st_size;
-    struct fnv2 h = { 0xcbf29ce484222325ull, 0x84222325cbf29ce4ull };
+    struct fnv2 h = FNV2_START;
     fnv2_add(&h, (const uint8_t *) &size, sizeof size);
     int rc = hash_range(fd, size, 0, EDGE_BYTES, &h, buf);
     for (int i = 1; i <= N_SAMPLES && rc == 0; i++) {
@@ -89,7 +90,7 @@ static uint64_t next_offset_seed(uint64_t * state) {
 
 int tb_file_proof_fd(int fd, uint64_t size, const uint8_t nonce[TB_FILE_NONCE_LEN], uint8_t out[TB_FILE_PROOF_LEN],
                      char * err, size_t err_len) {
-    struct fnv2 h = { 0xcbf29ce484222325ull, 0x84222325cbf29ce4ull };
+    struct fnv2 h = FNV2_START;
     fnv2_add(&h, nonce, TB_FILE_NONCE_LEN);
     fnv2_add(&h, (const uint8_t *) &size, sizeof size);
     uint64_t state;

@@ -14,46 +14,79 @@ _Static_assert(sizeof(struct tb_header) == 24, "header is 24 bytes on the wire")
 _Static_assert(sizeof(struct tb_wire_tensor) % 8 == 0, "wire tensor keeps 8-byte alignment");
 _Static_assert(sizeof(struct tb_hello) % 8 == 0, "hello keeps 8-byte alignment");
 
-static const char * const cmd_names[TB_CMD_COUNT_] = {
-    [TB_CMD_HELLO] = "HELLO", [TB_CMD_GET_MEMORY] = "GET_MEMORY", [TB_CMD_ALLOC_BUFFER] = "ALLOC_BUFFER",
-    [TB_CMD_FREE_BUFFER] = "FREE_BUFFER", [TB_CMD_BUFFER_CLEAR] = "BUFFER_CLEAR", [TB_CMD_SET_TENSOR] = "SET_TENSOR",
-    [TB_CMD_GET_TENSOR] = "GET_TENSOR", [TB_CMD_MEMSET_TENSOR] = "MEMSET_TENSOR", [TB_CMD_COPY_TENSOR] = "COPY_TENSOR",
-    [TB_CMD_GRAPH_COMPUTE] = "GRAPH_COMPUTE", [TB_CMD_GRAPH_RECOMPUTE] = "GRAPH_RECOMPUTE",
-    [TB_CMD_SUPPORTS_OP] = "SUPPORTS_OP", [TB_CMD_SYNC] = "SYNC", [TB_CMD_STATUS] = "STATUS",
-    [TB_CMD_KEEPALIVE] = "KEEPALIVE", [TB_CMD_GET_ALLOC_SIZE] = "GET_ALLOC_SIZE",
-    [TB_CMD_OPEN_FILE] = "OPEN_FILE", [TB_CMD_LOAD_FROM_FILE] = "LOAD_FROM_FILE",
-    [TB_CMD_PEER_LISTEN] = "PEER_LISTEN", [TB_CMD_PEER_CONNECT] = "PEER_CONNECT", [TB_CMD_PEER_ACCEPT] = "PEER_ACCEPT",
-    [TB_CMD_PEER_SEND] = "PEER_SEND", [TB_CMD_PEER_RECV] = "PEER_RECV",
-    [TB_CMD_TRANSPORT_OFFER] = "TRANSPORT_OFFER", [TB_CMD_TRANSPORT_SWITCH] = "TRANSPORT_SWITCH",
-    [TB_CMD_ALLREDUCE] = "ALLREDUCE", [TB_CMD_SET_TENSOR_2D] = "SET_TENSOR_2D",
-    [TB_CMD_LOAD_FROM_FILE_2D] = "LOAD_FROM_FILE_2D", [TB_CMD_AUTH] = "AUTH",
+#define EXACT(n)    TB_LEN_EXACT, (uint32_t) (n)
+#define AT_LEAST(n) TB_LEN_AT_LEAST, (uint32_t) (n)
+#define ANY         TB_LEN_ANY, 0
+#define NONE        TB_LEN_EXACT, 0
+static const struct tb_command commands[TB_CMD_COUNT_] = {
+    //                          name                 posted request                               reply
+    [TB_CMD_HELLO]           = { "HELLO",            false, EXACT(sizeof(struct tb_hello)),        EXACT(sizeof(struct tb_hello)) },
+    [TB_CMD_AUTH]            = { "AUTH",             false, EXACT(sizeof(struct tb_auth_req)),     EXACT(sizeof(struct tb_auth_reply)) },
+    [TB_CMD_GET_MEMORY]      = { "GET_MEMORY",       false, NONE,                                  EXACT(sizeof(struct tb_memory)) },
+    [TB_CMD_ALLOC_BUFFER]    = { "ALLOC_BUFFER",     false, EXACT(sizeof(struct tb_alloc_req)),    EXACT(sizeof(struct tb_alloc_reply)) },
+    [TB_CMD_FREE_BUFFER]     = { "FREE_BUFFER",      true,  EXACT(sizeof(struct tb_buffer_req)),   NONE },
+    [TB_CMD_BUFFER_CLEAR]    = { "BUFFER_CLEAR",     true,  EXACT(sizeof(struct tb_memset_req)),   NONE },
+    [TB_CMD_SET_TENSOR]      = { "SET_TENSOR",       true,  AT_LEAST(sizeof(struct tb_range)),     NONE },
+    [TB_CMD_SET_TENSOR_2D]   = { "SET_TENSOR_2D",    true,  AT_LEAST(sizeof(struct tb_range_2d)),  NONE },
+    [TB_CMD_GET_TENSOR]      = { "GET_TENSOR",       false, EXACT(sizeof(struct tb_range)),        ANY },
+    [TB_CMD_MEMSET_TENSOR]   = { "MEMSET_TENSOR",    true,  EXACT(sizeof(struct tb_memset_req)),   NONE },
+    [TB_CMD_COPY_TENSOR]     = { "COPY_TENSOR",      true,  EXACT(sizeof(struct tb_copy_req)),     NONE },
+    [TB_CMD_GRAPH_COMPUTE]   = { "GRAPH_COMPUTE",    true,  AT_LEAST(sizeof(struct tb_graph_header)), NONE },
+    [TB_CMD_GRAPH_RECOMPUTE] = { "GRAPH_RECOMPUTE",  true,  EXACT(sizeof(uint32_t)),               NONE },
+    [TB_CMD_SUPPORTS_OP]     = { "SUPPORTS_OP",      false, AT_LEAST(sizeof(struct tb_graph_header)), EXACT(1) },
+    [TB_CMD_GET_ALLOC_SIZE]  = { "GET_ALLOC_SIZE",   false, AT_LEAST(sizeof(struct tb_graph_header)), EXACT(sizeof(uint64_t)) },
+    [TB_CMD_SYNC]            = { "SYNC",             false, NONE,                                  NONE },
+    [TB_CMD_STATUS]          = { "STATUS",           false, NONE,                                  EXACT(sizeof(struct tb_status)) },
+    [TB_CMD_KEEPALIVE]       = { "KEEPALIVE",        true,  NONE,                                  NONE },
+    [TB_CMD_OPEN_FILE]       = { "OPEN_FILE",        false, EXACT(sizeof(struct tb_open_file)),    EXACT(sizeof(uint64_t)) },
+    [TB_CMD_LOAD_FROM_FILE]  = { "LOAD_FROM_FILE",   true,  EXACT(sizeof(struct tb_file_range)),   NONE },
+    [TB_CMD_LOAD_FROM_FILE_2D] = { "LOAD_FROM_FILE_2D", true, EXACT(sizeof(struct tb_file_range_2d)), NONE },
+    [TB_CMD_PEER_LISTEN]     = { "PEER_LISTEN",      false, NONE,                                  EXACT(sizeof(struct tb_peer_listen_reply)) },
+    [TB_CMD_PEER_CONNECT]    = { "PEER_CONNECT",     false, EXACT(sizeof(struct tb_peer_connect)), EXACT(sizeof(uint64_t)) },
+    [TB_CMD_PEER_ACCEPT]     = { "PEER_ACCEPT",      false, EXACT(sizeof(uint64_t)),               EXACT(sizeof(uint64_t)) },
+    [TB_CMD_PEER_SEND]       = { "PEER_SEND",        true,  EXACT(sizeof(struct tb_peer_range)),   NONE },
+    [TB_CMD_PEER_RECV]       = { "PEER_RECV",        true,  EXACT(sizeof(struct tb_peer_range)),   NONE },
+    [TB_CMD_ALLREDUCE]       = { "ALLREDUCE",        true,  EXACT(sizeof(struct tb_allreduce)),    NONE },
+    [TB_CMD_TRANSPORT_OFFER] = { "TRANSPORT_OFFER",  false, EXACT(sizeof(struct tb_transport_req)), EXACT(sizeof(struct tb_transport_reply)) },
+    [TB_CMD_TRANSPORT_SWITCH]= { "TRANSPORT_SWITCH", true,  EXACT(sizeof(uint32_t)),               NONE },
 };
+#undef EXACT
+#undef AT_LEAST
+#undef ANY
+#undef NONE
 
-bool tb_cmd_posted(uint16_t cmd) {
-    switch (cmd) {
-        case TB_CMD_FREE_BUFFER: case TB_CMD_BUFFER_CLEAR: case TB_CMD_SET_TENSOR: case TB_CMD_MEMSET_TENSOR:
-        case TB_CMD_COPY_TENSOR: case TB_CMD_GRAPH_COMPUTE: case TB_CMD_GRAPH_RECOMPUTE: case TB_CMD_LOAD_FROM_FILE:
-        case TB_CMD_PEER_SEND: case TB_CMD_PEER_RECV: case TB_CMD_TRANSPORT_SWITCH: case TB_CMD_ALLREDUCE:
-        case TB_CMD_SET_TENSOR_2D: case TB_CMD_LOAD_FROM_FILE_2D:
-            return true;
-        default:
-            return false;
-    }
+const struct tb_command * tb_command(uint16_t cmd) {
+    static const struct tb_command unknown = { "UNKNOWN", false, TB_LEN_ANY, 0, TB_LEN_ANY, 0 };
+    return cmd > 0 && cmd < TB_CMD_COUNT_ && commands[cmd].name ? &commands[cmd] : &unknown;
+}
+
+bool tb_cmd_posted(uint16_t cmd) { return tb_command(cmd)->posted; }
+
+const char * tb_cmd_name(uint16_t cmd) { return tb_command(cmd)->name; }
+
+int tb_check_request_len(const struct tb_header * h, char * err, size_t err_len) {
+    const struct tb_command * c = tb_command(h->cmd);
+    if (c->request == TB_LEN_ANY || (c->request == TB_LEN_EXACT ? h->len == c->request_len : h->len >= c->request_len))
+        return 0;
+    snprintf(err, err_len, "%s: payload is %llu bytes, expected %s%u", c->name, (unsigned long long) h->len,
+             c->request == TB_LEN_EXACT ? "" : "at least ", c->request_len);
+    return -1;
+}
+
+uint64_t tb_fnv1a(uint64_t h, const void * data, size_t len) {
+    const uint8_t * p = data;
+    for (size_t i = 0; i < len; i++) { h ^= p[i]; h *= 0x100000001b3ull; }
+    return h;
+}
+
+uint64_t tb_fnv1a_u64(uint64_t h, uint64_t v) {
+    for (int b = 0; b < 8; b++) { h ^= (v >> (8 * b)) & 0xff; h *= 0x100000001b3ull; }
+    return h;
 }
 
 void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint8_t out[TB_MAC_LEN]) {
     static const char label[] = "tbrpc 4 peer link";
     tb_hmac_sha256(secret, secret_len, label, sizeof label, &token, sizeof token, NULL, 0, NULL, 0, out);
-}
-
-const char * tb_cmd_name(uint16_t cmd) {
-    return cmd > 0 && cmd < TB_CMD_COUNT_ ? cmd_names[cmd] : "UNKNOWN";
-}
-
-static uint64_t fnv1a(uint64_t h, const void * data, size_t len) {
-    const uint8_t * p = data;
-    for (size_t i = 0; i < len; i++) { h ^= p[i]; h *= 0x100000001b3ull; }
-    return h;
 }
 
 void tb_abi_fill(struct tb_abi * abi) {
@@ -66,10 +99,10 @@ void tb_abi_fill(struct tb_abi * abi) {
     abi->max_src             = GGML_MAX_SRC;
     abi->max_op_params       = GGML_MAX_OP_PARAMS;
     abi->max_name            = GGML_MAX_NAME;
-    uint64_t h = 0xcbf29ce484222325ull;
+    uint64_t h = TB_FNV_OFFSET;
     for (int t = 0; t < GGML_TYPE_COUNT; t++) {
         uint64_t sizes[2] = { ggml_type_size((enum ggml_type) t), (uint64_t) ggml_blck_size((enum ggml_type) t) };
-        h = fnv1a(h, sizes, sizeof sizes);
+        h = tb_fnv1a(h, sizes, sizeof sizes);
     }
     abi->type_table_hash = h;
 }

@@ -181,8 +181,35 @@ struct tb_transport_req { uint32_t kind; uint32_t slots; uint32_t stride; uint32
 // The answer: a segment made for this connection, or why not (declined[0] != 0).
 struct tb_transport_reply { struct tb_shm_offer offer; char declined[160]; };
 
+// What the wire says about each command, in one table (proto.c) that head
+// and node both read: its name, whether it is posted (no reply; a failure is
+// sticky and carried by the next reply), and how long its request and reply
+// bodies are. A length rule of TB_LEN_EXACT means exactly `*_len` bytes,
+// TB_LEN_AT_LEAST at least that many (a fixed part, then data), TB_LEN_ANY
+// any length (bounded by TB_MAX_PAYLOAD).
+enum tb_len_rule { TB_LEN_EXACT, TB_LEN_AT_LEAST, TB_LEN_ANY };
+struct tb_command {
+    const char * name;
+    bool     posted;
+    uint8_t  request;        // enum tb_len_rule
+    uint32_t request_len;
+    uint8_t  reply;          // enum tb_len_rule; posted commands have none
+    uint32_t reply_len;
+};
+// The row of `cmd`; an unknown command gets a row named "UNKNOWN".
+const struct tb_command * tb_command(uint16_t cmd);
 // Whether a request is posted (no reply; failures are sticky).
 bool tb_cmd_posted(uint16_t cmd);
+// 0 when h->len obeys cmd's request rule; otherwise -1 with an error naming
+// the command, the length and what was expected.
+int  tb_check_request_len(const struct tb_header * h, char * err, size_t err_len);
+
+// FNV-1a, the one non-cryptographic hash of the code base: over `len` bytes
+// from `h` (start with TB_FNV_OFFSET), or over a u64's 8 bytes, least
+// significant first (the same on every host).
+#define TB_FNV_OFFSET 0xcbf29ce484222325ull
+uint64_t tb_fnv1a(uint64_t h, const void * data, size_t len);
+uint64_t tb_fnv1a_u64(uint64_t h, uint64_t v);
 
 // Grow *buf (capacity *cap) to hold at least `need` bytes; contents are kept.
 // 0, or -1 (out of memory) with *buf and *cap unchanged.

@@ -25,8 +25,10 @@ const char * tb_io_error_name(int kind) {
     return "unknown";
 }
 
-int64_t tb_now_ms(void) {
+int64_t tb_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (int64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
+
+int64_t tb_now_ms(void) { return tb_now_ns() / 1000000; }

@@ -63,6 +63,7 @@ struct tb_transport {
 int tb_fail(struct tb_transport * t, int kind, const char * fmt, ...) __attribute__((format(printf, 3, 4)));
 const char * tb_io_error_name(int kind);
 int64_t tb_now_ms(void);   // a monotonic clock, for deadlines
+int64_t tb_now_ns(void);   // the same clock in nanoseconds, for measuring
 
 static inline int  tb_send (struct tb_transport * t, const void * d, size_t n) { return t->ops->send(t, d, n); }
 static inline int  tb_flush(struct tb_transport * t)                          { return t->ops->flush(t); }

@@ -35,7 +35,7 @@ SYSTEM_LIBS = ["-pthread"] + (["-lrt", "-ldl"] if sys.platform.startswith("linux
 # what needs no ggml: the transports and the shared-secret proofs (C tests build them alone)
 PLAIN_SOURCES = [*TRANSPORT_SOURCES, "auth.c"]
 C_SOURCES = ["proto.c", "op_rules.c", "client.c", "client_node.c", "split_rules.c", "node.c", "node_session.c",
-             "model_file.c", *PLAIN_SOURCES]
+             "node_graphs.c", "node_files.c", "node_links.c", "model_file.c", *PLAIN_SOURCES]
 
 PROTO_CDEF = """
 struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t ggml_op_count;
@@ -69,7 +69,8 @@ enum tb_cmd { TB_CMD_HELLO, TB_CMD_GET_MEMORY, TB_CMD_ALLOC_BUFFER, TB_CMD_FREE_
               TB_CMD_GRAPH_COMPUTE, TB_CMD_GRAPH_RECOMPUTE, TB_CMD_SUPPORTS_OP, TB_CMD_SYNC, TB_CMD_STATUS,
               TB_CMD_KEEPALIVE, TB_CMD_GET_ALLOC_SIZE, TB_CMD_OPEN_FILE, TB_CMD_LOAD_FROM_FILE,
               TB_CMD_PEER_LISTEN, TB_CMD_PEER_CONNECT, TB_CMD_PEER_ACCEPT, TB_CMD_PEER_SEND, TB_CMD_PEER_RECV,
-              TB_CMD_TRANSPORT_OFFER, TB_CMD_TRANSPORT_SWITCH, TB_CMD_AUTH, ... };
+              TB_CMD_TRANSPORT_OFFER, TB_CMD_TRANSPORT_SWITCH, TB_CMD_ALLREDUCE, TB_CMD_SET_TENSOR_2D,
+              TB_CMD_LOAD_FROM_FILE_2D, TB_CMD_AUTH, TB_CMD_COUNT_, ... };
 struct tb_auth_req { uint8_t mac[32]; };
 struct tb_auth_reply { uint8_t mac[32]; struct tb_hello hello; };
 struct tb_peer_listen_reply { uint64_t token, port; };
@@ -83,6 +84,10 @@ struct tb_open_file { uint64_t size; uint8_t fingerprint[16]; uint8_t proof[16];
 struct tb_file_range { uint64_t handle, offset, size, file_id, file_offset; };
 void tb_abi_fill(struct tb_abi * abi);
 bool tb_cmd_posted(uint16_t cmd);
+enum tb_len_rule { TB_LEN_EXACT, TB_LEN_AT_LEAST, TB_LEN_ANY };
+struct tb_command { const char * name; bool posted; uint8_t request; uint32_t request_len; uint8_t reply;
+                    uint32_t reply_len; };
+const struct tb_command * tb_command(uint16_t cmd);
 const char * tb_cmd_name(uint16_t cmd);
 void tb_ggml_build(char * out, size_t len);
 

@@ -1164,7 +1164,7 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
     partial = pad(c.n_tokens * p.n_embd * F32, TENSOR_ALIGN)  # the largest partial sum: one ubatch
     reduce_b = math.ceil(math.log2(n)) * partial if n > 1 else 0
     # tbrpc's ALLREDUCE (every device a TBRPC node) keeps its partial and a peer's
-    # in the node's heap, and on a GPU also the sum (node_session.c).
+    # in the node's heap, and on a GPU also the sum (node_links.c).
     path = "tbrpc" if head_device == "none" and n > 1 else "butterfly"
     scratch = [(2 if node.kind == "cpu" else 3) * partial if path == "tbrpc" else 0 for node in nodes]
 

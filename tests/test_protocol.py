@@ -237,6 +237,43 @@ def test_wrong_payload_length_gets_an_error_reply(node: Any) -> None:
     assert status != 0 and "expected 8" in body.decode()
 
 
+# Commands the generic length rule does not apply to: the handshake's own
+# (refused with the connection), the node's keepalive, SET_TENSOR (whose bytes
+# stream into the buffer: a short one drops the connection) and
+# TRANSPORT_SWITCH (the head switches right after it).
+NOT_GENERIC = {"HELLO", "AUTH", "KEEPALIVE", "SET_TENSOR", "TRANSPORT_SWITCH"}
+
+
+def fixed_length_commands() -> list[int]:
+    rows = [(cmd, lib.tb_command(cmd)) for cmd in range(1, lib.TB_CMD_COUNT_)]
+    return [cmd for cmd, row in rows if ffi.string(row.name).decode() not in NOT_GENERIC and row.request != lib.TB_LEN_ANY]
+
+
+def test_the_command_table_covers_every_command() -> None:
+    names = [ffi.string(lib.tb_command(cmd).name).decode() for cmd in range(1, lib.TB_CMD_COUNT_)]
+    assert "UNKNOWN" not in names and len(set(names)) == len(names)
+    assert ffi.string(lib.tb_command(lib.TB_CMD_COUNT_).name) == b"UNKNOWN"
+
+
+@pytest.mark.parametrize("cmd", fixed_length_commands(), ids=lambda c: ffi.string(lib.tb_command(c).name).decode())
+def test_every_command_refuses_a_wrong_length(cmd: int, node: Any) -> None:
+    """The table's length rule is enforced for every command: one byte
+    short (or one too many for an empty request) is refused, naming the
+    command and the length expected, and the session goes on."""
+    row = lib.tb_command(cmd)
+    name = ffi.string(row.name).decode()
+    wrong = row.request_len - 1 if row.request_len else 1
+    w = ready(node)
+    w.send(cmd, b"\x00" * wrong)
+    if row.posted:   # the failure is sticky: the next reply carries it
+        w.send(lib.TB_CMD_SYNC)
+    status, body = w.reply()
+    least = "at least " if row.request == lib.TB_LEN_AT_LEAST else ""
+    assert status != 0 and f"{name}: payload is {wrong} bytes, expected {least}{row.request_len}" in body.decode()
+    w.send(lib.TB_CMD_SYNC)
+    assert w.reply() == (0, b"")
+
+
 # ---- buffers and ranges -----------------------------------------------------------
 
 def test_set_tensor_outside_the_buffer(node: Any) -> None:

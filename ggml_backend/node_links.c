@@ -1,0 +1,348 @@
+// node_links.c - node-to-node links of a session (PEER_LISTEN, PEER_CONNECT,
+// PEER_ACCEPT, then PEER_SEND / PEER_RECV) and the all-reduce that runs over
+// them (ALLREDUCE).
+#include "node_session.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+// ---- node-to-node links ------------------------------------------------------
+// The head links the session that computes layer k with the one that
+// computes layer k+1; activations then go straight from node to node and
+// the head waits only for the last node's logits. Setup (three called
+// requests) happens once per pair; a pair that cannot connect answers 0 and
+// the head keeps relaying.
+
+static uint64_t random_token(void) {
+    uint64_t t = 0;
+    while (t == 0 && tb_random(&t, sizeof t) == 0) {}
+    return t ? t : (uint64_t) time(NULL) * 0x9e3779b97f4a7c15ull;
+}
+
+static uint64_t add_peer(struct node_conn * c, struct tb_transport * tp, bool outgoing, const char * name) {
+    if (c->n_peers == MAX_PEERS) { tb_close(tp); return 0; }
+    // The head's own timeout (three keepalive periods) bounds a silent peer
+    // too; HELLO keeps keepalive_ms under TB_KEEPALIVE_MAX_MS, so this cannot overflow.
+    tp->timeout_ms = (int) (c->keepalive_ms * 3u);
+    pthread_mutex_lock(&c->send_lock);     // the watchdog walks this list
+    c->peers[c->n_peers].tp = tp;
+    c->peers[c->n_peers].outgoing = outgoing;
+    snprintf(c->peers[c->n_peers].name, sizeof c->peers[c->n_peers].name, "%s", name);
+    uint64_t id = ++c->n_peers;
+    pthread_mutex_unlock(&c->send_lock);
+    return id;
+}
+
+int handle_peer_listen(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    struct tb_peer_listen_reply rep = { 0, 0 };
+    if (c->peer_listen_fd < 0) {
+        char why[256];
+        c->peer_listen_fd = tb_tcp_listen(c->node->host, 0, why, sizeof why);
+        if (c->peer_listen_fd < 0) node_log(c->node, "client %s: cannot listen for peers: %s", c->tp->peer, why);
+        c->peer_token = random_token();
+    }
+    if (c->peer_listen_fd >= 0) {
+        rep.token = c->peer_token;
+        rep.port = (uint64_t) tb_tcp_bound_port(c->peer_listen_fd);
+    }
+    memcpy(r->small, &rep, sizeof rep);
+    r->data = r->small;
+    r->len = sizeof rep;
+    return 0;
+}
+
+// Dial a peer session's listener. Nothing is sent before the listener has
+// proven it knows the link key (the cluster secret and the listener's token,
+// which only the head and that listener have): a port that is not a tbrpc
+// listener of this cluster receives not a byte, and the reply (0) does not
+// say whether anything answered. Bounded by the head's timeout.
+int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    struct tb_peer_connect * req = (struct tb_peer_connect *) c->payload;
+    req->host[sizeof req->host - 1] = '\0';
+    char why[256] = "bad port";
+    const int timeout_ms = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
+    struct tb_transport * tp = req->port > 0 && req->port < 65536
+        ? tb_tcp_connect(req->host, (int) req->port, timeout_ms, why, sizeof why) : NULL;
+    uint8_t key[TB_MAC_LEN], mac[TB_MAC_LEN];
+    tb_peer_key(c->node->secret, c->node->secret_len, req->token, key);
+    struct tb_peer_greeting greeting;
+    struct tb_peer_answer answer;
+    struct tb_peer_confirm confirm;
+    static const uint8_t zeros[TB_NONCE_LEN];
+    bool ok = false;
+    if (tp) {
+        tp->deadline_ms = tb_now_ms() + timeout_ms;   // the whole exchange, not each read
+        snprintf(why, sizeof why, "it did not prove it is a tbrpc node of this cluster");
+        if (tb_recv(tp, &greeting, sizeof greeting) == 0 && memcmp(greeting.magic, TB_PEER_MAGIC, sizeof TB_PEER_MAGIC) == 0) {
+            tb_auth_mac(key, sizeof key, TB_PEER_ROLE_GREET, greeting.nonce, zeros, NULL, 0, mac);
+            if (tb_equal_ct(mac, greeting.mac, TB_MAC_LEN) && tb_random(answer.nonce, TB_NONCE_LEN) == 0) {
+                memset(answer.name, 0, sizeof answer.name);   // our name, so the peer can say who went silent
+                snprintf(answer.name, sizeof answer.name, "%s", c->node->name);
+                tb_auth_mac(key, sizeof key, TB_PEER_ROLE_DIALER, greeting.nonce, answer.nonce, answer.name,
+                            sizeof answer.name, answer.mac);
+                if (tb_send(tp, &answer, sizeof answer) == 0 && tb_flush(tp) == 0 &&
+                    tb_recv(tp, &confirm, sizeof confirm) == 0) {
+                    tb_auth_mac(key, sizeof key, TB_PEER_ROLE_LISTENER, greeting.nonce, answer.nonce, NULL, 0, mac);
+                    ok = tb_equal_ct(mac, confirm.mac, TB_MAC_LEN);
+                }
+            }
+        }
+    }
+    memset(key, 0, sizeof key);
+    if (!ok) {
+        node_log(c->node, "client %s: cannot reach peer %s:%llu (%s); activations will go through the head",
+                 c->tp->peer, req->host, (unsigned long long) req->port, why);
+        tb_close(tp);
+        return reply_u64(r, 0);
+    }
+    tp->deadline_ms = 0;
+    char them[TB_NAME_LEN + 32];
+    snprintf(them, sizeof them, "%s:%llu", req->host, (unsigned long long) req->port);
+    return reply_u64(r, add_peer(c, tp, true, them));
+}
+
+// One dialer on our listener: greet it with proof that we know the link key,
+// then it proves the same over both nonces, then we confirm. 0 when it did.
+static int greet_dialer(struct node_conn * c, struct tb_transport * tp, char name[TB_NAME_LEN]) {
+    uint8_t key[TB_MAC_LEN], mac[TB_MAC_LEN];
+    static const uint8_t zeros[TB_NONCE_LEN];
+    struct tb_peer_greeting greeting;
+    struct tb_peer_answer answer;
+    struct tb_peer_confirm confirm;
+    memset(&greeting, 0, sizeof greeting);
+    memcpy(greeting.magic, TB_PEER_MAGIC, sizeof TB_PEER_MAGIC);
+    if (tb_random(greeting.nonce, TB_NONCE_LEN) != 0) return -1;
+    tb_peer_key(c->node->secret, c->node->secret_len, c->peer_token, key);
+    tb_auth_mac(key, sizeof key, TB_PEER_ROLE_GREET, greeting.nonce, zeros, NULL, 0, greeting.mac);
+    int rc = -1;
+    if (tb_send(tp, &greeting, sizeof greeting) == 0 && tb_flush(tp) == 0 && tb_recv(tp, &answer, sizeof answer) == 0) {
+        tb_auth_mac(key, sizeof key, TB_PEER_ROLE_DIALER, greeting.nonce, answer.nonce, answer.name, sizeof answer.name, mac);
+        if (tb_equal_ct(mac, answer.mac, TB_MAC_LEN)) {
+            tb_auth_mac(key, sizeof key, TB_PEER_ROLE_LISTENER, greeting.nonce, answer.nonce, NULL, 0, confirm.mac);
+            if (tb_send(tp, &confirm, sizeof confirm) == 0 && tb_flush(tp) == 0) rc = 0;
+            memcpy(name, answer.name, TB_NAME_LEN);
+            name[TB_NAME_LEN - 1] = '\0';
+        }
+    }
+    memset(key, 0, sizeof key);
+    return rc;
+}
+
+// Wait (the head's timeout) for the dialer the head sent our way; anyone
+// else who connects meanwhile is refused and the wait goes on.
+int handle_peer_accept(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
+    uint64_t token;
+    memcpy(&token, c->payload, sizeof token);
+    if (c->peer_listen_fd < 0 || token != c->peer_token) return reply_u64(r, 0);
+    const int timeout_ms = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
+    const int64_t deadline = tb_now_ms() + timeout_ms;
+    struct pollfd p = { .fd = c->peer_listen_fd, .events = POLLIN };
+    for (int64_t left = timeout_ms; left > 0; left = deadline - tb_now_ms()) {
+        // The head sends its next request only once the dialer has given up
+        // (peer_link in client.c): then no one is coming, and the wait ends.
+        if (poll(&p, 1, left < 50 ? (int) left : 50) <= 0) {
+            if (tb_poll(c->tp, 0) > 0) break;
+            continue;
+        }
+        int fd = accept(c->peer_listen_fd, NULL, NULL);
+        if (fd < 0) continue;
+        struct tb_transport * tp = tb_tcp_from_fd(fd, timeout_ms);
+        if (!tp) continue;
+        tp->deadline_ms = deadline;
+        char name[TB_NAME_LEN] = { 0 };
+        if (greet_dialer(c, tp, name) == 0) {
+            tp->deadline_ms = 0;
+            return reply_u64(r, add_peer(c, tp, false, name));
+        }
+        node_log(c->node, "client %s: a peer link attempt from %s did not prove it knows the link key; refused",
+                 c->tp->peer, tp->peer);
+        tb_close(tp);
+    }
+    return reply_u64(r, 0);
+}
+
+// The peer and the buffer range a PEER_SEND/PEER_RECV names, validated.
+static struct node_buffer * peer_range(struct node_conn * c, const struct tb_peer_range * req, bool outgoing,
+                                       struct tb_transport ** tp, char * err, size_t err_len) {
+    if (req->peer_id == 0 || req->peer_id > c->n_peers || c->peers[req->peer_id - 1].outgoing != outgoing) {
+        snprintf(err, err_len, "unknown %s peer %llu", outgoing ? "outgoing" : "incoming", (unsigned long long) req->peer_id);
+        return NULL;
+    }
+    if (req->size > TB_MAX_PAYLOAD) {
+        snprintf(err, err_len, "a peer transfer of %llu bytes exceeds the message limit", (unsigned long long) req->size);
+        return NULL;
+    }
+    *tp = c->peers[req->peer_id - 1].tp;
+    return checked_range(c, req->handle, req->offset, req->size, err, err_len);
+}
+
+// One PEER_SEND frame of `size` bytes on an outgoing link.
+static int send_to_peer(struct node_conn * c, struct tb_transport * tp, const void * data, uint64_t size) {
+    pthread_mutex_lock(&c->send_lock);     // the watchdog sends keepalives on peer links too
+    int rc = tb_msg_send(tp, TB_CMD_PEER_SEND, 0, 0, data, (size_t) size, NULL, 0);
+    if (rc == 0) rc = tb_flush(tp);
+    pthread_mutex_unlock(&c->send_lock);
+    return rc;
+}
+
+// The next PEER_SEND frame on an incoming link, which must carry `size`
+// bytes, into dst. The sending node's keepalives reset our timeout while it computes.
+static int recv_from_peer(struct tb_transport * tp, void * dst, uint64_t size, char * err, size_t err_len) {
+    struct tb_header ph;
+    int rc;
+    do {
+        rc = tb_msg_recv_header(tp, &ph, err, err_len);
+    } while (rc == 0 && ph.cmd == TB_CMD_KEEPALIVE && ph.len == 0);
+    if (rc == 0 && (ph.cmd != TB_CMD_PEER_SEND || ph.len != size)) {
+        snprintf(err, err_len, "the peer sent %s of %llu bytes, expected %llu", tb_cmd_name(ph.cmd),
+                 (unsigned long long) ph.len, (unsigned long long) size);
+        return -1;
+    }
+    if (rc == 0 && tb_recv(tp, dst, (size_t) size) != 0) { snprintf(err, err_len, "%s", tp->error); return -1; }
+    return rc;
+}
+
+int handle_peer_send(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    const struct tb_peer_range req = *(const struct tb_peer_range *) c->payload;
+    struct tb_transport * tp = NULL;
+    struct node_buffer * b = peer_range(c, &req, true, &tp, err, err_len);
+    if (!b) return -1;
+    const uint8_t * data = b->base + req.offset;
+    if (!ggml_backend_buffer_is_host(b->buf)) {
+        if (scratch_reserve(c, (size_t) req.size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+        struct ggml_tensor t = byte_view(b, req.offset, req.size);
+        ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
+        data = c->payload;
+    }
+    if (send_to_peer(c, tp, data, req.size) != 0) { snprintf(err, err_len, "PEER_SEND: %s", tp->error); return -1; }
+    return 0;
+}
+
+int handle_peer_recv(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    const struct tb_peer_range req = *(const struct tb_peer_range *) c->payload;
+    struct tb_transport * tp = NULL;
+    struct node_buffer * b = peer_range(c, &req, false, &tp, err, err_len);
+    if (!b) return -1;
+    set_busy(c, WAITING_FOR_PEER);   // waiting for the peer's compute: keep the head informed
+    const bool host = ggml_backend_buffer_is_host(b->buf);
+    char why[256] = "";
+    int rc = host ? 0 : scratch_reserve(c, (size_t) req.size);
+    if (rc != 0) snprintf(why, sizeof why, "out of memory");
+    if (rc == 0) rc = recv_from_peer(tp, host ? b->base + req.offset : c->payload, req.size, why, sizeof why);
+    if (rc == 0 && !host) {
+        struct ggml_tensor t = byte_view(b, req.offset, req.size);
+        ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
+    }
+    set_busy(c, IDLE);
+    if (rc != 0) snprintf(err, err_len, "waiting for activations from node %s: %s", c->peers[req.peer_id - 1].name, why);
+    return rc;
+}
+
+// ALLREDUCE: a thread sends our partial to every peer, in node order, while
+// this one receives theirs in node order and adds all of them, ours at our
+// place, in node order: the same additions on every node, so the same bits.
+// Sending and receiving in ascending node order on every node cannot
+// deadlock: node 0 is every sender's first target and reads them in turn,
+// and so on up.
+// Partials up to this size are sent before receiving, from this thread:
+// each fits the kernel's socket buffers (or a shared-memory ring) without
+// the peer reading yet, and a decoded token's partials (n_embd floats: 28 KiB
+// for Kimi K2) skip a thread start. Larger ones (prompts) use the thread.
+#define ALLREDUCE_INLINE (32u << 10)
+
+struct reduce_send {
+    struct node_conn * c;
+    const struct tb_allreduce * req;
+    const void * mine;
+    int rc;
+    char err[256];
+};
+
+static void * reduce_send_thread(void * arg) {
+    struct reduce_send * s = arg;
+    for (uint32_t k = 0; k < s->req->n && s->rc == 0; k++) {
+        if (k == s->req->self) continue;
+        struct tb_transport * tp = s->c->peers[s->req->peer_out[k] - 1].tp;
+        if (send_to_peer(s->c, tp, s->mine, s->req->size) != 0) {
+            snprintf(s->err, sizeof s->err, "sending to node %s: %s", s->c->peers[s->req->peer_out[k] - 1].name, tp->error);
+            s->rc = -1;
+        }
+    }
+    return NULL;
+}
+
+static int allreduce_check(struct node_conn * c, const struct tb_allreduce * req, char * err, size_t err_len) {
+    if (req->n < 2 || req->n > TB_MAX_ALLREDUCE_NODES || req->self >= req->n) {
+        snprintf(err, err_len, "ALLREDUCE: node %u of %u", req->self, req->n);
+        return -1;
+    }
+    if (req->type != GGML_TYPE_F32 || req->size % sizeof(float) != 0 || req->size > TB_MAX_PAYLOAD) {
+        snprintf(err, err_len, "ALLREDUCE: %llu bytes of type %u (F32 up to the message limit only)",
+                 (unsigned long long) req->size, req->type);
+        return -1;
+    }
+    for (uint32_t k = 0; k < req->n; k++) {
+        if (k == req->self) continue;
+        const uint64_t out = req->peer_out[k], in = req->peer_in[k];
+        if (out == 0 || out > c->n_peers || !c->peers[out - 1].outgoing || in == 0 || in > c->n_peers ||
+            c->peers[in - 1].outgoing) {
+            snprintf(err, err_len, "ALLREDUCE: no link to and from node %u (peer ids %llu, %llu)", k,
+                     (unsigned long long) out, (unsigned long long) in);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int handle_allreduce(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
+    const struct tb_allreduce req = *(const struct tb_allreduce *) c->payload;
+    if (allreduce_check(c, &req, err, err_len) != 0) return -1;
+    struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
+    if (!b) return -1;
+    // Scratch: ours, then a peer's, then (for device memory) the sum. In host
+    // memory the sum is made in the buffer itself, ours having been copied out.
+    const bool host = ggml_backend_buffer_is_host(b->buf);
+    const size_t size = (size_t) req.size, n_floats = size / sizeof(float);
+    if (scratch_reserve(c, (host ? 2 : 3) * size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+    float * mine = (float *) c->payload, * part_buf = mine + n_floats;
+    float * acc = host ? (float *) (b->base + req.offset) : part_buf + n_floats;
+    struct ggml_tensor t = byte_view(b, req.offset, req.size);
+    if (req.flags & TB_ALLREDUCE_COMPUTED) ggml_backend_tensor_get(&t, mine, 0, size);
+    else memset(mine, 0, size);
+    const int64_t started = tb_now_ns();
+    set_busy(c, COMPUTING);   // peers waiting for our partial hear keepalives, as during a graph
+    struct reduce_send s = { .c = c, .req = &req, .mine = mine, .rc = 0 };
+    pthread_t sender;
+    const bool inline_send = size <= ALLREDUCE_INLINE;
+    if (inline_send) {
+        reduce_send_thread(&s);
+    } else if (pthread_create(&sender, NULL, reduce_send_thread, &s) != 0) {
+        set_busy(c, IDLE);
+        snprintf(err, err_len, "ALLREDUCE: cannot start a thread");
+        return -1;
+    }
+    int rc = 0;
+    for (uint32_t k = 0; k < req.n && rc == 0; k++) {
+        const float * part = mine;
+        if (k != req.self) {
+            char why[256] = "";
+            rc = recv_from_peer(c->peers[req.peer_in[k] - 1].tp, part_buf, req.size, why, sizeof why);
+            if (rc != 0) { snprintf(err, err_len, "ALLREDUCE: from node %s: %s", c->peers[req.peer_in[k] - 1].name, why); break; }
+            part = part_buf;
+        }
+        if (k == 0) memcpy(acc, part, size);
+        else for (size_t i = 0; i < n_floats; i++) acc[i] += part[i];
+    }
+    if (!inline_send) pthread_join(sender, NULL);
+    set_busy(c, IDLE);
+    if (rc == 0 && s.rc != 0) { snprintf(err, err_len, "ALLREDUCE: %s", s.err); rc = -1; }
+    if (rc == 0 && !host) ggml_backend_tensor_set(&t, acc, 0, size);
+    count(&c->slot->allreduces, 1);
+    count(&c->slot->allreduce_ns, tb_now_ns() - started);
+    return rc;
+}
