@@ -108,7 +108,7 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--split", type=click.Choice(["layer", "tensor", "ffn"]), default="layer", show_default=True,
               help="layer: contiguous layer ranges per node; tensor: every layer cut across the nodes (llama.cpp "
                    "split_mode=3, flash attention on; not for deepseek2); ffn: only the FFN and experts cut "
-                   "(tbrpc's own rules, for deepseek2; the library loads it, launch not yet).")
+                   "(tbrpc's own rules, for deepseek2).")
 @click.option("--tensor-split", "tensor_split", default=None, metavar="A,B,...",
               help="With --split tensor: each node's share of every layer [default: equal, or by free memory when equal does not fit].")
 @click.option("--draft-model", default=None, type=click.Path(exists=True, dir_okay=False),

@@ -1305,8 +1305,7 @@ def _notes(params: ArchParams, layout: WeightLayout, c: ContextParams, head_devi
         notes.append("ffn split (tbrpc's own rules, ggml_backend/split_rules.c): every node holds a slice of each dense "
                      "FFN and of every routed and shared expert, and a whole copy of everything else -- attention, "
                      "the whole KV cache, router, norms, output -- and a full-size compute buffer; one all-reduce per "
-                     "layer.  tbrpc launch and tbrpc.Llama do not load it yet (the library does: "
-                     "Cluster.ffn_split_device, passed as the only device of a layer split).")
+                     "layer.  tbrpc launch --split ffn and tbrpc.Llama(split=\"ffn\") load it.")
     if split == "tensor":
         notes.append("tensor split: every node holds a slice of every layer's attention and FFN matrices plus a whole "
                      "copy of the rest (norms, router, shared experts"
