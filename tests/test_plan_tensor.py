@@ -375,12 +375,14 @@ def test_launch_refuses_tensor_split_of_deepseek2_before_starting_nodes(tmp_path
 
 # --- tbrpc's own FFN split (ggml_backend/split_rules.c): deepseek2 -------------------
 
-FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down)(_exps|_shexp)?\.weight")
+# cut: every FFN matrix (dense, routed and shared experts) and the output head (by vocabulary)
+FFN = re.compile(r"(blk\.\d+\.ffn_(gate|up|down)(_exps|_shexp)?|output)\.weight")
 
 
 def test_ffn_split_of_deepseek2_bytes() -> None:
-    """Only the dense FFN and every routed and shared expert are cut; attention,
-    router, norms, output and the whole (MLA) KV cache are on every node."""
+    """Only the dense FFN, every routed and shared expert and the output head
+    are cut; attention, router, norms and the whole (MLA) KV cache are on
+    every node."""
     path = models.ensure("deepseek2-f32")
     model = load_gguf(path)
     ffn = sum(t.n_bytes for t in model.tensors if FFN.fullmatch(t.name))
