@@ -120,6 +120,12 @@ def _head_bytes_per_token(result: dict[str, Any]) -> list[tuple[float, float]]:
     return [(n["bytes_sent"] / STEADY_TOKENS, n["bytes_received"] / STEADY_TOKENS) for n in result["nodes"]]
 
 
+def _reply_bytes(payload: int) -> int:
+    """What one reply carrying `payload` bytes costs on the wire: frame header, status, payload."""
+    ffi, _ = load_native()
+    return ffi.sizeof("struct tb_header") + ffi.sizeof("struct tb_reply_status") + payload
+
+
 @pytest.mark.parametrize("env", [{}, {"TBRPC_NO_ALLREDUCE": "1"}], ids=["allreduce", "butterfly"])
 def test_no_allreduce_byte_crosses_the_heads_connections(env: dict[str, str], nodes: Any, tmp_path: Path) -> None:
     """Counted on the head's own connections (the transport's byte counters):
@@ -137,12 +143,10 @@ def test_no_allreduce_byte_crosses_the_heads_connections(env: dict[str, str], no
     meta = gguf.GGUFReader(model)
     n_vocab = int(meta.fields["llama.vocab_size"].parts[-1][0])
     n_embd = int(meta.fields["llama.embedding_length"].parts[-1][0])
-    ffi, _ = load_native()
-    reply_frame = ffi.sizeof("struct tb_header") + ffi.sizeof("struct tb_reply_status")
     logits_slice = n_vocab // 2 * 4   # output.weight is cut by vocabulary rows: half each, gathered by the head
     partials = 2 * N_LAYER * n_embd * 4   # what the all-reduces of one token move, per node
     for (sent, received), node in zip(_head_bytes_per_token(result), result["nodes"]):
-        assert received == logits_slice + reply_frame, (received, node)
+        assert received == _reply_bytes(logits_slice), (received, node)
         assert received < partials
         assert node["allreduces"] + node["peer_copies"] >= 2 * N_LAYER * STEADY_TOKENS, node   # the reductions did run
 
@@ -237,9 +241,7 @@ def test_gemma3_with_its_ffn_split_across_nodes(nodes: Any, tmp_path: Path) -> N
     assert int(clear.sum()) >= N_PREDICT - 2, clear   # not a vacuous check
     assert [t for t, c in zip(result["tokens"], clear) if c] == [t for t, c in zip(base["tokens"], clear) if c]
     # half the output head on each node: per token the head receives from each its half of the logits, no more
-    ffi, _ = load_native()
-    reply_frame = ffi.sizeof("struct tb_header") + ffi.sizeof("struct tb_reply_status")
     for (_, received), node in zip(_head_bytes_per_token(result), result["nodes"]):
-        assert received == base_logits.shape[1] // 2 * 4 + reply_frame, (received, node)
+        assert received == _reply_bytes(base_logits.shape[1] // 2 * 4), (received, node)
         assert node["allreduces"] == GEMMA3_LAYERS * STEADY_TOKENS, node
         assert not node["failed"], node["error"]
