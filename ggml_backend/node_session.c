@@ -26,24 +26,18 @@
 
 // ---- buffers ----------------------------------------------------------------
 
-bool lookup_buffer(void * ctx, uint64_t handle, struct tb_buffer_view * out) {
-    struct node_conn * c = ctx;
-    for (size_t i = 0; i < c->n_buffers; i++) {
-        if (c->buffers[i].handle == handle) {
-            out->base = c->buffers[i].base;
-            out->size = c->buffers[i].size;
-            out->ggml_buffer = c->buffers[i].buf;
-            return true;
-        }
-    }
-    return false;
-}
-
 struct node_buffer * find_buffer(struct node_conn * c, uint64_t handle) {
     for (size_t i = 0; i < c->n_buffers; i++) {
         if (c->buffers[i].handle == handle) return &c->buffers[i];
     }
     return NULL;
+}
+
+// How graph decoding (proto.c) sees a client's buffers.
+bool lookup_buffer(void * ctx, uint64_t handle, struct tb_buffer_view * out) {
+    const struct node_buffer * b = find_buffer(ctx, handle);
+    if (b) *out = (struct tb_buffer_view) { .base = b->base, .size = b->size, .ggml_buffer = b->buf };
+    return b != NULL;
 }
 
 // A byte range [offset, offset+size) of a buffer, checked without overflow.

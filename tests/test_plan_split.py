@@ -13,7 +13,7 @@ reports
   TBRPCk, and the head's CPU buffers),
 * what each node says it has allocated after the load and after the context.
 
-The issue's bar: predicted per-node bytes within 5% or 64 MiB, whichever is
+The planner's promise: predicted per-node bytes within 5% or 64 MiB, whichever is
 larger.  Since the 64 MiB floor alone would let almost anything pass for
 models this small, the tests also hold a tight, asymmetric bound: the planner
 may be a little high (it plans with a margin anyway) but not low.
@@ -60,8 +60,8 @@ SPLITS = [
 ]
 
 
-def _issue_bound(predicted: int, actual: int) -> bool:
-    """Issue 3's requirement: within 5% or 64 MiB, whichever is larger."""
+def _promised_bound(predicted: int, actual: int) -> bool:
+    """The promised accuracy: within 5% or 64 MiB, whichever is larger."""
     return abs(predicted - actual) <= max(0.05 * actual, 64 * MiB)
 
 
@@ -160,9 +160,9 @@ def test_calibration_split(name: str, n_nodes: int, ctx: int, ubatch: int, flash
         # (b) llama.cpp's own per-device figures.
         assert abs(n.weights_bytes - loaded) <= 64 * 1024, why  # exact up to per-tensor padding
         assert abs(n.kv_bytes - kv) <= LOG_ROUNDING, why  # exact, up to the log's 0.01 MiB
-        assert _issue_bound(n.compute_bytes, compute) and _not_low(n.compute_bytes, compute), why
+        assert _promised_bound(n.compute_bytes, compute) and _not_low(n.compute_bytes, compute), why
         # (a) what the node reports allocated.
-        assert _issue_bound(n.total_bytes, total), why
+        assert _promised_bound(n.total_bytes, total), why
         assert _tight_bound(n.total_bytes, total), why
 
     # The head process: token embeddings, its CPU compute buffer (embeddings and graph inputs), output buffer.
@@ -239,6 +239,6 @@ def test_calibration_split_at_trillion_scale(geometry: str, n_nodes: int, ctx: i
     why = ", ".join(f"{n.device} {_mib(actual.compute[n.device])}/{_mib(n.compute_bytes)}" for n in p.nodes)
     for n in p.nodes:
         measured = actual.compute[n.device]
-        assert _issue_bound(n.compute_bytes, measured) and _not_low(n.compute_bytes, measured), why
+        assert _promised_bound(n.compute_bytes, measured) and _not_low(n.compute_bytes, measured), why
         assert n.compute_bytes <= 1.05 * measured, why
     assert _tight_bound(p.head.compute_bytes, actual.compute["CPU"]), (p.head.compute_bytes, actual.compute)

@@ -363,8 +363,8 @@ def isolated_node(request: pytest.FixtureRequest, nodes: Any) -> Any:
 
 
 def test_graph_breaking_an_op_contract_is_refused_and_a_dying_worker_ends_only_that_client(isolated_node: Any) -> None:
-    """A CPY into a tensor with another element count used to make ggml
-    abort; the op rules (op_rules.c) now refuse it by name, and no graph
+    """A CPY into a tensor with another element count makes ggml abort;
+    the op rules (op_rules.c) refuse it by name, and no graph
     that passes them is known to abort. Isolation still matters for what is
     left (a device driver's crash, a bug of ours): a worker killed by a
     signal ends only its client; the node logs it and keeps serving."""

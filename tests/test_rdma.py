@@ -224,6 +224,49 @@ def test_generation_over_rdma_matches_tcp(built, sim_nodes, monkeypatch, profile
         assert f"transport {describe}" in node.log_text(), node.log_text()[-2000:]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory):
+    """Greedy tokens and logits of one process without nodes, per model (the reference of tests/test_split.py)."""
+    from helpers import run_head
+
+    import models
+
+    cache: dict = {}
+    tmp = tmp_path_factory.mktemp("one_process")
+
+    def get(name: str):
+        if name not in cache:
+            result, logits = run_head(tmp, model=str(models.ensure(name)), prompt="The capital of France is", n_predict=8)
+            assert result["error"] is None, result["error"]
+            cache[name] = (result, logits)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("n_nodes", [2, 4])
+@pytest.mark.parametrize("model_name", ["deepseek2", "gemma"])
+def test_split_over_rdma_matches_one_process(built, sim_nodes, one_process, monkeypatch, model_name, n_nodes, profile,
+                                             tmp_path) -> None:
+    """tests/test_split.py's check over the stand-in's RDMA: every head connection really on RDMA, and the
+    same tokens and bitwise the same logits as one process."""
+    import numpy as np
+
+    import models
+    from helpers import run_head
+
+    base, base_logits = one_process(model_name)
+    started = sim_nodes(n_nodes, profile)
+    head_env(monkeypatch, built, tmp_path, profile)
+    result, logits = run_head(tmp_path, model=str(models.ensure(model_name)), prompt="The capital of France is",
+                              n_predict=8, nodes=[f"127.0.0.3:{n.port}" for n in started])
+    assert result["error"] is None, result["error"]
+    assert all(n["transport"].startswith("rdma ") for n in result["nodes"]), result["nodes"]
+    assert result["tokens"] == base["tokens"]
+    assert np.array_equal(logits, base_logits), f"max |diff| {np.max(np.abs(logits - base_logits))}"
+
+
 def test_node_without_rdma_keeps_tcp_and_says_why(built, sim_nodes, monkeypatch, tmp_path) -> None:
     from helpers import run_head
 

@@ -1,4 +1,4 @@
-"""The node's memory safety (issue 10 item 1): op rules, index checks,
+"""The node's memory safety: op rules, index checks,
 handles on the wire, the client table, allocation bounds.
 
 tests/c/safety_tests.c runs the node's graph path (proto.c decoding, the op
@@ -184,12 +184,12 @@ def test_scratch_shrinks_after_a_large_message(nodes: Any) -> None:
     assert rss() < 100 << 20, rss()
 
 
-# ---- --isolation thread (issue 10 item 7) ---------------------------------------------
+# ---- --isolation thread ------------------------------------------------------------------
 
 def test_thread_isolation_survives_a_null_source(nodes: Any) -> None:
-    """A MUL_MAT without its second source used to segfault the whole node
-    when clients are served by threads; now the rules refuse it, also when asked
-    through SUPPORTS_OP (whose device answer dereferences the sources)."""
+    """A MUL_MAT without its second source would segfault the whole node when
+    clients are served by threads: the rules refuse it, also when asked through
+    SUPPORTS_OP (whose device answer dereferences the sources)."""
     node = nodes(1, "--isolation", "thread")[0]
     w = ready(node)
     h = w.alloc(4096)
