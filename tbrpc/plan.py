@@ -1002,6 +1002,12 @@ def check_tensor_mode(arch: str, n_head_kv: Sequence[int] = ()) -> None:
             "use --split layer")
 
 
+def check_model_tensor_mode(model: GGUFModel) -> None:
+    """check_tensor_mode for a model file's header: its architecture and KV heads."""
+    params = arch_params(model)
+    check_tensor_mode(params.arch, () if params.is_mla else params.n_head_kv)
+
+
 # --- public API -------------------------------------------------------------------
 
 
@@ -1077,7 +1083,7 @@ def plan(
     layout = weight_layout(model, params, load_mtp=load_mtp)
     if split in ("tensor", "ffn"):
         if split == "tensor":
-            check_tensor_mode(params.arch, () if params.is_mla else params.n_head_kv)
+            check_model_tensor_mode(model)
         elif head_device != "none":
             raise PlanError("ffn split: tbrpc's meta device is made of TBRPC nodes only; use head_device 'none'")
         if head_device == "cpu":

@@ -365,11 +365,13 @@ def test_launch_plans_its_draft_model(llama_f32: Path, tmp_path: Path) -> None:
     assert_gone(launch.node_pids())
 
 
-def test_launch_refuses_tensor_split_of_deepseek2_before_starting_nodes(tmp_path: Path) -> None:
-    launch = start_launch(tmp_path, "--gguf", str(models.ensure("deepseek2")), "--local", "2", "--ctx", "256",
+@pytest.mark.parametrize("model,why", [("deepseek2", "refuses architecture 'deepseek2' in tensor mode"),
+                                       ("gemma", "one KV head per layer")])
+def test_launch_refuses_tensor_split_before_starting_nodes(model: str, why: str, tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure(model)), "--local", "2", "--ctx", "256",
                           "--split", "tensor", "--prompt", "x")
     assert launch.finish(timeout=60) == 1, launch.stderr
-    assert "refuses architecture 'deepseek2' in tensor mode" in launch.stderr and "--split layer" in launch.stderr
+    assert why in launch.stderr and "--split layer" in launch.stderr
     assert "starting" not in launch.stderr, launch.stderr
 
 
