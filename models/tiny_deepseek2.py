@@ -62,10 +62,6 @@ class Config:
     def head_k_mla(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    @property
-    def n_layer_moe(self) -> int:
-        return self.n_layer - self.n_layer_dense_lead
-
 
 CONFIG = Config()
 

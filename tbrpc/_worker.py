@@ -15,6 +15,7 @@ import contextlib
 import os
 import sys
 
+from tbrpc import defaults
 from tbrpc.native import error_buffer, load, text
 from tbrpc.secret import read as read_secret
 
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--log-file", default="")
-    parser.add_argument("--timeout-ms", type=int, default=10000)
+    parser.add_argument("--timeout-ms", type=int, default=int(defaults.STALL_TIMEOUT_S * 1000))
     parser.add_argument("--model-dirs", default="")
     parser.add_argument("--secret-file", default="")
     parser.add_argument("--idle-timeout-ms", type=int, default=0)

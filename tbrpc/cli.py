@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from tbrpc import defaults
+
 
 @click.group()
 def main() -> None:
@@ -49,12 +51,12 @@ def secret_new(path: str) -> None:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 for all).")
-@click.option("--port", default=50052, show_default=True, type=int, help="TCP port (0 picks a free one).")
+@click.option("--port", default=defaults.PORT, show_default=True, type=int, help="TCP port (0 picks a free one).")
 @click.option("--device", default=None, help="ggml device to serve (default: GPU/Metal if present, else CPU).")
 @click.option("--threads", default=0, type=int, help="Compute threads (default: ggml's choice).")
 @click.option("--name", default=None, help="Node name shown to clients and in logs.")
 @click.option("--log-file", default=None, type=click.Path(dir_okay=False), help="Append log lines here instead of stderr.")
-@click.option("--timeout", default=10.0, show_default=True, type=float, help="Seconds a client may stall mid-message.")
+@click.option("--timeout", default=defaults.STALL_TIMEOUT_S, show_default=True, type=float, help="Seconds a client may stall mid-message.")
 @click.option("--isolation", type=click.Choice(["auto", "process", "spawn", "thread"]), default="auto", show_default=True,
               help="Serve each client in its own worker process, forked or freshly spawned (a crash ends only that "
                    "client), or in a thread. auto: forked; spawned on macOS, where Metal does not survive fork().")
@@ -64,7 +66,7 @@ def secret_new(path: str) -> None:
 @click.option("--insecure", is_flag=True, help="Listen on a non-loopback address without a secret (a network you trust).")
 @click.option("--max-clients", default=0, type=click.IntRange(min=0, max=64),
               help="Clients served at once (default and most: 64); one more is told the node is full.")
-@click.option("--idle-timeout", default=600.0, show_default=True, type=click.FloatRange(min=0.001),
+@click.option("--idle-timeout", default=defaults.IDLE_TIMEOUT_S, show_default=True, type=click.FloatRange(min=0.001),
               help="Seconds a client that holds no buffer may stay silent before its slot is freed.")
 def node(host: str, port: int, device: str | None, threads: int, name: str | None, log_file: str | None,
          timeout: float, isolation: str, model_dirs: tuple[str, ...], secret_file: str | None, insecure: bool,
@@ -91,7 +93,7 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--cluster", "cluster_file", type=click.Path(exists=True, dir_okay=False),
               help="TOML file with one [[node]] table per machine; nodes without `memory` are asked for theirs.")
 @click.option("--offline", is_flag=True, help="Do not ask the cluster file's nodes: use its `memory` figures (every node needs one).")
-@click.option("--timeout", default=3.0, show_default=True, type=float, help="Seconds each node has to answer.")
+@click.option("--timeout", default=defaults.ASK_TIMEOUT_S, show_default=True, type=float, help="Seconds each node has to answer.")
 @click.option("--node", "node_flags", multiple=True, metavar="NAME=SIZE", help="A node and its RAM, e.g. mac1=512GiB (repeat; first is the head).")
 @click.option("--nodes", "nodes_flag", metavar="NxSIZE", help="N identical nodes, e.g. 4x512GiB.")
 @click.option("--ctx", type=int, default=None, help="Context length in tokens [default: min(32768, training context)].")
@@ -102,7 +104,7 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--flash-attn/--no-flash-attn", default=None, help="Plan for flash attention [default: off, on for a quantized V cache].")
 @click.option("--swa-full/--no-swa-full", default=True, show_default=True, help="Full-size cache for sliding-window layers (llama.cpp's default).")
 @click.option("--margin", default="2GiB", show_default=True, help="Memory kept free on every node.")
-@click.option("--metal-fraction", type=float, default=0.75, show_default=True, help="Share of RAM Metal may wire when a node gives no limit.")
+@click.option("--metal-fraction", type=float, default=defaults.METAL_FRACTION, show_default=True, help="Share of RAM Metal may wire when a node gives no limit.")
 @click.option("--head-device", type=click.Choice(["gpu", "cpu", "none"]), default="gpu", show_default=True,
               help="Backend the head runs its own layers on; none: every layer on a node (as `tbrpc launch` does).")
 @click.option("--split", type=click.Choice(["layer", "tensor", "ffn"]), default="layer", show_default=True,
@@ -122,7 +124,8 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
     """Say whether a model fits a cluster, which layers go where, and the llama.cpp flags. Exit 1 if it does not fit."""
     import json
 
-    from tbrpc.node_memory import load_cluster_file, nodes_from_flags
+    from tbrpc.cluster_file import cluster_secret_file, load_cluster_file
+    from tbrpc.node_memory import nodes_from_flags
     from tbrpc.plan import format_table, plan as make_plan
 
     try:
@@ -130,7 +133,6 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
             raise ValueError("use either --cluster or --node/--nodes")
         if cluster_file:
             from tbrpc import secret
-            from tbrpc.spec import cluster_secret_file
 
             if not offline and secret.file_for() is None:
                 _use_secret(cluster_secret_file(cluster_file))   # the nodes it asks may want the secret
@@ -173,7 +175,7 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
 @click.option("--local", default=None, type=click.IntRange(min=1), help="Run N nodes on this machine instead of a cluster file.")
 @click.option("--ctx", default=None, type=click.IntRange(min=1), help="Context size (default: the model's, at most 32768).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="HTTP API address.")
-@click.option("--port", default=8000, show_default=True, type=int, help="HTTP API port (0 picks a free one).")
+@click.option("--port", default=defaults.HTTP_PORT, show_default=True, type=int, help="HTTP API port (0 picks a free one).")
 @click.option("--prompt", default=None, help="Print one completion of TEXT and exit.")
 @click.option("--chat", is_flag=True, help="Chat in the terminal instead of serving HTTP.")
 @click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens for --prompt/--chat.")
@@ -182,7 +184,7 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
 @click.option("--chat-format", default=None, help="llama-cpp-python chat format when the GGUF has no template (e.g. gemma, chatml).")
 @click.option("--api-key", default=None, envvar="TBRPC_API_KEY", help="Require this bearer token on the HTTP API.")
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="Where node logs go (default: a new temporary directory).")
-@click.option("--start-timeout", default=60.0, show_default=True, type=float, help="Seconds to wait for every node to answer.")
+@click.option("--start-timeout", default=defaults.START_TIMEOUT_S, show_default=True, type=float, help="Seconds to wait for every node to answer.")
 @click.option("--cache-type-k", callback=_kv_cache_type, default=None, help="KV cache type for K (f16, q8_0, q4_0, ...) [default: f16].")
 @click.option("--cache-type-v", callback=_kv_cache_type, default=None,
               help="KV cache type for V [default: f16]; a quantized V turns flash attention on.")
@@ -216,8 +218,8 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
 
     from tbrpc.launch import LaunchOptions, launch as run_launch
     from tbrpc.llama import context_kwargs
+    from tbrpc.cluster_file import choose_cluster
     from tbrpc.node_memory import ClusterError
-    from tbrpc.spec import choose_cluster
 
     if prompt is not None and chat:
         raise click.UsageError("use either --prompt or --chat")
@@ -240,7 +242,7 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
 @main.command()
 @_cluster_option
 @click.option("--gguf", default=None, type=click.Path(dir_okay=False), help="The head's model file, to compare each node's copy with.")
-@click.option("--timeout", default=5.0, show_default=True, type=float, help="Seconds per network check.")
+@click.option("--timeout", default=defaults.CHECK_TIMEOUT_S, show_default=True, type=float, help="Seconds per network check.")
 @_secret_option
 @click.argument("endpoints", nargs=-1)
 def doctor(cluster_file: str | None, gguf: str | None, timeout: float, secret_file: str | None,
@@ -248,17 +250,20 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, secret_fi
     """Check every node: reachable, versions, secret, device and memory, model file, ssh, RDMA/Thunderbolt on Macs."""
     _use_secret(secret_file)
     from tbrpc.doctor import diagnose, failed, format_checks
-    from tbrpc.node_memory import ClusterError
-    from tbrpc.spec import choose_cluster, endpoint_specs, load_specs
-
     from tbrpc import secret
-    from tbrpc.spec import cluster_secret_file
+    from tbrpc.cluster_file import choose_cluster, read
+    from tbrpc.node_memory import ClusterError
+    from tbrpc.spec import endpoint_specs
 
     try:
         path = None if endpoints else choose_cluster(cluster_file, None)
-        specs = endpoint_specs(list(endpoints)) if path is None else load_specs(path)
-        if path is not None and secret.file_for() is None:
-            _use_secret(cluster_secret_file(path))
+        if path is None:
+            specs = endpoint_specs(list(endpoints))
+        else:
+            cluster = read(path)
+            specs = list(cluster.specs)
+            if secret.file_for() is None:
+                _use_secret(cluster.secret_file)
     except ClusterError as e:
         raise click.UsageError(str(e)) from e
     checks = diagnose(specs, gguf, timeout)
@@ -268,7 +273,7 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, secret_fi
 
 @main.command()
 @_cluster_option
-@click.option("--timeout", default=5.0, show_default=True, type=float, help="Seconds per node.")
+@click.option("--timeout", default=defaults.CHECK_TIMEOUT_S, show_default=True, type=float, help="Seconds per node.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: nodes and serving launches (sizes in bytes).")
 @_secret_option
 @click.argument("endpoints", nargs=-1)
@@ -279,21 +284,21 @@ def status(cluster_file: str | None, timeout: float, as_json: bool, secret_file:
     _use_secret(secret_file)
     import json
 
+    from tbrpc.cluster_file import default_cluster_file, read
     from tbrpc.node_memory import ClusterError
-    from tbrpc.spec import default_cluster_file, load_specs
     from tbrpc.status import format_rows, format_serving, query, rows_json, serving, targets
 
     if endpoints:
         listed = [(e, e) for e in endpoints]
     else:
         from tbrpc import secret
-        from tbrpc.spec import cluster_secret_file
 
         path = cluster_file or default_cluster_file()
         try:
-            listed = [(s.name, s.endpoint) for s in load_specs(path)] if path else []
-            if path and secret.file_for() is None:
-                _use_secret(cluster_secret_file(path))
+            cluster = read(path) if path else None
+            listed = [(s.name, s.endpoint) for s in cluster.specs] if cluster else []
+            if cluster and secret.file_for() is None:
+                _use_secret(cluster.secret_file)
         except ClusterError as e:
             raise click.UsageError(str(e)) from e
     with_launches = not endpoints and not cluster_file

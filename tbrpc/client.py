@@ -12,12 +12,13 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
+from tbrpc import defaults
 from tbrpc.native import TbrpcError, VersionMismatchError, error_buffer, load, text
 
-DEFAULT_TIMEOUT_S = 10.0
 TRANSPORTS = ("auto", "tcp")
 
 
@@ -25,9 +26,14 @@ class NodeError(TbrpcError):
     """A node is unreachable, refused the handshake, died or stopped answering.
 
     Each kind of failure is a subclass (``kind`` names it too); the message
-    names the node and says what happened. Callers branch on the class."""
+    names the node and says what happened, ``endpoint`` is the node's
+    "host:port" (None when not known). Callers branch on the class."""
 
     kind = "error"
+
+    def __init__(self, message: str, endpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
 
 
 class NodeUnreachable(NodeError):
@@ -73,9 +79,9 @@ _ERROR_CLASSES: dict[int, type[NodeError]] = {
 }
 
 
-def node_error(kind: int, message: str) -> NodeError:
+def node_error(kind: int, message: str, endpoint: str | None = None) -> NodeError:
     """The NodeError subclass for a C error kind (positive or negative), with `message`."""
-    return _ERROR_CLASSES.get(abs(kind), NodeError)(message)
+    return _ERROR_CLASSES.get(abs(kind), NodeError)(message, endpoint)
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,7 @@ class NodeInfo:
 
     def exception(self) -> NodeError:
         """The NodeError of this node's failure (its class says the kind)."""
-        return node_error(self.error_kind, self.error)
+        return node_error(self.error_kind, self.error, self.endpoint)
 
 
 @dataclass(frozen=True)
@@ -154,22 +160,34 @@ class Cluster:
             if endpoint in self._endpoints:
                 index = self._endpoints.index(endpoint)
                 if self.info(index).failed:   # restarted since? connect again, as the same device
-                    err = error_buffer()
-                    rc = self._lib.tbrpc_client_reconnect_node(self._client, index, transport.encode(), err, len(err))
-                    if rc != 0:
-                        raise node_error(rc, text(err))
+                    self._reconnect(index, transport)
                 return self.info(index).device_name
             err = error_buffer()
             key = self._ffi.NULL if secret is None else self._ffi.new("uint8_t[]", secret)
             index = self._lib.tbrpc_client_add_node(self._client, endpoint.encode(), int(timeout * 1000),
                                                     transport.encode(), key, len(secret or b""), err, len(err))
             if index < 0:
-                raise node_error(index, text(err))
+                raise node_error(index, text(err), endpoint)
             self._endpoints.append(endpoint)
             self._lib.tbrpc_client_register(self._client, err, len(err))
             name = self.info(index).device_name
             _check_visible_to_libllama(name, endpoint)
             return name
+
+    def reconnect(self, endpoint: str, transport: str = "auto") -> None:
+        """Connect again to the node at `endpoint` (restarted there, or its connection lost), as the
+        same device with a fresh session. NodeError when it does not answer, or while buffers of the
+        old session are still open on this head (close the model that used it first)."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
+        with self._lock:
+            self._reconnect(self._endpoints.index(endpoint), transport)
+
+    def _reconnect(self, index: int, transport: str) -> None:
+        err = error_buffer()
+        rc = self._lib.tbrpc_client_reconnect_node(self._client, index, transport.encode(), err, len(err))
+        if rc != 0:
+            raise node_error(rc, text(err), self._endpoints[index])
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -229,7 +247,7 @@ class Cluster:
         err = error_buffer()
         rc = self._lib.tbrpc_client_node_status(self._client, index, out, err, len(err))
         if rc != 0:
-            raise node_error(rc, text(err))
+            raise node_error(rc, text(err), self._endpoints[index])
         return _status_from_c(out)
 
     def reset_stats(self) -> None:
@@ -238,12 +256,6 @@ class Cluster:
     def failures(self) -> dict[str, NodeInfo]:
         """endpoint -> info of every node that has failed (``info.exception()`` is its NodeError)."""
         return {n.endpoint: n for n in self.nodes() if n.failed}
-
-    def raise_if_failed(self) -> None:
-        err = error_buffer()
-        kind = self._lib.tbrpc_client_failed(self._client, err, len(err))
-        if kind:
-            raise node_error(kind, text(err))
 
 
 def _check_visible_to_libllama(device_name: str, endpoint: str) -> None:
@@ -282,7 +294,7 @@ def default_transport() -> str:
     return chosen
 
 
-def connect(nodes: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, transport: str | None = None,
+def connect(nodes: Sequence[str], timeout: float = defaults.STALL_TIMEOUT_S, transport: str | None = None,
             secret_file: str | os.PathLike[str] | None = None) -> list[str]:
     """Connect to each "host:port" node; return their ggml device names, in order.
 
@@ -337,7 +349,7 @@ def _install_error_hooks(c: Cluster) -> None:
                 raise new[0].exception()
             if before and _call_failed(name, result):   # it may have run on a node that failed earlier
                 first = next(iter(before.values()))
-                raise node_error(first.error_kind, "; ".join(info.error for info in before.values()))
+                raise node_error(first.error_kind, "; ".join(info.error for info in before.values()), first.endpoint)
             return result
 
         checked._tbrpc_wrapped = True  # type: ignore[attr-defined]
@@ -363,7 +375,7 @@ def _call_failed(name: str, result: Any) -> bool:
     return result < 0 if name == "llama_decode" else not result
 
 
-def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT_S,
+def probe(endpoint: str, timeout: float = defaults.STALL_TIMEOUT_S,
           secret_file: str | os.PathLike[str] | None = None) -> tuple[NodeInfo, NodeStatus]:
     """Connect, handshake, read status and disconnect (for doctor and launch).
 
@@ -378,7 +390,7 @@ def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT_S,
     c_key = ffi.NULL if key is None else ffi.new("uint8_t[]", key)
     rc = lib.tbrpc_probe(endpoint.encode(), int(timeout * 1000), c_key, len(key or b""), hello, status, err, len(err))
     if rc != 0:
-        raise node_error(rc, text(err))
+        raise node_error(rc, text(err), endpoint)
     info = NodeInfo(
         endpoint=endpoint, device_name="", node_name=text(hello.node_name), node_device=text(hello.device_name),
         description=text(hello.device_description), mem_free=hello.mem_free, mem_total=hello.mem_total,

@@ -17,7 +17,6 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,12 +24,7 @@ from fastapi import HTTPException, Request as HttpRequest   # the server extra; 
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from tbrpc.client import cluster as client_cluster
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from tbrpc.outage import ASGIApp, Message, Receive, Scope, Send
 
 TIMED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RECENT = 20
@@ -130,8 +124,9 @@ class RequestTimer:
                                  _tokens_in(bytes(state["body"]), state["streamed"]), state["status"]))
 
 
-def snapshot(llm: Any, alias: str, log: RequestLog) -> dict[str, Any]:
-    """Everything the page and /metrics show, as plain data."""
+def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything the page and /metrics show, as plain data. `waiting`: the failed nodes the
+    server waits for (tbrpc/outage.py, Outage.as_json), else None."""
     plan = getattr(llm, "tbrpc_plan", None)
     mine = set(getattr(llm, "tbrpc_endpoints", []))
     planned = {n.device: n for n in plan.nodes} if plan is not None else {}
@@ -165,6 +160,7 @@ def snapshot(llm: Any, alias: str, log: RequestLog) -> dict[str, Any]:
         "model": {"alias": alias, "path": str(getattr(llm, "model_path", "")),
                   "context": plan.ctx if plan is not None else None},
         "nodes": nodes,
+        "waiting": waiting,
         "requests": {"count": log.count, "in_flight": log.in_flight, "tokens": log.tokens,
                      "seconds": log.seconds, "recent": recent},
     }
@@ -189,6 +185,8 @@ def metrics_text(snap: dict[str, Any]) -> str:
     metric("tbrpc_requests_in_flight", "gauge", "Completion requests running or waiting.", [({}, r["in_flight"])])
     metric("tbrpc_generated_tokens_total", "counter", "Tokens generated for requests.", [({}, r["tokens"])])
     metric("tbrpc_request_seconds_total", "counter", "Time spent answering requests.", [({}, r["seconds"])])
+    metric("tbrpc_waiting_for_node", "gauge", "1 while the server waits for a failed node (requests get 503).",
+           [({}, 0.0 if snap.get("waiting") is None else 1.0)])
     metric("tbrpc_node_up", "gauge", "1 while the head's connection to the node works.",
            [({"node": n["name"], "endpoint": n["endpoint"], "transport": n["transport"]}, 0.0 if n["failed"] else 1.0)
             for n in snap["nodes"]])
@@ -214,6 +212,7 @@ PAGE = """<!doctype html>
 </style></head>
 <body>
 <h1>tbrpc <span id="model"></span></h1>
+<p id="waiting" class="down"></p>
 <p id="summary"></p>
 <table id="nodes"><thead><tr><th>node</th><th>endpoint</th><th>device</th><th>layers</th><th>memory used / planned / total</th>
 <th>transport</th><th>round trips / token</th><th>bytes / token</th><th>state</th></tr></thead><tbody></tbody></table>
@@ -231,6 +230,7 @@ async function refresh() {
     const r = await fetch("tbrpc/status.json" + (key ? "?api_key=" + encodeURIComponent(key) : ""));
     const s = await r.json();
     document.getElementById("model").textContent = s.model.alias + (s.model.context ? " (context " + s.model.context + ")" : "");
+    document.getElementById("waiting").textContent = s.waiting ? "503: " + s.waiting.message : "";
     const q = s.requests;
     document.getElementById("summary").textContent = q.count + " requests, " + q.tokens + " tokens, " +
       (q.seconds > 0 ? (q.tokens / q.seconds).toFixed(1) : "-") + " tokens/s overall, " + q.in_flight + " in flight";
@@ -258,8 +258,9 @@ refresh(); setInterval(refresh, 1000);
 """
 
 
-def install(app: Any, llm: Any, alias: str, api_key: str | None) -> RequestLog:
-    """Add the page, its JSON and /metrics to a FastAPI app, and time its completion routes."""
+def install(app: Any, serving: Any, alias: str, api_key: str | None) -> RequestLog:
+    """Add the page, its JSON and /metrics to a FastAPI app, and time its completion routes.
+    `serving`: a tbrpc.outage.Serving (the model shown, and the node it may wait for)."""
     log = RequestLog()
     app.add_middleware(RequestTimer, log=log)
 
@@ -270,17 +271,21 @@ def install(app: Any, llm: Any, alias: str, api_key: str | None) -> RequestLog:
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise HTTPException(status_code=401, detail="this server wants its --api-key")
 
+    def current() -> dict[str, Any]:
+        outage = serving.outage
+        return snapshot(serving.shown, alias, log, outage.as_json() if outage else None)
+
     def page(request: HttpRequest) -> HTMLResponse:
         allowed(request)
         return HTMLResponse(PAGE)
 
     def status(request: HttpRequest) -> JSONResponse:
         allowed(request)
-        return JSONResponse(snapshot(llm, alias, log))
+        return JSONResponse(current())
 
     def metrics(request: HttpRequest) -> PlainTextResponse:
         allowed(request)
-        return PlainTextResponse(metrics_text(snapshot(llm, alias, log)), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics_text(current()), media_type="text/plain; version=0.0.4")
 
     app.add_api_route("/tbrpc", page, methods=["GET"], include_in_schema=False)
     app.add_api_route("/tbrpc/status.json", status, methods=["GET"], include_in_schema=False)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tbrpc import defaults
 from tbrpc import secret as cluster_secret
 from tbrpc.client import AuthenticationError, NodeError, NodeVersionMismatch, probe
 from tbrpc.facts import collect, model_identity, package_version, tbrpc_version
@@ -264,7 +265,7 @@ def _check_macos(n: _Node, mac: dict[str, Any]) -> None:
     limit_mb, memsize = mac.get("wired_limit_mb"), mac.get("memsize")
     declared = spec.plan_node.usable_bytes if spec.plan_node else None
     if memsize:
-        effective = limit_mb * 2**20 if limit_mb else int(memsize * 0.75)
+        effective = limit_mb * 2**20 if limit_mb else int(memsize * defaults.METAL_FRACTION)
         how = f"iogpu.wired_limit_mb={limit_mb}" if limit_mb else "macOS default (about 75% of RAM)"
         detail = f"GPU wired limit {format_size(effective)} ({how}) of {format_size(memsize)} RAM"
         if declared and declared > effective:
@@ -290,7 +291,7 @@ def _check_linux(n: _Node, linux: dict[str, Any]) -> None:
               "here (docs/benchmarks.md)", f"on {n.spec.name}: {enable}")
 
 
-def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float = 5.0) -> list[Check]:
+def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float = defaults.CHECK_TIMEOUT_S) -> list[Check]:
     """Every check of every node, in order."""
     reference = model_identity(gguf) if gguf else None
     checks: list[Check] = []

@@ -42,26 +42,6 @@ def _ggml(name: str, restype: Any, argtypes: list[Any]) -> Callable[..., Any]:
     return function
 
 
-def cpu_extra_buffer_types() -> list[str]:
-    """Names of the extra buffer types ggml's CPU device offers on this machine (may be empty)."""
-    reg = _ggml("ggml_backend_reg_by_name", ctypes.c_void_p, [ctypes.c_char_p])(b"CPU")
-    if not reg:
-        return []
-    proc = _ggml("ggml_backend_reg_get_proc_address", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p])(
-        reg, b"ggml_backend_dev_get_extra_bufts")
-    cpu = _ggml("ggml_backend_dev_by_type", ctypes.c_void_p, [ctypes.c_int])(0)   # GGML_BACKEND_DEVICE_TYPE_CPU
-    if not proc or not cpu:
-        return []
-    extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(proc)(cpu)
-    name = _ggml("ggml_backend_buft_name", ctypes.c_char_p, [ctypes.c_void_p])
-    names = []
-    i = 0
-    while extra and extra[i]:
-        names.append(name(extra[i]).decode())
-        i += 1
-    return names
-
-
 def device_names(devices: int | None) -> list[str] | None:
     """ggml names of a NULL-terminated ggml_backend_dev_t array (llama_model_params.devices);
     None when the pointer is NULL, which means "every GPU device ggml has"."""

@@ -2,7 +2,8 @@
 
 Whatever happens -- success, a failed step, Ctrl-C, SIGTERM -- every node
 this call started is stopped before it returns; nodes that were already
-running are left as they were.
+running are left as they were. While it serves HTTP, a failed node does not
+stop it: it waits for the node and reloads (tbrpc/outage.py).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
+from tbrpc import defaults
 from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
@@ -25,7 +28,8 @@ from tbrpc.gguf_model import GGUFError, load_gguf
 from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_model_tensor_mode
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster, with_secret
 from tbrpc.native import TbrpcError
-from tbrpc.node_processes import LaunchError, Nodes, head_secret_file, start_nodes
+from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
+from tbrpc.outage import Serving
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
 from tbrpc.spec import cable_gaps
 from tbrpc.status import launch_record, note_serving, note_transports
@@ -40,7 +44,7 @@ class LaunchOptions:
     cluster: ClusterArg
     ctx: int | None = None
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = defaults.HTTP_PORT
     prompt: str | None = None
     chat: bool = False
     max_tokens: int = 128
@@ -49,7 +53,7 @@ class LaunchOptions:
     alias: str | None = None
     api_key: str | None = None
     log_dir: Path | None = None
-    start_timeout: float = 60.0
+    start_timeout: float = defaults.START_TIMEOUT_S
     verbose: bool = False
     threads: int | None = None   # the head's, and those of started nodes that name none
     draft: str | None = None        # "prompt-lookup[:N]"
@@ -86,34 +90,11 @@ class _Signals:
             signal.signal(s, h)
 
 
-def _cluster_failure(nodes: Nodes) -> str | None:
-    failure = nodes.failure()
-    if failure:
-        return failure
-    for info in client_cluster().nodes():
-        if info.failed and info.endpoint in nodes.endpoints:
-            return info.error
-    return None
-
-
-def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[str], None]) -> Llama:
-    """Plan, connect and load; a signal during the load aborts it at the next progress report."""
-    bar = ProgressBar("tbrpc: loading")
-
-    def progress(fraction: float) -> bool:
-        bar(fraction)
-        return signals.received is None
-
-    kwargs = dict(opts.llama_kwargs)
-    kwargs.setdefault("verbose", opts.verbose)
-    kwargs["n_ctx"] = opts.ctx if opts.ctx is not None else kwargs.get("n_ctx", 0)   # 0: the plan's context
-    draft = make_draft(opts.draft, opts.draft_model, opts.draft_tokens, kwargs["n_ctx"], opts.threads)
-    if draft is not None:
-        kwargs["draft_model"] = draft
+def _first_load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[str], None]) -> Llama:
+    """The launch's load: a signal during it aborts it at the next progress report."""
     signals.loading = True
-    started = time.monotonic()
     try:
-        llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, **kwargs)
+        llm = _load(opts, nodes, say, lambda: signals.received is not None)
     except (ValueError, TbrpcError):
         if signals.received is not None:
             raise _Interrupted(signal.Signals(signals.received).name) from None
@@ -123,6 +104,26 @@ def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[s
     if signals.received is not None:
         llm.close()
         raise _Interrupted(signal.Signals(signals.received).name)
+    return llm
+
+
+def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted: Callable[[], bool]) -> Llama:
+    """Plan, connect and load (again, when a failed node is back); the load stops at its next
+    progress report once `aborted()`."""
+    bar = ProgressBar("tbrpc: loading")
+
+    def progress(fraction: float) -> bool:
+        bar(fraction)
+        return not aborted()
+
+    kwargs = dict(opts.llama_kwargs)
+    kwargs.setdefault("verbose", opts.verbose)
+    kwargs["n_ctx"] = opts.ctx if opts.ctx is not None else kwargs.get("n_ctx", 0)   # 0: the plan's context
+    draft = make_draft(opts.draft, opts.draft_model, opts.draft_tokens, kwargs["n_ctx"], opts.threads)
+    if draft is not None:
+        kwargs["draft_model"] = draft
+    started = time.monotonic()
+    llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, **kwargs)
     cluster = client_cluster()
     from_files = sum(cluster.info(i).bytes_from_files for i, e in enumerate(cluster.endpoints) if e in nodes.endpoints)
     say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"
@@ -139,18 +140,15 @@ def _load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[s
     return llm
 
 
-def _serve(opts: LaunchOptions, llm: Llama, nodes: Nodes, record: Path, say: Callable[[str], None]) -> int:
+def _serve(opts: LaunchOptions, serving: Serving, record: Path, say: Callable[[str], None]) -> int:
     sock = listen(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
     reachable = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)   # how status here asks
     note_serving(record, f"http://{f'[{reachable}]' if ':' in reachable else reachable}:{port}", opts.api_key)
     alias = opts.alias or Path(opts.gguf).name.removesuffix(".gguf")
     # Said once the app is built: a signal from then on stops the server, never interrupts building it.
-    failure = serve_http(llm, sock, alias, lambda: _cluster_failure(nodes), opts.api_key, on_ready=lambda: say(
+    serve_http(serving, sock, alias, opts.api_key, on_ready=lambda: say(
         f"serving OpenAI-compatible API on http://{host}:{port}/v1 (model {alias!r}); Ctrl-C stops it"))
-    if failure:
-        say("stopped: " + nodes.explain("generate", failure))
-        return EXIT_FAILED
     say("stopped")
     return EXIT_OK
 
@@ -165,6 +163,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="tbrpc-logs-"))
     nodes: Nodes | None = None
     llm: Llama | None = None
+    serving: Serving | None = None
     step = "start"
     with _Signals() as signals, ExitStack() as records:
         try:
@@ -175,13 +174,13 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             try:   # a header read: refuse a file that is not a model before starting anything
                 model = load_gguf(opts.gguf)
             except GGUFError as exc:
-                raise TbrpcError(f"step plan: {exc}\n  try: --gguf must be a GGUF model "
-                                 "(for a split set, its first shard)") from exc
+                raise TbrpcError.at("plan", f"{exc}\n  try: --gguf must be a GGUF model "
+                                    "(for a split set, its first shard)") from exc
             if opts.split == "tensor" or opts.llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR:
                 try:   # a model llama.cpp will not tensor-split: say so before starting nodes
                     check_model_tensor_mode(model)
                 except (PlanError, GGUFError) as exc:
-                    raise TbrpcError(f"step plan: {exc}") from exc
+                    raise TbrpcError.at("plan", str(exc)) from exc
             if opts.prompt is None and not opts.chat:
                 require_server()
             check_draft(opts.draft, opts.draft_model, opts.gguf)
@@ -192,7 +191,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                                                          [head_secret_file(s) or cluster_secret.file_for()
                                                           for s in nodes.specs]))
             step = "load"
-            llm = _load(opts, nodes, signals, say)
+            llm = _first_load(opts, nodes, signals, say)
             note_transports(record, {info.endpoint: info.transport for info in client_cluster().nodes()})
             step = "generate"
             if opts.prompt is not None:
@@ -202,7 +201,9 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 chat(llm, opts.max_tokens, opts.temperature, out=out)
                 return EXIT_OK
             step = "serve"
-            return _serve(opts, llm, nodes, record, say)
+            serving = Serving(llm, nodes, lambda aborted: _load(opts, nodes, say, aborted), say, opts.gguf)
+            llm = None   # the server's now: it frees and reloads it when a node fails
+            return _serve(opts, serving, record, say)
         except (_Interrupted, KeyboardInterrupt) as exc:
             if step == "serve":   # the normal way to stop a server
                 say(f"stopping ({exc or 'SIGINT'}): the model, then the nodes started here")
@@ -212,16 +213,16 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
         except DoesNotFitError as exc:
             say(str(exc))
             return EXIT_DOES_NOT_FIT
-        except (LaunchError, TbrpcError) as exc:
-            message = str(exc)
-            if not message.startswith(("node ", "step ")):
-                message = nodes.explain(step, message) if nodes else f"step {step}: {message}"
-            say(message)
+        except TbrpcError as exc:   # LaunchError included: it names its node and step
+            if exc.step is not None:
+                say(str(exc))
+            else:
+                say(nodes.explain(step, exc) if nodes else f"step {step}: {exc}")
             return EXIT_FAILED
         except ValueError as exc:  # llama-cpp-python's "Failed to load model" and friends
-            failure = _cluster_failure(nodes) if nodes else None
+            failure = nodes.first_failure() if nodes else None
             if failure and nodes:
-                say(nodes.explain(step, failure))
+                say(nodes.explain(step, failure[1], failure[0]))
             else:
                 say(f"step {step}: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
                     f"and the node logs in {log_dir}")
@@ -230,5 +231,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             signals.loading = True   # a second Ctrl-C must not interrupt the cleanup
             if llm is not None:
                 llm.close()
+            if serving is not None:
+                serving.close()
             if nodes is not None:
                 nodes.stop()

@@ -28,9 +28,11 @@ from typing import Any
 import llama_cpp
 import llama_cpp.llama_cpp as llama_lib
 
+from tbrpc import defaults
 from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.client import connect
+from tbrpc.cluster_file import cluster_secret_file, load_specs
 from tbrpc.gguf_model import GGUFError
 from tbrpc.native import TbrpcError
 from tbrpc.node_memory import Node, Report, size_nodes
@@ -42,11 +44,12 @@ from tbrpc.plan import (
     SPLIT_MODES,
     Plan,
     PlanError,
+    TensorSplitError,
     cache_type_name,
     format_table,
     plan,
 )
-from tbrpc.spec import NodeSpec, cluster_secret_file, endpoint_specs, load_specs, local_specs
+from tbrpc.spec import NodeSpec, endpoint_specs, local_specs
 from tbrpc.units import format_size
 
 ClusterArg = str | os.PathLike[str] | Sequence[str] | int | Nodes
@@ -56,6 +59,8 @@ Say = Callable[[str], Any]
 
 class DoesNotFitError(TbrpcError):
     """The planner says the model does not fit on these nodes at this context."""
+
+    step = "plan"
 
     def __init__(self, message: str, the_plan: Plan) -> None:
         super().__init__(message)
@@ -102,10 +107,10 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
         # every node is a TBRPC device; the head keeps only embeddings, inputs and logits (result.head)
         result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="none", **plan_kwargs)
     except (PlanError, GGUFError) as exc:
-        if str(exc).startswith("tensor split"):   # the planner's own way out is in the message
-            raise TbrpcError(f"step plan: {exc}") from exc
-        raise TbrpcError(f"step plan: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
-                         "and the context size") from exc
+        if isinstance(exc, TensorSplitError):   # the planner's own way out is in the message
+            raise TbrpcError.at("plan", str(exc)) from exc
+        raise TbrpcError.at("plan", f"{exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
+                            "and the context size") from exc
     if not result.fits:
         why = result.shortfall.message if result.shortfall else "does not fit"
         raise DoesNotFitError(
@@ -266,7 +271,7 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str, *, cluster: ClusterArg, progress: bool | Progress = False,
-                 log_dir: str | os.PathLike[str] | None = None, start_timeout: float = 60.0,
+                 log_dir: str | os.PathLike[str] | None = None, start_timeout: float = defaults.START_TIMEOUT_S,
                  plan_options: dict[str, Any] | None = None, on_event: Say | None = None, split: str | None = None,
                  secret_file: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         if split is not None:
@@ -276,6 +281,7 @@ class Llama(llama_cpp.Llama):
             if split != "ffn":   # llama.cpp's own split modes
                 kwargs = {**context_kwargs(split=split), **kwargs}
         self._tbrpc_nodes: Nodes | None = None
+        self._tbrpc_owns_nodes = not isinstance(cluster, Nodes)   # given Nodes stay the caller's to stop
         say: Say = on_event or (lambda message: None)
         if isinstance(cluster, Nodes):
             nodes = cluster
@@ -310,7 +316,7 @@ class Llama(llama_cpp.Llama):
             self.tbrpc_devices = [connect([e], transport=s.transport, secret_file=head_secret_file(s))[0]
                                   for e, s in zip(nodes.endpoints, nodes.specs)]
         except TbrpcError as exc:
-            raise type(exc)(nodes.explain("connect", str(exc))) from exc
+            raise nodes.explained("connect", exc) from exc
         by_name = {s.name: e for s, e in zip(nodes.specs, nodes.endpoints)}
         for spec, endpoint in zip(nodes.specs, nodes.endpoints):
             for source, host in spec.links:   # how the nodes reach each other over their own cables
@@ -336,11 +342,11 @@ class Llama(llama_cpp.Llama):
             try:
                 super().__init__(model_path, **kwargs)
             except TbrpcError as exc:
-                raise type(exc)(nodes.explain("load", str(exc))) from exc
+                raise nodes.explained("load", exc) from exc
             except ValueError as exc:
-                failure = nodes.failure()
+                failure = nodes.first_failure()
                 if failure:
-                    raise TbrpcError(nodes.explain("load", failure)) from exc
+                    raise nodes.explained("load", TbrpcError(failure[1]), failure[0]) from exc
                 raise
         self.tbrpc_load_seconds = time.monotonic() - started
 
@@ -355,11 +361,12 @@ class Llama(llama_cpp.Llama):
 
     def _tbrpc_stop(self) -> None:
         nodes, self._tbrpc_nodes = getattr(self, "_tbrpc_nodes", None), None
-        if nodes is not None:
+        if nodes is not None and getattr(self, "_tbrpc_owns_nodes", False):
             nodes.stop()
 
     def close(self) -> None:
-        """Free the model (its buffers on the nodes), then stop the nodes this Llama started."""
+        """Free the model (its buffers on the nodes), then stop the nodes this Llama started
+        (not those it was given as ``cluster=Nodes``: a serving launch reloads onto them)."""
         try:
             if hasattr(self, "_stack"):
                 super().close()

@@ -13,7 +13,19 @@ SUPPORTED_LLAMA_CPP_PYTHON = "0.3.36"
 
 
 class TbrpcError(RuntimeError):
-    """Base of every error tbrpc raises."""
+    """Base of every error tbrpc raises.
+
+    ``step``: the step of ``tbrpc launch`` (start, plan, connect, load, ...)
+    the message already names ("step plan: ..."), else None."""
+
+    step: str | None = None
+
+    @classmethod
+    def at(cls, step: str, message: str) -> TbrpcError:
+        """This error in `step`: its message is "step STEP: message"."""
+        error = cls(f"step {step}: {message}")
+        error.step = step
+        return error
 
 
 class VersionMismatchError(TbrpcError):

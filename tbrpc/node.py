@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tbrpc import defaults
 from tbrpc import secret as cluster_secret
 from tbrpc.client import NodeStatus, _status_from_c
 from tbrpc.native import TbrpcError, error_buffer, load, text
 
-DEFAULT_PORT = 50052
 ISOLATION = {"auto": -1, "thread": 0, "process": 1, "spawn": 2}
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)   # the directory this tbrpc is imported from
 # argv[1] is PACKAGE_PARENT; the worker's own options follow it
@@ -32,12 +32,12 @@ WORKER_BOOTSTRAP = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
 @dataclass
 class NodeConfig:
     host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
+    port: int = defaults.PORT
     device: str | None = None     # ggml device name; None = the best one (GPU/Metal, else CPU)
     threads: int = 0              # compute threads; 0 = ggml's default
     name: str | None = None
     log_path: str | None = None
-    timeout: float = 10.0         # a client silent mid-message for this long is dropped
+    timeout: float = defaults.STALL_TIMEOUT_S   # a client silent mid-message for this long is dropped
     isolation: str = "auto"       # a worker per client: "process" (forked), "spawn" (a fresh process), "thread";
                                   # "auto": process, spawn on macOS (Metal does not survive fork)
     model_dirs: list[str] = field(default_factory=list)  # clients may load weights from *.gguf files here

@@ -1,12 +1,12 @@
 """Which machines there are and how much memory each can give the model.
 
-Sources: a TOML cluster file (one ``[[node]]`` table per machine), repeated
-``--node NAME=SIZE`` flags, or ``--nodes NxSIZE``.  The first node is the head:
-the machine that runs llama-cpp-python.
+Sources: a cluster file's memory keys (read by ``tbrpc/cluster_file.py``),
+repeated ``--node NAME=SIZE`` flags, or ``--nodes NxSIZE``.  The first node is
+the head: the machine that runs llama-cpp-python.
 
 A cluster file may leave out ``memory``: every node reports its device's
 memory when a client says HELLO, so the planner can ask it instead
-(``load_cluster_file(..., ask=True)``, ``size_nodes``).  A figure the file
+(``cluster_file.load_cluster_file(..., ask=True)``, ``size_nodes``).  A figure the file
 does give is a cap: with the node's answer the planner takes the smaller of
 the two, without it (planning offline, or the node is down) the file's.
 
@@ -21,23 +21,16 @@ recommendedMaxWorkingSetSize, less what the node process has allocated).
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
 
+from tbrpc import defaults
 from tbrpc.units import format_size, parse_size
 
-# macOS's default GPU wired-memory cap on machines with more than 64 GB of
-# RAM (recommendedMaxWorkingSetSize); smaller Macs get about two thirds.
-DEFAULT_METAL_FRACTION = 0.75
-DEFAULT_PORT = 50052
 
-_KINDS = ("metal", "cpu")
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-DEFAULT_ASK_TIMEOUT_S = 3.0
+KINDS = ("metal", "cpu")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 # Where a node's usable figure came from (Node.memory_from)
 GIVEN = "given"                  # make_node's caller
@@ -59,7 +52,7 @@ class Node:
     usable_bytes: int  # what the model may use on this node
     limit_source: str  # human explanation of where usable_bytes came from and how it was chosen
     host: str = ""
-    port: int = DEFAULT_PORT
+    port: int = defaults.PORT
     kind: str = "metal"
     memory_from: str = GIVEN  # FROM_FILE, FROM_FLAGS, FROM_NODE or GIVEN: whose figure usable_bytes is
     reported_bytes: int | None = None  # what the node reported (its share of it), when it was asked
@@ -73,7 +66,7 @@ def _usable(memory: int, kind: str, usable: int | None, wired_limit: int | None,
     if wired_limit is not None:
         return wired_limit, f"Metal wired limit {format_size(wired_limit)} (iogpu.wired_limit_mb raised)"
     limit = int(memory * fraction)
-    how = "macOS default" if fraction == DEFAULT_METAL_FRACTION else "set with --metal-fraction"
+    how = "macOS default" if fraction == defaults.METAL_FRACTION else "set with --metal-fraction"
     return limit, f"Metal wired limit assumed {fraction:.0%} of RAM ({how}); raise iogpu.wired_limit_mb to use more"
 
 
@@ -82,14 +75,14 @@ def make_node(
     memory: int | str,
     *,
     host: str = "",
-    port: int = DEFAULT_PORT,
+    port: int = defaults.PORT,
     kind: str = "metal",
     usable_memory: int | str | None = None,
     wired_limit: int | str | None = None,
-    metal_fraction: float = DEFAULT_METAL_FRACTION,
+    metal_fraction: float = defaults.METAL_FRACTION,
 ) -> Node:
-    if kind not in _KINDS:
-        raise ClusterError(f"node {name}: kind must be one of {', '.join(_KINDS)}, not {kind!r}")
+    if kind not in KINDS:
+        raise ClusterError(f"node {name}: kind must be one of {', '.join(KINDS)}, not {kind!r}")
     if not 0 < metal_fraction <= 1:
         raise ClusterError(f"Metal fraction must be in (0, 1], got {metal_fraction}")
     mem = parse_size(memory)
@@ -141,69 +134,7 @@ class NoAnswer:
     why: str
 
 
-def read_cluster_file(path: str | Path, metal_fraction: float = DEFAULT_METAL_FRACTION) -> list[ClusterNode]:
-    """Read ``[[node]]`` tables, memory optional; keys other than ours are left to other tools (the launcher)."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ClusterError(f"{path}: {exc}") from exc
-    tables = data.get("node")
-    if not isinstance(tables, list) or not tables:
-        raise ClusterError(f"{path}: no [[node]] tables")
-    nodes = [_node_from_table(t, i, path, metal_fraction) for i, t in enumerate(tables)]
-    _check_unique(nodes)
-    return nodes
-
-
-def load_cluster_file(path: str | Path, metal_fraction: float = DEFAULT_METAL_FRACTION, *, ask: bool = False,
-                      timeout: float = DEFAULT_ASK_TIMEOUT_S) -> list[Node]:
-    """The planner's nodes of a cluster file.
-
-    ``ask=False`` plans offline: every node needs `memory` (or `usable_memory`).
-    ``ask=True`` asks every node for its memory (``timeout`` seconds each, in
-    parallel) and sizes them with ``size_nodes``.
-    """
-    entries = read_cluster_file(path, metal_fraction)
-    return size_nodes(entries, ask_nodes(entries, timeout) if ask else [None] * len(entries))
-
-
-def _node_from_table(table: dict[str, Any], index: int, path: str | Path, fraction: float) -> ClusterNode:
-    where = f"{path}: node #{index + 1}"
-    for key in ("name", "host", "port"):
-        if key not in table:
-            raise ClusterError(f"{where}: missing required key {key!r}")
-    name, kind = str(table["name"]), str(table.get("kind", "metal"))
-    try:
-        port = int(table["port"])
-        if "memory" in table:
-            ram = table["memory"]
-        elif "usable_memory" in table:   # a cap on its own: the node's RAM is what it reports
-            ram = table["usable_memory"]
-        elif "wired_limit" in table and kind == "metal":
-            ram = table["wired_limit"]
-        else:
-            if kind not in _KINDS:
-                raise ClusterError(f"node {name}: kind must be one of {', '.join(_KINDS)}, not {kind!r}")
-            for key in ("wired_limit", "metal_fraction"):
-                if key in table:
-                    raise ClusterError(f"{key} needs `memory` (the node's RAM)")
-            return ClusterNode(name, str(table["host"]), port, None)
-        given = make_node(
-            name,
-            ram,
-            host=str(table["host"]),
-            port=port,
-            kind=kind,
-            usable_memory=table.get("usable_memory"),
-            wired_limit=table.get("wired_limit"),
-            metal_fraction=float(table.get("metal_fraction", fraction)),
-        )
-    except ValueError as exc:
-        raise ClusterError(f"{where}: {exc}") from exc
-    return ClusterNode(name, given.host, given.port, with_origin(given, FROM_FILE))
-
-
-def ask_nodes(entries: Sequence[ClusterNode], timeout: float = DEFAULT_ASK_TIMEOUT_S) -> list[Report | NoAnswer]:
+def ask_nodes(entries: Sequence[ClusterNode], timeout: float = defaults.ASK_TIMEOUT_S) -> list[Report | NoAnswer]:
     """Ask every node for its memory (a handshake, in parallel); a node without a fixed port cannot be asked."""
     try:
         from tbrpc.client import probe
@@ -229,7 +160,7 @@ def ask_nodes(entries: Sequence[ClusterNode], timeout: float = DEFAULT_ASK_TIMEO
 
 
 def _machine(host: str) -> str:
-    return "this machine" if host in _LOOPBACK else host
+    return "this machine" if host in LOOPBACK else host
 
 
 def size_nodes(entries: Sequence[ClusterNode], answers: Sequence[Report | NoAnswer | None]) -> list[Node]:
@@ -283,7 +214,7 @@ def _sized(entry: ClusterNode, report: Report, shared_by: int) -> Node:
 
 
 def _missing(entry: ClusterNode, answer: NoAnswer | None) -> str:
-    add = f"add `memory = \"...\"` to its [[node]] table"
+    add = "add `memory = \"...\"` to its [[node]] table"
     if answer is None:
         return (f"node {entry.name} ({entry.endpoint}): the cluster file gives it no `memory` and the nodes were not "
                 f"asked (planning offline): {add}, or plan with the node running (`tbrpc plan` without --offline)")
@@ -295,7 +226,7 @@ def _missing(entry: ClusterNode, answer: NoAnswer | None) -> str:
 _NODES_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\S+)\s*$")
 
 
-def nodes_from_flags(node_flags: list[str], nodes_flag: str | None, metal_fraction: float = DEFAULT_METAL_FRACTION) -> list[Node]:
+def nodes_from_flags(node_flags: list[str], nodes_flag: str | None, metal_fraction: float = defaults.METAL_FRACTION) -> list[Node]:
     """``--node mac1=512GiB`` (repeatable) or ``--nodes 4x512GiB`` (named node0..N-1)."""
     if node_flags and nodes_flag:
         raise ClusterError("use either --node or --nodes, not both")
@@ -316,11 +247,11 @@ def nodes_from_flags(node_flags: list[str], nodes_flag: str | None, metal_fracti
         nodes.append(with_origin(make_node(name, size, metal_fraction=metal_fraction), FROM_FLAGS))
     if not nodes:
         raise ClusterError("no nodes: pass --cluster FILE, --node NAME=SIZE or --nodes NxSIZE")
-    _check_unique(nodes)
+    check_unique(nodes)
     return nodes
 
 
-def _check_unique(nodes: Sequence[Node | ClusterNode]) -> None:
+def check_unique(nodes: Sequence[Node | ClusterNode]) -> None:
     seen: set[str] = set()
     for node in nodes:
         if node.name in seen:

@@ -22,9 +22,11 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tbrpc import defaults
+from tbrpc import secret as cluster_secret
 from tbrpc.client import (
     AuthenticationError,
     NodeError,
@@ -33,13 +35,11 @@ from tbrpc.client import (
     NodeVersionMismatch,
     probe,
 )
-from tbrpc import secret as cluster_secret
+from tbrpc.client import cluster as client_cluster
 from tbrpc.native import TbrpcError
-from tbrpc.spec import NodeSpec
+from tbrpc.spec import NodeSpec, split_endpoint
 
-START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 10.0
-_LISTENING_RE = re.compile(r"tbrpc node listening on \S+?:(\d+)")
+_LISTENING_RE = re.compile(r"tbrpc node listening on \S+?:(\d+)")   # what `tbrpc node` prints (cli.py)
 _PID_RE = re.compile(r"tbrpc node pid (\d+)")
 
 
@@ -52,6 +52,12 @@ class LaunchError(TbrpcError):
         if hint:
             message += f"\n  try: {hint}"
         super().__init__(message)
+
+
+def listening_port(log: str) -> int | None:
+    """The port a node's log (its stderr) says it listens on, once it does; else None."""
+    m = _LISTENING_RE.search(log)
+    return int(m.group(1)) if m else None
 
 
 def step_error(spec: NodeSpec, step: str, what: str, hint: str = "") -> LaunchError:
@@ -117,9 +123,9 @@ class RunningNode:
         text = self.log_text()   # read once: the port and "listening" must come from the same text
         if self.pid is None and (m := _PID_RE.search(text)):
             self.pid = int(m.group(1))
-        if not self.listening and (m := _LISTENING_RE.search(text)):
+        if not self.listening and (port := listening_port(text)) is not None:
             self.listening = True
-            self.port = self.port or int(m.group(1))
+            self.port = self.port or port
 
     def begin_stop(self) -> None:
         """Ask the node to stop: end of its stdin (over ssh too), and SIGTERM to a local node."""
@@ -141,7 +147,7 @@ class RunningNode:
             self._signal(signal.SIGKILL)
             self.proc.wait()
 
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+    def stop(self, timeout: float = defaults.STOP_TIMEOUT_S) -> None:
         """Stop the node: end of its stdin, then SIGTERM, then SIGKILL. Idempotent."""
         self.begin_stop()
         self.finish_stop(time.monotonic() + timeout)
@@ -241,8 +247,18 @@ def _wait_listening(node: RunningNode, deadline: float) -> None:
             raise step_error(spec, "start", f"{how} exited with code {node.proc.returncode} before listening; "
                              f"its log ({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
         time.sleep(0.05)
-    raise step_error(spec, "start", f"not listening after {START_TIMEOUT_S:.0f} s; its log ({node.log_path}):\n    "
+    raise step_error(spec, "start", f"not listening after {defaults.START_TIMEOUT_S:.0f} s; its log ({node.log_path}):\n    "
                      f"{_tail(node.log_path)}", _start_hint(spec, node.log_text()))
+
+
+def until_answering(spec: NodeSpec, node: RunningNode | None, deadline: float) -> tuple[str, NodeInfo]:
+    """Wait for a node to listen (one started here: its log says so) and to answer the handshake;
+    returns its endpoint and what it said. LaunchError naming the node otherwise."""
+    endpoint = spec.endpoint
+    if node is not None:
+        _wait_listening(node, deadline)
+        endpoint = node.endpoint
+    return endpoint, wait_handshake(spec, endpoint, deadline, node)
 
 
 def _start_hint(spec: NodeSpec, log: str) -> str:
@@ -284,9 +300,8 @@ def wait_handshake(spec: NodeSpec, endpoint: str, deadline: float, node: Running
 
 def answers(endpoint: str, timeout: float = 1.0, secret_file: str | None = None) -> tuple[NodeInfo | None, NodeError | None]:
     """(info, None) when a tbrpc node answers at `endpoint`, else (None, why)."""
-    host, _, port = endpoint.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
+        with socket.create_connection(split_endpoint(endpoint), timeout=timeout):
             pass
     except OSError as exc:
         return None, NodeUnreachable(f"unreachable: {exc}")
@@ -312,27 +327,70 @@ class Nodes:
         self._stopped = True
         stop_all(self.started)
 
-    def failure(self) -> str | None:
-        """A message naming a node this process started that has died, else None."""
-        for node in self.started:
-            if not node.alive():
-                return f"node {node.spec.name} ({node.endpoint}): the node process exited with code {node.proc.returncode}"
-        return None
-
-    def explain(self, step: str, message: str) -> str:
-        """`message` (from the core or llama.cpp) as: node NAME (endpoint), step STEP: ... try: ..."""
+    def failed(self) -> dict[int, str]:
+        """Index -> what happened, for each node of this cluster that has failed: a node process
+        started here that exited, or a connection of this process's Cluster that failed."""
+        out: dict[int, str] = {}
         running = {n.endpoint: n for n in self.started}
-        for spec, endpoint in zip(self.specs, self.endpoints):
-            if endpoint in message or f"node {spec.name} " in message:
-                node = running.get(endpoint)
-                if node is not None and not node.alive() and "exited with code" not in message:
-                    message += f" (the node process exited with code {node.proc.returncode})"
-                log = f"its log: {node.log_path}" if node else f"its log on {spec.host}"
-                hint = (f"{log}; `tbrpc status` shows its memory in use; "
-                        "`tbrpc doctor` checks every node; then launch again")
-                message = message.removeprefix(f"node {spec.name} ({endpoint}): ")
-                return f"node {spec.name} ({endpoint}), step {step}: {message}\n  try: {hint}"
-        return f"step {step}: {message}\n  try: `tbrpc doctor` checks every node"
+        for i, (spec, endpoint) in enumerate(zip(self.specs, self.endpoints)):
+            node = running.get(endpoint)
+            if node is not None and not node.alive():
+                out[i] = f"node {spec.name} ({endpoint}): the node process exited with code {node.proc.returncode}"
+        for info in client_cluster().nodes():
+            if info.failed and info.endpoint in self.endpoints:
+                out.setdefault(self.endpoints.index(info.endpoint), info.error)
+        return out
+
+    def started_here(self, index: int) -> RunningNode | None:
+        """The process this launch started for node `index`, if it started one."""
+        return next((n for n in self.started if n.endpoint == self.endpoints[index]), None)
+
+    def restart(self, index: int, head_model: str | None, timeout: float = defaults.START_TIMEOUT_S) -> NodeInfo:
+        """Start node `index` again, on the port it had, after its process exited; wait until it
+        answers. Its old log is kept beside the new one (NAME.log.1). LaunchError naming it otherwise."""
+        old = self.started_here(index)
+        if old is None or old.alive():
+            raise ValueError(f"node {self.specs[index].name} was not started here, or still runs")
+        old.stop()
+        spec = replace(old.spec, port=old.port)
+        old.log_path.replace(old.log_path.with_name(old.log_path.name + ".1"))
+        new = start_process(spec, old.log_path.parent, head_model)
+        self.started[self.started.index(old)] = new
+        try:
+            return until_answering(spec, new, time.monotonic() + timeout)[1]
+        except BaseException:
+            new.stop()
+            raise
+
+    def explain(self, step: str, error: TbrpcError | str, index: int | None = None) -> str:
+        """`error` as: node NAME (endpoint), step STEP: ... try: ..., for node `index`, else the node a
+        NodeError names by its endpoint; otherwise: step STEP: ... A failure() message (a str) already
+        says how the process ended; for a NodeError of a node whose process exited, that is added."""
+        if index is None and isinstance(error, NodeError) and error.endpoint in self.endpoints:
+            index = self.endpoints.index(error.endpoint)
+        message = str(error)
+        if index is None:
+            return f"step {step}: {message}\n  try: `tbrpc doctor` checks every node"
+        spec, endpoint, node = self.specs[index], self.endpoints[index], self.started_here(index)
+        if node is not None and not node.alive() and isinstance(error, NodeError):
+            message += f" (the node process exited with code {node.proc.returncode})"
+        log = f"its log: {node.log_path}" if node else f"its log on {spec.host}"
+        hint = f"{log}; `tbrpc status` shows its memory in use; `tbrpc doctor` checks every node; then launch again"
+        message = message.removeprefix(f"node {spec.name} ({endpoint}): ")
+        return f"node {spec.name} ({endpoint}), step {step}: {message}\n  try: {hint}"
+
+    def explained(self, step: str, error: TbrpcError, index: int | None = None) -> TbrpcError:
+        """`error` again, of the same class, its message explained (``explain``) and its step set."""
+        if isinstance(error, NodeError):
+            again: TbrpcError = type(error)(self.explain(step, error, index), error.endpoint)
+        else:
+            again = type(error)(self.explain(step, error, index))
+        again.step = step
+        return again
+
+    def first_failure(self) -> tuple[int, str] | None:
+        """(index, what happened) of the first failed node (``failed``), else None."""
+        return next(iter(self.failed().items()), None)
 
     def pids(self) -> list[int]:
         """Pids of the node processes started here (on their own machines)."""
@@ -345,7 +403,7 @@ class Nodes:
         self.stop()
 
 
-def stop_all(nodes: Sequence[RunningNode], timeout: float = STOP_TIMEOUT_S) -> None:
+def stop_all(nodes: Sequence[RunningNode], timeout: float = defaults.STOP_TIMEOUT_S) -> None:
     """Stop nodes in parallel, without threads (this also runs from __del__ at interpreter exit)."""
     for node in nodes:
         node.begin_stop()
@@ -354,7 +412,7 @@ def stop_all(nodes: Sequence[RunningNode], timeout: float = STOP_TIMEOUT_S) -> N
         node.finish_stop(deadline)
 
 
-def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START_TIMEOUT_S,
+def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = defaults.START_TIMEOUT_S,
                 on_event: object = None, head_model: str | None = None) -> Nodes:
     """Start (or find already running) every node and wait until each answers the handshake.
 
@@ -385,12 +443,7 @@ def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START
                 slots.append(new)
         endpoints, infos = [], []
         for spec, slot in zip(specs, slots):
-            if slot is not None:
-                _wait_listening(slot, deadline)
-                endpoint = slot.endpoint
-            else:
-                endpoint = spec.endpoint
-            info = wait_handshake(spec, endpoint, deadline, slot)
+            endpoint, info = until_answering(spec, slot, deadline)
             say(f"node {spec.name}: {endpoint} answers ({info.node_device}, {info.mem_total / 2**30:.1f} GiB)")
             endpoints.append(endpoint)
             infos.append(info)
@@ -401,7 +454,7 @@ def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START
 
 
 @contextmanager
-def running(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = START_TIMEOUT_S) -> Iterator[Nodes]:
+def running(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = defaults.START_TIMEOUT_S) -> Iterator[Nodes]:
     nodes = start_nodes(specs, log_dir, timeout)
     try:
         yield nodes

@@ -84,6 +84,10 @@ class PlanError(ValueError):
     """The request cannot be planned at all (as opposed to: it does not fit)."""
 
 
+class TensorSplitError(PlanError):
+    """llama.cpp (or its meta device) will not tensor-split this model or these devices; the message says what to use."""
+
+
 # --- memory model ---------------------------------------------------------------
 
 
@@ -984,7 +988,7 @@ def check_tensor_mode(arch: str, n_head_kv: Sequence[int] = ()) -> None:
     head, and the per-row rule of the k-norm RMS_NORM that follows asserts
     (GGML_ASSERT(src_ss[0].axis != GGML_BACKEND_SPLIT_AXIS_0), :543)."""
     if arch in TENSOR_REFUSED_ARCHS:
-        raise PlanError(
+        raise TensorSplitError(
             f"tensor split: llama.cpp refuses architecture '{arch}' in tensor mode (llm_arch_supports_sm_tensor is false "
             f"for it in the llama.cpp llama-cpp-python 0.3.36 ships"
             + ("; for deepseek2 (Kimi K2, DeepSeek V3) its MLA attention has no tensor split rules"
@@ -993,7 +997,7 @@ def check_tensor_mode(arch: str, n_head_kv: Sequence[int] = ()) -> None:
             + (", or --split ffn: tbrpc's own split of the experts and FFN, attention whole on every node"
                if arch == "deepseek2" else ""))
     if arch in TENSOR_UNMODELLED_ARCHS:
-        raise PlanError(f"tensor split: architecture '{arch}' has split rules of its own in llama.cpp that the planner "
+        raise TensorSplitError(f"tensor split: architecture '{arch}' has split rules of its own in llama.cpp that the planner "
                         "does not model; use --split layer")
     if any(n == 1 for n in n_head_kv):
         raise PlanError(
@@ -1024,13 +1028,6 @@ def _context(model: GGUFModel, params: ArchParams, ctx: int | None, **kwargs: An
     elif not kwargs["flash_attn"] and kwargs["cache_type_v"] not in ("f16", "f32", "bf16") and not params.is_mla:
         raise PlanError("a quantized V cache requires flash attention in llama.cpp")
     return ContextParams(ctx=ctx, **kwargs)
-
-
-def default_ctx(gguf: str | os.PathLike[str] | GGUFModel) -> int:
-    """The context the planner assumes when none is given: min(32768, the model's training context)."""
-    model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
-    n_ctx_train = arch_params(model).n_ctx_train
-    return min(DEFAULT_CTX, n_ctx_train or DEFAULT_CTX)
 
 
 def plan(
@@ -1087,14 +1084,14 @@ def plan(
         elif head_device != "none":
             raise PlanError("ffn split: tbrpc's meta device is made of TBRPC nodes only; use head_device 'none'")
         if head_device == "cpu":
-            raise PlanError("tensor split: the head's CPU is not one of the devices llama.cpp cuts layers across; "
+            raise TensorSplitError("tensor split: the head's CPU is not one of the devices llama.cpp cuts layers across; "
                             "use head_device 'gpu' or 'none'")
         if flash_attn is False:
             raise PlanError(f"{split} split needs flash attention (llama.cpp refuses to create a tensor-split context "
                             "without it; tbrpc's FFN split is tested with it only)")
         flash_attn = True
         if len(nodes) > META_MAX_DEVICES:
-            raise PlanError(f"tensor split: llama.cpp's meta device takes at most {META_MAX_DEVICES} devices, not {len(nodes)}")
+            raise TensorSplitError(f"tensor split: llama.cpp's meta device takes at most {META_MAX_DEVICES} devices, not {len(nodes)}")
         if tensor_split is not None and (len(tensor_split) != len(nodes) or any(s < 0 for s in tensor_split) or not sum(tensor_split)):
             raise PlanError(f"tensor_split needs {len(nodes)} non-negative shares, not {list(tensor_split)}")
     elif len(nodes) > params.n_layer_all:

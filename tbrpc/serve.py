@@ -9,19 +9,21 @@ nodes instead of one it would load itself.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any, TextIO
 
 import llama_cpp
 
 from tbrpc.native import SUPPORTED_LLAMA_CPP_PYTHON, TbrpcError
+from tbrpc.outage import OutageGuard, Serving
 
 
 class ServeError(TbrpcError):
-    """The HTTP server could not start, or stopped because a node failed."""
+    """The HTTP server could not start."""
 
 
 def require_server() -> None:
@@ -34,13 +36,14 @@ def require_server() -> None:
         import llama_cpp.server.app  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise ServeError(f"step serve: the HTTP API needs llama-cpp-python's server extra ({exc.name} is missing)\n"
-                         f"  try: pip install 'llama-cpp-python[server]=={SUPPORTED_LLAMA_CPP_PYTHON}', "
-                         "or use --prompt / --chat") from exc
+        raise ServeError.at("serve", f"the HTTP API needs llama-cpp-python's server extra ({exc.name} is missing)\n"
+                            f"  try: pip install 'llama-cpp-python[server]=={SUPPORTED_LLAMA_CPP_PYTHON}', "
+                            "or use --prompt / --chat") from exc
 
 
-def make_app(llm: llama_cpp.Llama, alias: str, api_key: str | None = None) -> Any:
-    """llama-cpp-python's FastAPI app, serving `llm` as model `alias`."""
+def make_app(serving: Serving, alias: str, api_key: str | None = None) -> Any:
+    """llama-cpp-python's FastAPI app, serving `serving`'s model as model `alias`
+    (with 503s while it waits for a node: tbrpc/outage.py)."""
     require_server()
     import llama_cpp.server.app as app_module
     from llama_cpp.server.model import LlamaProxy
@@ -48,20 +51,20 @@ def make_app(llm: llama_cpp.Llama, alias: str, api_key: str | None = None) -> An
 
     from tbrpc.dashboard import install
 
-    settings = ModelSettings(model=str(llm.model_path), model_alias=alias)
+    settings = ModelSettings(model=str(serving.shown.model_path), model_alias=alias)
 
     class LoadedProxy(LlamaProxy):
-        """The proxy over one model that is already loaded (it never loads or frees one)."""
+        """The proxy over the model the launch loaded (it never loads or frees one itself)."""
 
         def __init__(self) -> None:
             self._model_settings_dict = {alias: settings}
-            self._current_model = llm
+            self._current_model = serving.shown
             self._current_model_alias = alias
             self._default_model_settings = settings
             self._default_model_alias = alias
 
         def __call__(self, model: str | None = None) -> llama_cpp.Llama:
-            return llm
+            return serving.model()
 
         def free(self) -> None:
             pass
@@ -76,8 +79,16 @@ def make_app(llm: llama_cpp.Llama, alias: str, api_key: str | None = None) -> An
                                     model_settings=[settings])
     finally:
         app_module.set_llama_proxy = original
-    install(app, llm, alias, api_key)   # /tbrpc, /tbrpc/status.json, /metrics
+    app.add_middleware(OutageGuard, serving=serving)
+    install(app, serving, alias, api_key)   # /tbrpc, /tbrpc/status.json, /metrics (outermost: sees the 503s)
     return app
+
+
+def model_lock() -> Any:
+    """What a request holds while it uses the model (llama-cpp-python's locks): held, no request is in it."""
+    import llama_cpp.server.app as app_module
+
+    return contextlib.asynccontextmanager(app_module.get_llama_proxy)()
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -90,42 +101,36 @@ def listen(host: str, port: int) -> socket.socket:
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        raise ServeError(f"step serve: cannot listen on {host}:{port}: {exc.strerror or exc}\n"
-                         "  try: another --port (0 picks a free one), or stop what uses this one") from exc
+        raise ServeError.at("serve", f"cannot listen on {host}:{port}: {exc.strerror or exc}\n"
+                            "  try: another --port (0 picks a free one), or stop what uses this one") from exc
     return sock
 
 
-def serve_http(llm: llama_cpp.Llama, sock: socket.socket, alias: str, failure: Callable[[], str | None],
-               api_key: str | None = None, log_level: str = "warning",
-               on_ready: Callable[[], None] | None = None) -> str | None:
-    """Serve until SIGINT/SIGTERM (returns None) or until `failure()` reports a failed node (returns it).
+def serve_http(serving: Serving, sock: socket.socket, alias: str, api_key: str | None = None,
+               log_level: str = "warning", on_ready: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, through failed nodes (tbrpc/outage.py).
     `on_ready` runs once the app is built, just before requests are taken."""
-    app = make_app(llm, alias, api_key)
+    app = make_app(serving, alias, api_key)
     import uvicorn
 
+    class Server(uvicorn.Server):
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            watcher = asyncio.create_task(serving.watch(model_lock), name="tbrpc-node-watch")
+            # a watcher that broke stops the server (its error shows when it is awaited below)
+            watcher.add_done_callback(lambda t: setattr(self, "should_exit", True) if not t.cancelled() else None)
+            try:
+                await super().serve(sockets)
+            finally:
+                serving.stopping.set()   # a reload under way stops at its next progress report
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+
     # A stop does not wait for long streams to finish: 3 s, then open requests are cut.
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3))
-    failed: list[str] = []
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(0.5):
-            why = failure()
-            if why:
-                failed.append(why)
-                server.should_exit = True
-                return
-
-    watcher = threading.Thread(target=watch, name="tbrpc-node-watch", daemon=True)
-    watcher.start()
-    try:
-        if on_ready is not None:
-            on_ready()
-        server.run(sockets=[sock])
-    finally:
-        done.set()
-        watcher.join()
-    return failed[0] if failed else None
+    server = Server(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3))
+    if on_ready is not None:
+        on_ready()
+    server.run(sockets=[sock])
 
 
 def complete_once(llm: llama_cpp.Llama, prompt: str, out: TextIO, max_tokens: int, temperature: float,

@@ -1,46 +1,15 @@
-"""How each node is reached and started: the launch keys of the cluster file.
-
-The cluster file is the planner's (``tbrpc.node_memory``: ``[[node]]`` tables
-with ``name``, ``host``, ``port`` and optionally ``memory``, ...). ``tbrpc launch`` and
-``tbrpc doctor`` read these extra keys from the same tables::
-
-    start   = "ssh"            # "local", "ssh" or "manual" (default: ssh when `ssh` is set,
-                               #  local for 127.0.0.1/localhost, else manual: started by hand)
-    ssh     = { user = "me", host = "studio2.local", key = "~/.ssh/tbrpc", port = 22 }
-                               # or ssh = "me@studio2.local"
-    python  = "~/tbrpc/.venv/bin/python"   # interpreter with tbrpc installed on that node
-    model   = "/Volumes/models/K2/model-00001-of-00013.gguf"  # model path on that node
-    device  = "MTL0"           # ggml device the node serves (default: its best)
-    threads = 8
-    listen  = "0.0.0.0"        # address the node binds (default: `host`)
-    log_file = "/tmp/tbrpc-node.log"        # node log on that machine (default: sent to the head)
-    links   = { studio1 = "10.0.12.2" }     # how the named nodes reach this one for activations:
-                               # this node's address on the cable between them (Thunderbolt
-                               # links are point to point, one subnet per cable; default: `host`)
-    secret_file = "~/.config/tbrpc/secret"  # the cluster secret's path on that machine
-                                            # (default: the file's top-level `secret_file`)
-
-and one top-level key::
-
-    secret_file = "~/.config/tbrpc/secret"  # the head's copy of the cluster secret (tbrpc/secret.py);
-                                            # also where launch tells ssh-started nodes to find theirs
-"""
+"""How each node is reached and started (``NodeSpec``), from a cluster file
+(read by ``tbrpc/cluster_file.py``), from ``--local N`` or from "host:port"
+endpoints; and which cable each pair of nodes uses (``links``)."""
 
 from __future__ import annotations
 
 import os
-import sys
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-from tbrpc.client import TRANSPORTS
-from tbrpc.node_memory import ClusterError, ClusterNode, Node, read_cluster_file
+from tbrpc.node_memory import ClusterError, ClusterNode, Node
 
-DEFAULT_FILE_NAME = "tbrpc.toml"
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-_STARTS = ("local", "ssh", "manual")
+STARTS = ("local", "ssh", "manual")
 
 
 @dataclass(frozen=True)
@@ -120,69 +89,6 @@ class NodeSpec:
         return self.start
 
 
-def _ssh_from(value: Any, host: str, where: str) -> SshTarget:
-    if isinstance(value, str):
-        user, sep, target = value.rpartition("@")
-        return SshTarget(host=target or host, user=user if sep else None)
-    if isinstance(value, dict):
-        unknown = set(value) - {"user", "host", "key", "port", "options"}
-        if unknown:
-            raise ClusterError(f"{where}: unknown ssh keys {sorted(unknown)} (use user, host, key, port, options)")
-        options = value.get("options", [])
-        if not isinstance(options, list):
-            raise ClusterError(f"{where}: ssh.options must be a list of ssh -o options")
-        return SshTarget(host=str(value.get("host", host)), user=value.get("user"), key=value.get("key"),
-                         port=int(value["port"]) if "port" in value else None, options=tuple(map(str, options)))
-    raise ClusterError(f'{where}: ssh must be "user@host" or a table {{ user, host, key }}')
-
-
-def spec_from_table(table: dict[str, Any], plan_node: Node | None, where: str,
-                    secret_file: str | None = None) -> NodeSpec:
-    host = str(table.get("host", ""))
-    ssh = _ssh_from(table["ssh"], host, where) if "ssh" in table else None
-    default_start = "ssh" if ssh else ("local" if host in _LOOPBACK else "manual")
-    start = str(table.get("start", default_start))
-    if start not in _STARTS:
-        raise ClusterError(f"{where}: start must be one of {', '.join(_STARTS)}, not {start!r}")
-    if start == "ssh" and ssh is None:
-        ssh = SshTarget(host=host)
-    transport = table.get("transport")
-    if transport is not None and transport not in TRANSPORTS:
-        raise ClusterError(f"{where}: transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
-    links = table.get("links", {})
-    if not isinstance(links, dict) or not all(isinstance(v, str) and v for v in links.values()):
-        raise ClusterError(f'{where}: links must be a table of node name = "address", e.g. links = {{ studio1 = "10.0.12.2" }}')
-    return NodeSpec(
-        name=str(table["name"]), host=host, port=int(table.get("port", 0)), start=start, ssh=ssh,
-        python=table.get("python"), model=table.get("model"), device=table.get("device"),
-        threads=int(table.get("threads", 0)), listen=table.get("listen"), node_log_file=table.get("log_file"),
-        transport=transport, links=tuple((str(k), v) for k, v in links.items()), plan_node=plan_node,
-        secret_file=table.get("secret_file", secret_file),
-    )
-
-
-def load_specs(path: str | Path) -> list[NodeSpec]:
-    """The nodes of a cluster file, with the memory figure the file gives (if any) attached."""
-    entries = read_cluster_file(path)
-    tables = tomllib.loads(Path(path).read_text())["node"]
-    secret_file = cluster_secret_file(path)
-    specs = [spec_from_table(t, e.given, f"{path}: node {e.name}", secret_file) for t, e in zip(tables, entries)]
-    names = {s.name for s in specs}
-    for s in specs:
-        for other, _ in s.links:
-            if other not in names or other == s.name:
-                raise ClusterError(f"{path}: node {s.name}: links names {other!r}, which is not another node of the file")
-    return specs
-
-
-def cluster_secret_file(path: str | Path) -> str | None:
-    """The cluster file's top-level `secret_file` (the head's copy of the secret), or None."""
-    value = tomllib.loads(Path(path).read_text()).get("secret_file")
-    if value is not None and not isinstance(value, str):
-        raise ClusterError(f"{path}: secret_file must be a path")
-    return value
-
-
 def cable_gaps(specs: list[NodeSpec]) -> list[str]:
     """Where a file that lists cables (links) has none between two nodes that
     run consecutive layers: their activations go to the next node's `host`,
@@ -202,43 +108,21 @@ def local_specs(n: int, threads: int | None = None) -> list[NodeSpec]:
             for i in range(n)]
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """"host:port" ("[::1]:50052" for IPv6) -> (host, port); ValueError saying what is wrong."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f'expected "host:port", got {endpoint!r}')
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 def endpoint_specs(endpoints: list[str]) -> list[NodeSpec]:
     """Nodes given as "host:port", started by someone else."""
     specs = []
     for i, endpoint in enumerate(endpoints):
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ClusterError(f'node #{i + 1}: expected "host:port", got {endpoint!r}')
-        specs.append(NodeSpec(name=endpoint, host=host, port=int(port), start="manual"))
+        try:
+            host, port = split_endpoint(endpoint)
+        except ValueError as exc:
+            raise ClusterError(f"node #{i + 1}: {exc}") from exc
+        specs.append(NodeSpec(name=endpoint, host=host, port=port, start="manual"))
     return specs
-
-
-def config_dirs() -> list[Path]:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    dirs = [Path(base) / "tbrpc"]
-    if sys.platform == "darwin":
-        dirs.append(Path.home() / "Library" / "Application Support" / "tbrpc")
-    return dirs
-
-
-def default_cluster_file() -> Path | None:
-    """./tbrpc.toml, else tbrpc.toml in the user config directory, else None."""
-    for candidate in [Path.cwd() / DEFAULT_FILE_NAME] + [d / DEFAULT_FILE_NAME for d in config_dirs()]:
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def choose_cluster(cluster_file: str | os.PathLike[str] | None, local: int | None) -> str | int:
-    """--cluster F, else --local N, else the default cluster file; ClusterError when there is none."""
-    if cluster_file is not None and local is not None:
-        raise ClusterError("use either --cluster FILE or --local N, not both")
-    if cluster_file is not None:
-        return str(cluster_file)
-    if local is not None:
-        return local
-    found = default_cluster_file()
-    if found is None:
-        places = ", ".join(str(p) for p in [Path(DEFAULT_FILE_NAME)] + [d / DEFAULT_FILE_NAME for d in config_dirs()])
-        raise ClusterError(f"no cluster: pass --cluster FILE or --local N (no cluster file at {places})")
-    return str(found)

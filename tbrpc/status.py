@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tbrpc import defaults
 from tbrpc.client import NodeError, NodeInfo, NodeStatus, probe
 from tbrpc.units import format_size
 
@@ -124,7 +125,7 @@ def running_launches() -> list[dict[str, Any]]:
     return found
 
 
-def targets(listed: Sequence[tuple[str, str]], with_launches: bool, timeout: float = 5.0) -> list[Target]:
+def targets(listed: Sequence[tuple[str, str]], with_launches: bool, timeout: float = defaults.CHECK_TIMEOUT_S) -> list[Target]:
     """The (name, endpoint) nodes listed, then (if asked) the running launches'
     other nodes; a listed node that a launch uses carries that launch's facts."""
     found = [Target(name, endpoint) for name, endpoint in listed]
@@ -145,7 +146,7 @@ def targets(listed: Sequence[tuple[str, str]], with_launches: bool, timeout: flo
     return found
 
 
-def serving(timeout: float = 5.0) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def serving(timeout: float = defaults.CHECK_TIMEOUT_S) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(launch record, its page's snapshot) of each launch here that serves HTTP and answers."""
     found = []
     for launch in running_launches():
@@ -155,7 +156,7 @@ def serving(timeout: float = 5.0) -> list[tuple[dict[str, Any], dict[str, Any]]]
     return found
 
 
-def query(nodes: Sequence[Target], timeout: float = 5.0) -> list[Row]:
+def query(nodes: Sequence[Target], timeout: float = defaults.CHECK_TIMEOUT_S) -> list[Row]:
     """Probe each node; failures become rows with the error."""
     rows = []
     for target in nodes:
@@ -207,6 +208,8 @@ def format_serving(launches: Sequence[tuple[dict[str, Any], dict[str, Any]]]) ->
         model, q = snap["model"], snap["requests"]
         lines.append(f"launch {launch['pid']}: {model['alias']} (context {model['context'] or '?'}) at {launch['http']}/v1; "
                      f"{q['count']} request(s), {q['in_flight']} running or waiting, {q['tokens']} token(s)")
+        if snap.get("waiting"):   # a node failed: requests get 503 until it is back and the model reloaded
+            lines.append(f"  503 to every request: {snap['waiting']['message']}")
         for x in q["recent"][:5]:
             first = f", first token {x['first_token_s'] * 1000:.0f} ms" if x.get("first_token_s") is not None else ""
             lines.append(f"  {x['path']}: {x['tokens']} token(s), {x['tokens_per_s']:.1f} tok/s{first}, HTTP {x['status']}")
@@ -229,4 +232,4 @@ def rows_json(rows: Sequence[Row], launches: Sequence[tuple[dict[str, Any], dict
         out.append(row)
     return {"nodes": out,
             "launches": [{"pid": launch["pid"], "http": launch["http"], "model": snap["model"],
-                          "requests": snap["requests"]} for launch, snap in launches]}
+                          "requests": snap["requests"], "waiting": snap.get("waiting")} for launch, snap in launches]}

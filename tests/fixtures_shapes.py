@@ -217,36 +217,44 @@ class LlamaGeometry:
     n_ctx_train: int = 8192
 
 
-def llama_spec(g: LlamaGeometry, qtype: QT = QT.Q8_0) -> ModelSpec:
-    head_dim = g.n_embd // g.n_head
-    meta: dict[str, Any] = {
-        "general.name": "shape-only llama",
-        "llama.block_count": g.n_layer,
-        "llama.context_length": g.n_ctx_train,
-        "llama.embedding_length": g.n_embd,
-        "llama.feed_forward_length": g.n_ff,
-        "llama.attention.head_count": g.n_head,
-        "llama.attention.head_count_kv": g.n_head_kv,
-        "llama.rope.dimension_count": head_dim,
-        "llama.attention.layer_norm_rms_epsilon": 1e-5,
-        "llama.vocab_size": g.n_vocab,
+def _llama_like_meta(arch: str, g: LlamaGeometry | Gemma3Geometry, rms_eps: float) -> dict[str, Any]:
+    """The metadata keys llama and gemma3 share, under their architecture's prefix."""
+    return {
+        "general.name": f"shape-only {arch}",
+        f"{arch}.block_count": g.n_layer,
+        f"{arch}.context_length": g.n_ctx_train,
+        f"{arch}.embedding_length": g.n_embd,
+        f"{arch}.feed_forward_length": g.n_ff,
+        f"{arch}.attention.head_count": g.n_head,
+        f"{arch}.attention.head_count_kv": g.n_head_kv,
+        f"{arch}.attention.layer_norm_rms_epsilon": rms_eps,
+        f"{arch}.vocab_size": g.n_vocab,
         "tokenizer.ggml.model": "none",
     }
-    spec = ModelSpec("llama", meta)
+
+
+def _qkv(p: str, n_embd: int, q: int, kv: int, qtype: QT) -> list[TensorSpec]:
+    return [TensorSpec(p + "attn_q.weight", (n_embd, q), qtype), TensorSpec(p + "attn_k.weight", (n_embd, kv), qtype),
+            TensorSpec(p + "attn_v.weight", (n_embd, kv), qtype)]
+
+
+def _swiglu(p: str, n_embd: int, n_ff: int, qtype: QT) -> list[TensorSpec]:
+    return [TensorSpec(p + "ffn_gate.weight", (n_embd, n_ff), qtype), TensorSpec(p + "ffn_up.weight", (n_embd, n_ff), qtype),
+            TensorSpec(p + "ffn_down.weight", (n_ff, n_embd), qtype)]
+
+
+def llama_spec(g: LlamaGeometry, qtype: QT = QT.Q8_0) -> ModelSpec:
+    head_dim = g.n_embd // g.n_head
+    spec = ModelSpec("llama", {**_llama_like_meta("llama", g, 1e-5), "llama.rope.dimension_count": head_dim})
     add = spec.tensors.append
-    kv = g.n_head_kv * head_dim
     add(TensorSpec("token_embd.weight", (g.n_embd, g.n_vocab), qtype))
     for il in range(g.n_layer):
         p = f"blk.{il}."
         add(TensorSpec(p + "attn_norm.weight", (g.n_embd,), QT.F32))
-        add(TensorSpec(p + "attn_q.weight", (g.n_embd, g.n_embd), qtype))
-        add(TensorSpec(p + "attn_k.weight", (g.n_embd, kv), qtype))
-        add(TensorSpec(p + "attn_v.weight", (g.n_embd, kv), qtype))
+        spec.tensors += _qkv(p, g.n_embd, g.n_embd, g.n_head_kv * head_dim, qtype)
         add(TensorSpec(p + "attn_output.weight", (g.n_embd, g.n_embd), qtype))
         add(TensorSpec(p + "ffn_norm.weight", (g.n_embd,), QT.F32))
-        add(TensorSpec(p + "ffn_gate.weight", (g.n_embd, g.n_ff), qtype))
-        add(TensorSpec(p + "ffn_up.weight", (g.n_embd, g.n_ff), qtype))
-        add(TensorSpec(p + "ffn_down.weight", (g.n_ff, g.n_embd), qtype))
+        spec.tensors += _swiglu(p, g.n_embd, g.n_ff, qtype)
     add(TensorSpec("output_norm.weight", (g.n_embd,), QT.F32))
     add(TensorSpec("output.weight", (g.n_embd, g.n_vocab), qtype))
     return spec
@@ -270,20 +278,11 @@ class Gemma3Geometry:
 def gemma3_spec(g: Gemma3Geometry, qtype: QT = QT.Q8_0) -> ModelSpec:
     """Gemma 3: 5 sliding-window layers per global one, tied output embedding."""
     meta: dict[str, Any] = {
-        "general.name": "shape-only gemma3",
-        "gemma3.block_count": g.n_layer,
-        "gemma3.context_length": g.n_ctx_train,
-        "gemma3.embedding_length": g.n_embd,
-        "gemma3.feed_forward_length": g.n_ff,
-        "gemma3.attention.head_count": g.n_head,
-        "gemma3.attention.head_count_kv": g.n_head_kv,
+        **_llama_like_meta("gemma3", g, 1e-6),
         "gemma3.attention.key_length": g.head_dim,
         "gemma3.attention.value_length": g.head_dim,
         "gemma3.attention.sliding_window": g.n_swa,
-        "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
         "gemma3.rope.freq_base": 1000000.0,
-        "gemma3.vocab_size": g.n_vocab,
-        "tokenizer.ggml.model": "none",
     }
     spec = ModelSpec("gemma3", meta)
     add = spec.tensors.append
@@ -293,14 +292,10 @@ def gemma3_spec(g: Gemma3Geometry, qtype: QT = QT.Q8_0) -> ModelSpec:
         p = f"blk.{il}."
         for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
             add(TensorSpec(p + norm + ".weight", (g.n_embd,), QT.F32))
-        add(TensorSpec(p + "attn_q.weight", (g.n_embd, q), qtype))
-        add(TensorSpec(p + "attn_k.weight", (g.n_embd, kv), qtype))
-        add(TensorSpec(p + "attn_v.weight", (g.n_embd, kv), qtype))
+        spec.tensors += _qkv(p, g.n_embd, q, kv, qtype)
         add(TensorSpec(p + "attn_q_norm.weight", (g.head_dim,), QT.F32))
         add(TensorSpec(p + "attn_k_norm.weight", (g.head_dim,), QT.F32))
         add(TensorSpec(p + "attn_output.weight", (q, g.n_embd), qtype))
-        add(TensorSpec(p + "ffn_gate.weight", (g.n_embd, g.n_ff), qtype))
-        add(TensorSpec(p + "ffn_up.weight", (g.n_embd, g.n_ff), qtype))
-        add(TensorSpec(p + "ffn_down.weight", (g.n_ff, g.n_embd), qtype))
+        spec.tensors += _swiglu(p, g.n_embd, g.n_ff, qtype)
     add(TensorSpec("output_norm.weight", (g.n_embd,), QT.F32))
     return spec

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from tbrpc.native import load
+from tbrpc.node_processes import listening_port
+from tbrpc.spec import split_endpoint
 
 HEADER = struct.Struct("<IHHQQ")
 HANG_S = 20.0              # the node's own limits (10 s timeout, 5 s handshake) are well inside this
@@ -84,8 +86,7 @@ class Fuzzer:
     def __init__(self, endpoint: str, seed: int, hang_s: float = HANG_S) -> None:
         self.ffi, self.lib = load()
         self.hang_s = hang_s
-        host, port = endpoint.rsplit(":", 1)
-        self.address = (host, int(port))
+        self.address = split_endpoint(endpoint)
         self.rng = random.Random(seed)
         self.ops = _op_indices()
         self.commands = _command_numbers()
@@ -313,11 +314,11 @@ def main() -> None:
         proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1"],
                                 stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
         deadline = time.monotonic() + 30
-        while not (m := re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))):
+        while (port := listening_port(log.read_text(errors="replace"))) is None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"node did not start: {log.read_text()}")
             time.sleep(0.05)
-        endpoint = f"127.0.0.1:{m.group(1)}"
+        endpoint = f"127.0.0.1:{port}"
     started = time.monotonic()
     try:
         found = campaign(endpoint, args.frames, args.seed, proc.pid if proc else None, log)

@@ -21,11 +21,15 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
+
+from tbrpc.node_processes import listening_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
@@ -82,6 +86,13 @@ def node_pids(log_dir: Path) -> list[int]:
 
 
 CHAT = [{"role": "user", "content": "Name a French city."}]
+
+
+@cache
+def layer_weight_bytes(model: Path) -> int:
+    """Bytes of all repeating-layer tensors (blk.*), which a split must all put on the nodes."""
+    reader = gguf.GGUFReader(model)
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk."))
 
 
 def baseline(model: Path, prompt: str, max_tokens: int, n_ctx: int = 256, chat_format: str | None = None) -> dict[str, Any]:
@@ -316,9 +327,9 @@ def start_node(tmp_path: Path, *extra: str, cwd: Path = ROOT, env: dict[str, str
                             cwd=cwd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env)
     deadline = time.time() + 30
     while time.time() < deadline:
-        m = re.search(r"listening on [^:]+:(\d+)", log.read_text(errors="replace"))
-        if m:
-            return NodeProcess(proc, int(m.group(1)), log)
+        port = listening_port(log.read_text(errors="replace"))
+        if port is not None:
+            return NodeProcess(proc, port, log)
         if proc.poll() is not None:
             break
         time.sleep(0.05)

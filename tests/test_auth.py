@@ -2,7 +2,7 @@
 peer links prove it too, and nothing is served to anyone who has not.
 
 Real node processes on loopback; raw-wire cases speak the protocol with the
-C headers' structs (tests/test_protocol.py's Wire) and compute MACs with the
+C headers' structs (tests/wire.py's Wire) and compute MACs with the
 node's own tb_auth_mac.
 """
 
@@ -23,10 +23,10 @@ import pytest
 
 import models
 import tbrpc
-from helpers import ROOT, run_head
+from helpers import ROOT, run_head, start_node, stop_nodes
 from tbrpc import secret
 from tbrpc.native import load
-from test_protocol import Wire, pack
+from wire import Wire, pack
 
 ffi, lib = load()
 PROMPT = "Once upon a time"
@@ -311,17 +311,7 @@ def test_a_node_on_the_network_needs_a_secret_or_insecure(tmp_path: Path, key: P
     assert proc.returncode != 0
     assert "without a cluster secret" in proc.stderr and "--insecure" in proc.stderr
     for extra in (["--insecure"], ["--secret-file", str(key)]):
-        node = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--host", "0.0.0.0", "--port", "0", *extra],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        try:
-            line = ""
-            deadline = time.time() + 30
-            while "listening on" not in line and time.time() < deadline:
-                line = node.stderr.readline()
-            assert "listening on" in line, line
-        finally:
-            node.terminate()
-            node.wait(timeout=30)
+        stop_nodes([start_node(tmp_path, "--host", "0.0.0.0", *extra)])   # it listens (or start_node raises)
 
 
 # ---- launch and Llama -------------------------------------------------------------
@@ -347,7 +337,7 @@ def test_local_nodes_get_a_fresh_secret_per_run(tmp_path: Path, monkeypatch: pyt
 def test_a_cluster_files_secret_reaches_the_nodes_launch_starts(tmp_path: Path, key: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from tbrpc.node_processes import _node_argv
-    from tbrpc.spec import cluster_secret_file, load_specs
+    from tbrpc.cluster_file import cluster_secret_file, load_specs
 
     monkeypatch.delenv("TBRPC_SECRET_FILE", raising=False)
     cluster = tmp_path / "c.toml"

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+from tbrpc import defaults
+from tbrpc.cluster_file import load_cluster_file, load_specs, read_cluster_file
 from tbrpc.node_memory import (
-    FROM_FILE, ClusterError, ClusterNode, NoAnswer, Node, Report, load_cluster_file, make_node, nodes_from_flags,
-    read_cluster_file, size_nodes, with_origin,
+    FROM_FILE, ClusterError, ClusterNode, NoAnswer, Node, Report, make_node, nodes_from_flags, size_nodes, with_origin,
 )
+from tbrpc.spec import endpoint_specs, split_endpoint
 from tbrpc.units import GiB, format_size, parse_size
 
 
@@ -225,7 +228,7 @@ links = {{ s3 = "10.0.34.4" }}
 
 
 def test_links_say_which_cable_each_pair_uses(tmp_path: Path) -> None:
-    from tbrpc.spec import cable_gaps, load_specs
+    from tbrpc.spec import cable_gaps
 
     path = tmp_path / "ring.toml"
     path.write_text(RING.replace("{s3_links}", 'links = { s2 = "10.0.23.3", s4 = "10.0.34.3" }').replace("{{", "{")
@@ -242,3 +245,34 @@ def test_links_say_which_cable_each_pair_uses(tmp_path: Path) -> None:
     path.write_text(RING.replace("{s3_links}", 'links = { s2 = 7 }').replace("{{", "{").replace("}}", "}"))
     with pytest.raises(ClusterError, match='node s3: links must be a table of node name = "address"'):
         load_specs(path)
+
+
+def test_the_idle_timeout_default_is_the_nodes_own() -> None:
+    """`tbrpc node --idle-timeout`'s default (tbrpc/defaults.py) is the figure the node uses for 0,
+    TB_IDLE_MS in the C headers: the two cannot drift apart."""
+    headers = "".join(p.read_text() for p in (Path(__file__).resolve().parent.parent / "ggml_backend").glob("*.h"))
+    m = re.search(r"#define TB_IDLE_MS\s+\((\d+) \* 1000\)", headers)
+    assert m, "TB_IDLE_MS is no longer defined as (seconds * 1000) in ggml_backend/*.h"
+    assert defaults.IDLE_TIMEOUT_S == int(m.group(1))
+
+
+def test_bad_values_name_the_file_the_node_and_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    for line, message in [('port = "x"', "node a: port must be a whole number from 0 to 65535, not 'x'"),
+                          ("port = 70000", "node a: port must be a whole number from 0 to 65535, not 70000"),
+                          ('port = 1\nthreads = "many"', "node a: threads must be a whole number, not 'many'"),
+                          ('port = 1\nkind = "tpu"', "node a: kind must be one of metal, cpu, not 'tpu'")]:
+        path.write_text(f'[[node]]\nname = "a"\nhost = "h"\n{line}\n')
+        with pytest.raises(ClusterError) as bad:
+            load_specs(path)
+        assert str(bad.value) == f"{path}: {message}"
+
+
+def test_endpoints_are_host_colon_port() -> None:
+    assert split_endpoint("10.0.0.2:50052") == ("10.0.0.2", 50052)
+    assert split_endpoint("[::1]:50052") == ("::1", 50052)
+    for bad in ("10.0.0.2", ":50052", "h:port", "h:70000", "h:"):
+        with pytest.raises(ValueError, match=f'expected "host:port", got {re.escape(repr(bad))}'):
+            split_endpoint(bad)
+    with pytest.raises(ClusterError, match='node #2: expected "host:port"'):
+        endpoint_specs(["h:1", "nope"])

@@ -22,7 +22,8 @@ from helpers import ENV, free_port
 
 from tbrpc.doctor import FAIL, OK, WARN, Check, _check_linux, _check_macos, _Node, diagnose, failed, format_checks
 from tbrpc.facts import file_fingerprint, linux_facts, model_identity, sampled_ranges
-from tbrpc.spec import NodeSpec, load_specs
+from tbrpc.cluster_file import load_specs
+from tbrpc.spec import NodeSpec
 from tbrpc.units import format_size
 
 

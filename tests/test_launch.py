@@ -31,9 +31,10 @@ from helpers import (
     start_sshd, with_descendants,
 )
 
+from tbrpc.cluster_file import choose_cluster, load_specs, spec_from_table
 from tbrpc.llama import resolve_cluster
 from tbrpc.node_memory import ClusterError
-from tbrpc.spec import NodeSpec, SshTarget, choose_cluster, load_specs, local_specs, spec_from_table
+from tbrpc.spec import NodeSpec, SshTarget, local_specs
 
 N_TOKENS = 12
 

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 import models
-from helpers import run_head
-from test_split import PROMPT, layer_weight_bytes
+from helpers import PROMPT, layer_weight_bytes, run_head
 
 N_PREDICT = 8
 FILE_MIN = 256 << 10   # client.c: smaller writes are sent, larger ones read from the node's file

@@ -27,7 +27,7 @@ from tbrpc.cli import main as cli_main
 from tbrpc.gguf_model import load_gguf
 from tbrpc.node_memory import make_node
 from tbrpc.plan import PlanError, plan
-from tbrpc.units import MiB, format_size
+from tbrpc.units import format_size
 
 TINY = dict(n_layer=6, n_embd=128, n_vocab=384, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
 # The matrices llama.cpp's meta device cuts (llama_meta_device_get_split_state):
@@ -241,14 +241,21 @@ def _one_process(model: Path, prompt: str, max_tokens: int) -> str:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_launch_split_tensor_matches_one_process(llama_f32: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model_name,split,says", [
+    ("llama-f32", "tensor", ("of every layer", "flash attention")),
+    # tbrpc's own rules for deepseek2, which llama.cpp will not tensor-split
+    ("deepseek2-f32", "ffn", ("of every FFN and expert",)),
+])
+def test_launch_split_matches_one_process(model_name: str, split: str, says: tuple[str, ...], tmp_path: Path) -> None:
+    """`tbrpc launch --split tensor|ffn` over two nodes: the same greedy text as one process."""
+    model = models.ensure(model_name)
     prompt = "The capital of France is"
-    want = _one_process(llama_f32, prompt, 12)
-    launch = start_launch(tmp_path, "--gguf", str(llama_f32), "--local", "2", "--ctx", "256", "--split", "tensor",
+    want = _one_process(model, prompt, 12)
+    launch = start_launch(tmp_path, "--gguf", str(model), "--local", "2", "--ctx", "256", "--split", split,
                           "--prompt", prompt, "--max-tokens", "12")
     assert launch.finish(timeout=180) == 0, launch.stderr
     assert launch.stdout == want + "\n"
-    assert "of every layer" in launch.stderr and "flash attention" in launch.stderr, launch.stderr
+    assert all(words in launch.stderr for words in says), launch.stderr
     assert_gone(launch.node_pids())
 
 
@@ -435,20 +442,6 @@ def test_ffn_plan_matches_what_nodes_allocate(n_nodes: int, ctx: int, nodes: Any
     for i, (n, allocated) in enumerate(zip(p.nodes, result["allocated_after_load"])):
         planned = n.total_bytes - p.tensor.reduce_buffer_bytes - p.tensor.scratch_bytes[i]
         assert 0 <= planned - allocated <= max(0.03 * allocated, 512 * 1024), (n.name, planned, allocated)
-
-
-def test_launch_split_ffn_runs_deepseek2_across_nodes(tmp_path: Path) -> None:
-    """`--split ffn` (tbrpc's own rules) runs deepseek2, which llama.cpp will
-    not tensor-split, over two nodes: the same greedy text as one process."""
-    model = models.ensure("deepseek2-f32")
-    prompt = "The capital of France is"
-    want = _one_process(model, prompt, 12)
-    launch = start_launch(tmp_path, "--gguf", str(model), "--local", "2", "--ctx", "256", "--split", "ffn",
-                          "--prompt", prompt, "--max-tokens", "12")
-    assert launch.finish(timeout=180) == 0, launch.stderr
-    assert launch.stdout == want + "\n"
-    assert "of every FFN and expert" in launch.stderr, launch.stderr
-    assert_gone(launch.node_pids())
 
 
 def test_the_page_shows_each_nodes_share_of_a_tensor_split(llama_f32: Path, tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -21,88 +20,9 @@ import pytest
 
 import tbrpc
 from tbrpc.native import load
+from wire import GGML_TENSOR_FLAG_COMPUTE, Wire, ggml_op_index, graph, header, node_workers, pack, ready, tensor
 
 ffi, lib = load()
-GGML_TENSOR_FLAG_COMPUTE = 16  # ggml.h: nodes without it are skipped by the CPU backend
-
-
-def pack(ctype: str, **fields: Any) -> bytes:
-    obj = ffi.new(f"{ctype} *", fields)
-    return bytes(ffi.buffer(obj))
-
-
-def header(cmd: int, payload_len: int, req_id: int = 1, magic: int | None = None) -> bytes:
-    return pack("struct tb_header", magic=lib.TB_MAGIC if magic is None else magic, cmd=cmd, flags=0, id=req_id,
-                len=payload_len)
-
-
-class Wire:
-    """A raw client connection to a node."""
-
-    def __init__(self, endpoint: str) -> None:
-        host, port = endpoint.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.next_id = 1
-
-    def send(self, cmd: int, payload: bytes = b"") -> int:
-        self.next_id += 1
-        self.sock.sendall(header(cmd, len(payload), self.next_id) + payload)
-        return self.next_id
-
-    def reply(self) -> tuple[int, bytes]:
-        """(status, body) of the next reply, skipping keepalives."""
-        while True:
-            raw = self._exactly(ffi.sizeof("struct tb_header"))
-            _magic, cmd, flags, _id, length = struct.unpack("<IHHQQ", raw)
-            if cmd != lib.TB_CMD_KEEPALIVE:
-                break
-        assert flags & 1, "expected a reply"
-        body = self._exactly(length)
-        status = struct.unpack("<i", body[:4])[0]
-        return status, body[8:]
-
-    def closed(self, timeout: float = 60) -> bool:
-        """True when the node closes the connection (keepalives before that are fine)."""
-        self.sock.settimeout(timeout)
-        try:
-            while True:
-                raw = self.sock.recv(ffi.sizeof("struct tb_header"), socket.MSG_WAITALL)
-                if not raw:
-                    return True
-                if struct.unpack("<IHHQQ", raw)[1] != lib.TB_CMD_KEEPALIVE:
-                    return False
-        except ConnectionResetError:
-            return True
-
-    def _exactly(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError("node closed the connection")
-            data += chunk
-        return data
-
-    def hello(self, **abi_changes: int) -> tuple[int, bytes]:
-        hello = ffi.new("struct tb_hello *")
-        lib.tb_abi_fill(ffi.addressof(hello.abi))
-        for key, value in abi_changes.items():
-            setattr(hello.abi, key, value)
-        self.send(lib.TB_CMD_HELLO, bytes(ffi.buffer(hello)))
-        return self.reply()
-
-    def alloc(self, size: int) -> int:
-        self.send(lib.TB_CMD_ALLOC_BUFFER, pack("struct tb_alloc_req", size=size))
-        status, body = self.reply()
-        assert status == 0, body
-        return struct.unpack("<Q", body[:8])[0]
-
-    def sync_error(self) -> str:
-        """Send SYNC; return the sticky error of earlier posted requests ('' if none)."""
-        self.send(lib.TB_CMD_SYNC)
-        status, body = self.reply()
-        return body.decode(errors="replace") if status else ""
-
 
 @pytest.fixture
 def node(nodes: Any) -> Any:
@@ -112,31 +32,6 @@ def node(nodes: Any) -> Any:
     assert started.proc.poll() is None, "node process died"
     info, status = tbrpc.probe(started.endpoint, timeout=5)
     assert info.node_device
-
-
-def ready(node: Any) -> Wire:
-    w = Wire(node.endpoint)
-    status, body = w.hello()
-    assert status == 0, body
-    return w
-
-
-def tensor(**fields: Any) -> Any:
-    t = ffi.new("struct tb_wire_tensor *")
-    t.type = 0  # F32
-    t.ne = [4, 1, 1, 1]
-    t.nb = [4, 16, 16, 16]
-    t.src = [-1] * 10
-    t.view_src = -1
-    for key, value in fields.items():
-        setattr(t, key, value)
-    return t
-
-
-def graph(tensors: list[Any], nodes_idx: list[int]) -> bytes:
-    body = pack("struct tb_graph_header", n_tensors=len(tensors), n_nodes=len(nodes_idx))
-    body += b"".join(bytes(ffi.buffer(t)) for t in tensors)
-    return body + struct.pack(f"<{len(nodes_idx)}I", *nodes_idx)
 
 
 # ---- handshake ------------------------------------------------------------------
@@ -317,7 +212,7 @@ def bad_graphs(handle: int) -> dict[str, tuple[bytes, str]]:
         "forward source": (graph([tensor(**ok, src=[1] + [-1] * 9), tensor(**ok)], [0]), "not an earlier tensor"),
         "invalid type": (graph([tensor(**ok, type=200)], [0]), "invalid type 200"),
         "invalid op": (graph([tensor(**ok, op=100000)], [0]), "op 100000 is not allowed"),
-        "custom op (host function pointer)": (graph([tensor(**ok, op=_ggml_op_index("CUSTOM"))], [0]), "is not allowed"),
+        "custom op (host function pointer)": (graph([tensor(**ok, op=ggml_op_index("CUSTOM"))], [0]), "is not allowed"),
         "negative shape": (graph([tensor(**ok, ne=[-4, 1, 1, 1])], [0]), "out of range"),
         "size overflow": (graph([tensor(**ok, ne=[2**40, 2**40, 1, 1], nb=[4, 2**44, 2**50, 2**50])], [0]), "overflows"),
         "data outside buffer": (graph([tensor(buffer=handle, offset=4090)], [0]), "outside its"),
@@ -327,20 +222,6 @@ def bad_graphs(handle: int) -> dict[str, tuple[bytes, str]]:
         "count mismatch": (pack("struct tb_graph_header", n_tensors=1000, n_nodes=1), "need"),
         "too many tensors": (pack("struct tb_graph_header", n_tensors=2**31, n_nodes=1), "out of range"),
     }
-
-
-def _ggml_op_index(name: str) -> int:
-    import ctypes
-
-    import llama_cpp.llama_cpp as llama_lib
-
-    op_name = llama_lib._lib.ggml_op_name
-    op_name.restype = ctypes.c_char_p
-    op_name.argtypes = [ctypes.c_int]
-    for i in range(200):
-        if op_name(i) == name.encode():
-            return i
-    raise LookupError(name)
 
 
 @pytest.mark.parametrize("case", list(bad_graphs(1)))
@@ -375,12 +256,12 @@ def test_graph_breaking_an_op_contract_is_refused_and_a_dying_worker_ends_only_t
     handle = w.alloc(4096)
     a = tensor(buffer=handle, offset=0, ne=[4, 1, 1, 1], nb=[4, 16, 16, 16])
     b = tensor(buffer=handle, offset=64, ne=[8, 1, 1, 1], nb=[4, 32, 32, 32])
-    copy = tensor(buffer=handle, offset=64, ne=[8, 1, 1, 1], nb=[4, 32, 32, 32], op=_ggml_op_index("CPY"),
+    copy = tensor(buffer=handle, offset=64, ne=[8, 1, 1, 1], nb=[4, 32, 32, 32], op=ggml_op_index("CPY"),
                   src=[0, 1] + [-1] * 8, flags=GGML_TENSOR_FLAG_COMPUTE)
     w.send(lib.TB_CMD_GRAPH_COMPUTE, graph([a, b, copy], [2]))
     error = w.sync_error()
     assert "tensor 2 (CPY" in error and "source has 4 elements, destination 8" in error, error
-    os.kill(max(_workers(node)), signal.SIGABRT)   # the later worker (higher pid) is w's
+    os.kill(max(node_workers(node)), signal.SIGABRT)   # the later worker (higher pid) is w's
     assert w.closed()
     deadline = time.time() + 60
     while "died with signal 6" not in node.log_text() and time.time() < deadline:
@@ -393,7 +274,7 @@ def test_graph_breaking_an_op_contract_is_refused_and_a_dying_worker_ends_only_t
 def test_alloc_size_is_the_devices_answer(node: Any) -> None:
     w = ready(node)
     x = tensor(ne=[64, 9, 1, 1], nb=[4, 256, 2304, 2304])
-    sorted_ = tensor(type=26, ne=[64, 9, 1, 1], nb=[4, 256, 2304, 2304], op=_ggml_op_index("ARGSORT"),
+    sorted_ = tensor(type=26, ne=[64, 9, 1, 1], nb=[4, 256, 2304, 2304], op=ggml_op_index("ARGSORT"),
                      src=[0] + [-1] * 9)   # type 26: I32
     w.send(lib.TB_CMD_GET_ALLOC_SIZE, graph([x, sorted_], []))
     status, body = w.reply()
@@ -404,7 +285,7 @@ def test_supports_op_is_the_devices_answer(node: Any) -> None:
     """The CPU multiplies Q4_K weights by F32 or Q8_K rows, not by Q4_0 ones."""
     q4_k, q4_0, f32 = 12, 2, 0   # enum ggml_type
     weights = tensor(type=q4_k, ne=[256, 4, 1, 1], nb=[144, 144, 576, 576])
-    mul_mat = _ggml_op_index("MUL_MAT")
+    mul_mat = ggml_op_index("MUL_MAT")
     answers = []
     for rows_type, block_bytes, row_bytes in ((f32, 4, 1024), (q4_0, 18, 144)):
         rows = tensor(type=rows_type, ne=[256, 3, 1, 1], nb=[block_bytes, row_bytes, 3 * row_bytes, 3 * row_bytes])
@@ -426,11 +307,6 @@ def test_a_cpu_node_says_so_at_hello(node: Any) -> None:
 
 
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="madvise(MADV_HUGEPAGE) is Linux's")
-def _workers(node: Any) -> list[int]:
-    return [int(pid) for task in Path(f"/proc/{node.proc.pid}/task").iterdir()
-            for pid in (task / "children").read_text().split()]
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds workers through /proc")
 def test_a_spawned_worker_does_not_outlive_its_node(nodes: Any) -> None:
     """Spawned workers have no PR_SET_PDEATHSIG (macOS has none): they watch a
@@ -438,7 +314,7 @@ def test_a_spawned_worker_does_not_outlive_its_node(nodes: Any) -> None:
     node = nodes(1, "--isolation", "spawn")[0]
     w = ready(node)
     w.alloc(1 << 20)
-    (worker,) = _workers(node)
+    (worker,) = node_workers(node)
     cmdline = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
     assert any(b"tbrpc._worker" in arg for arg in cmdline), cmdline
     inherited = sorted(int(fd.name) for fd in Path(f"/proc/{worker}/fd").iterdir())
@@ -463,7 +339,7 @@ def test_host_buffers_ask_for_huge_pages(node: Any) -> None:
     status, body = w.reply()
     assert status == 0, body
     _handle, _base, size = struct.unpack("<QQQ", body[:24])   # base is synthetic: find the buffer by its size
-    workers = _workers(node)
+    workers = node_workers(node)
     assert len(workers) == 1, workers
     flagged = []
     for line in Path(f"/proc/{workers[0]}/smaps").read_text().splitlines():
@@ -487,7 +363,7 @@ def test_a_node_keeps_graphs_in_the_slots_named(node: Any) -> None:
     """Two graphs kept in two slots run again by slot, each its own."""
     w = ready(node)
     handle = w.alloc(4096)
-    sqr = _ggml_op_index("SQR")
+    sqr = ggml_op_index("SQR")
     x = tensor(buffer=handle, offset=0)
     for slot, out_offset in ((0, 64), (5, 128)):
         y = tensor(buffer=handle, offset=out_offset, op=sqr, src=[0] + [-1] * 9, flags=GGML_TENSOR_FLAG_COMPUTE)
@@ -714,7 +590,7 @@ def test_a_graph_stops_when_its_client_goes(node: Any) -> None:
     w = ready(node)
     n = 1024
     handle = w.alloc(3 * n * n * 4)
-    mul_mat = _ggml_op_index("MUL_MAT")
+    mul_mat = ggml_op_index("MUL_MAT")
     square = dict(buffer=handle, ne=[n, n, 1, 1], nb=[4, 4 * n, 4 * n * n, 4 * n * n])
     tensors = [tensor(**square, offset=0), tensor(**square, offset=4 * n * n)]   # W, x0
     for i in range(2000):   # x(i+1) = W x(i), in two alternating places: minutes of one thread's work

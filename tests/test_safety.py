@@ -11,19 +11,16 @@ make the same property fail. The rest speaks the wire to a running node.
 from __future__ import annotations
 
 import os
-import signal
 import struct
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tbrpc._build import build_program
-from test_protocol import GGML_TENSOR_FLAG_COMPUTE, _ggml_op_index, _workers, graph, pack, ready, tensor
-
 from tbrpc.native import load
+from wire import GGML_TENSOR_FLAG_COMPUTE, ggml_op_index, graph, node_workers, pack, ready, tensor
 
 ffi, lib = load()
 
@@ -101,7 +98,7 @@ def test_alloc_buffer_reply_carries_no_address(nodes: Any) -> None:
     # synthetic: the documented sequence, identical for every client and worker
     assert bases[0] == TB_FAKE_BASE
     assert all(b % TB_FAKE_BASE_GAP == 0 for b in bases) and len(set(bases)) == 3
-    maps = Path(f"/proc/{_workers(node)[0]}/maps").read_text() if Path("/proc").exists() else ""
+    maps = Path(f"/proc/{node_workers(node)[0]}/maps").read_text() if Path("/proc").exists() else ""
     for line in maps.splitlines():
         lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
         assert not any(lo <= b < hi for b in bases), line
@@ -128,7 +125,7 @@ def test_repeated_node_indices_are_refused(nodes: Any) -> None:
     w = ready(node)
     h = w.alloc(4096)
     a = tensor(buffer=h, offset=0)
-    s = tensor(buffer=h, offset=64, op=_ggml_op_index("SQR"), src=[0] + [-1] * 9, flags=GGML_TENSOR_FLAG_COMPUTE)
+    s = tensor(buffer=h, offset=64, op=ggml_op_index("SQR"), src=[0] + [-1] * 9, flags=GGML_TENSOR_FLAG_COMPUTE)
     w.send(lib.TB_CMD_GRAPH_COMPUTE, graph([a, s], [1] * 1000))
     error = w.sync_error()
     assert "node 1 repeats tensor 1" in error, error
@@ -142,7 +139,7 @@ def test_a_worker_can_write_only_its_own_counters(nodes: Any, isolation: str) ->
     node = nodes(1, "--isolation", isolation)[0]
     w = ready(node)
     w.alloc(4096)
-    (worker,) = _workers(node)
+    (worker,) = node_workers(node)
     table = [line for line in Path(f"/proc/{worker}/maps").read_text().splitlines() if "/tbrpc-" in line]
     assert table, "the status table is not mapped"
     writable = [line for line in table if line.split()[1].startswith("rw")]
@@ -166,7 +163,7 @@ def test_scratch_shrinks_after_a_large_message(nodes: Any) -> None:
     node = nodes(1, "--isolation", "process")[0]
     w = ready(node)
     w.alloc(4096)
-    (worker,) = _workers(node)
+    (worker,) = node_workers(node)
 
     def rss() -> int:
         return int(next(line for line in Path(f"/proc/{worker}/status").read_text().splitlines()
@@ -194,13 +191,13 @@ def test_thread_isolation_survives_a_null_source(nodes: Any) -> None:
     w = ready(node)
     h = w.alloc(4096)
     a = tensor(buffer=h, offset=0, ne=[4, 2, 1, 1], nb=[4, 16, 32, 32])
-    mm = tensor(buffer=h, offset=256, ne=[2, 1, 1, 1], nb=[4, 8, 8, 8], op=_ggml_op_index("MUL_MAT"),
+    mm = tensor(buffer=h, offset=256, ne=[2, 1, 1, 1], nb=[4, 8, 8, 8], op=ggml_op_index("MUL_MAT"),
                 src=[0] + [-1] * 9, flags=GGML_TENSOR_FLAG_COMPUTE)
     w.send(lib.TB_CMD_GRAPH_COMPUTE, graph([a, mm], [1]))
     error = w.sync_error()
     assert "tensor 1 (MUL_MAT" in error and "source 1 is missing" in error, error
     shapes_only = [tensor(ne=[4, 2, 1, 1], nb=[4, 16, 32, 32]),
-                   tensor(ne=[2, 1, 1, 1], nb=[4, 8, 8, 8], op=_ggml_op_index("MUL_MAT"), src=[0] + [-1] * 9)]
+                   tensor(ne=[2, 1, 1, 1], nb=[4, 8, 8, 8], op=ggml_op_index("MUL_MAT"), src=[0] + [-1] * 9)]
     w.send(lib.TB_CMD_SUPPORTS_OP, graph(shapes_only, []))
     assert w.reply() == (0, b"\x00")
     assert node.proc.poll() is None

@@ -11,26 +11,16 @@ all three models; see docs/architecture.md).
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 
 import models
-from helpers import run_head
+from helpers import PROMPT, layer_weight_bytes, run_head
 
-PROMPT = "The capital of France is"
 N_PREDICT = 12
-
-
-@cache
-def layer_weight_bytes(model: Path) -> int:
-    """Bytes of all repeating-layer tensors (blk.*), which must all be offloaded."""
-    reader = gguf.GGUFReader(model)
-    return sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk."))
 
 
 @pytest.fixture(scope="module")

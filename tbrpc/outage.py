@@ -1,0 +1,254 @@
+"""A serving ``tbrpc launch`` through a node's failure: it waits for the node, then reloads.
+
+When a node fails while the HTTP API is served, the server stays up:
+
+1. every request for the model gets ``503`` with a JSON error naming the
+   node and saying the server waits for it (``Retry-After`` too); requests
+   that were running when it failed get the same answer (a stream already
+   under way ends without ``[DONE]``: its 200 was sent before the failure);
+   ``/tbrpc``, its JSON, ``/metrics`` and ``/v1/models`` keep answering and
+   say what the server waits for (``tbrpc status`` shows it as well);
+2. the model is freed (its buffers on the nodes that survive, and on this
+   machine), which is also what lets the failed node's device reconnect;
+3. a node process the launch started itself (``--local N``, ``start =
+   "local"`` or ``"ssh"``) that exited is started again on the port it had;
+   any other node is probed at its endpoint, with a backoff from
+   ``FIRST_PROBE_S`` to ``MAX_PROBE_S`` between tries;
+4. once every failed node answers the handshake, the head reconnects to it
+   (the same ggml device, a fresh session) and loads the model again with
+   the same plan (the plan is made from what the nodes said when the launch
+   started them, which has not changed), then serves again.
+
+A node that never returns is waited for as long as the launch runs; Ctrl-C
+or SIGTERM stops it as usual. Each step is logged on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tbrpc.client import cluster as client_cluster
+from tbrpc.client import default_transport
+from tbrpc.native import TbrpcError
+from tbrpc.node_processes import LaunchError, Nodes, answers, head_secret_file
+
+WATCH_EVERY_S = 0.5         # how often the server looks for a failed node
+FIRST_PROBE_S = 0.5         # the first wait between two probes of a failed node; it doubles ...
+MAX_PROBE_S = 5.0           # ... up to this
+PROBE_TIMEOUT_S = 1.0
+STILL_WAITING_EVERY_S = 60.0   # how often the log says it still waits
+RETRY_AFTER_S = 5
+MODEL_PATHS = ("/v1/", "/extras/")   # routes that use the model get 503 while it is away ...
+ALWAYS_ANSWERED = ("/v1/models",)    # ... except this one
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Reload = Callable[[Callable[[], bool]], Any]   # reload(aborted) -> a loaded model
+
+
+class ModelAway(TbrpcError):
+    """A request reached the model while it was freed, waiting for a node (answered with 503)."""
+
+
+@dataclass
+class Outage:
+    """What the server waits for: the failed nodes and the step it is at."""
+
+    nodes: list[str]            # "local1 (127.0.0.1:40123)"
+    error: str                  # what failed, as the head saw it
+    since: float = field(default_factory=time.time)
+    state: str = "waiting"      # "waiting" for the nodes, "restarting" one, "reloading" the model
+    probes: int = 0
+    last_probe: str = ""        # why the last probe failed
+
+    def message(self) -> str:
+        names = ", ".join(self.nodes)
+        what = {"waiting": "waiting for it to answer again, then the model reloads",
+                "restarting": "restarting it, then the model reloads",
+                "reloading": "it answers again; the model is reloading"}[self.state]
+        return f"node {names} failed: {self.error}; {what}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"nodes": list(self.nodes), "error": self.error, "since": self.since, "state": self.state,
+                "probes": self.probes, "last_probe": self.last_probe or None, "message": self.message()}
+
+
+class Serving:
+    """The model a serving launch answers with, and what it does while a node is gone.
+
+    `reload(aborted)` loads the model again on the same nodes (the launch's
+    own load; `aborted()` turns true when the server stops). `head_model` is
+    what restarted local nodes may read weights from."""
+
+    def __init__(self, llm: Any, nodes: Nodes, reload: Reload, say: Callable[[str], None],
+                 head_model: str | None = None) -> None:
+        self.llm: Any = llm        # None while the model is freed
+        self.shown: Any = llm      # the last model loaded: what the page describes meanwhile
+        self.outage: Outage | None = None
+        self.nodes = nodes
+        self._reload = reload
+        self._say = say
+        self._head_model = head_model
+        self.stopping = threading.Event()
+
+    def model(self) -> Any:
+        """The loaded model; ModelAway while it waits for a node."""
+        llm, outage = self.llm, self.outage
+        if llm is None or outage is not None:
+            raise ModelAway(outage.message() if outage else "the model is not loaded")
+        return llm
+
+    def unavailable(self) -> str | None:
+        """Why the model cannot answer now (a failed node, or the wait for one), else None."""
+        if self.outage is not None:
+            return self.outage.message()
+        failed = self.nodes.failed()   # before the watcher noticed: what it is about to do
+        return self._outage(failed).message() if failed else None
+
+    def close(self) -> None:
+        self.stopping.set()
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
+
+    async def watch(self, model_lock: Callable[[], Any]) -> None:
+        """Run beside the server until cancelled: notice a failed node and see the server through it.
+        `model_lock()`: the async context manager requests hold while they use the model."""
+        while not self.stopping.is_set():
+            await asyncio.sleep(WATCH_EVERY_S)
+            failed = await asyncio.to_thread(self.nodes.failed)
+            if failed:
+                await self._through(failed, model_lock)
+
+    def _outage(self, failed: dict[int, str]) -> Outage:
+        names = {i: f"{self.nodes.specs[i].name} ({self.nodes.endpoints[i]})" for i in failed}
+        restart = any((n := self.nodes.started_here(i)) is not None and not n.alive() for i in failed)
+        return Outage([names[i] for i in sorted(failed)],
+                      "; ".join(failed[i].removeprefix(f"node {names[i]}: ") for i in sorted(failed)),
+                      state="restarting" if restart else "waiting")
+
+    def _reconnect(self, indices: list[int]) -> None:
+        """The failed nodes' devices connect again (the model that used them is freed by now)."""
+        for i in indices:
+            client_cluster().reconnect(self.nodes.endpoints[i], self.nodes.specs[i].transport or default_transport())
+
+    async def _through(self, failed: dict[int, str], model_lock: Callable[[], Any]) -> None:
+        indices = sorted(failed)
+        self.outage = self._outage(failed)
+        self._say(f"{self.outage.message()}; requests get 503 meanwhile")
+        async with model_lock():   # wait for requests still in the model (they fail: the node is gone)
+            old, self.llm = self.llm, None
+            if old is not None:
+                await asyncio.to_thread(old.close)
+        self._say("model freed on the nodes that are left and on this machine")
+        while True:
+            for i in indices:
+                if not await self._until_back(i):
+                    return   # the server stops
+            self.outage.state = "reloading"
+            self._say(f"node {', '.join(self.outage.nodes)}: answers again; reconnecting and reloading the model "
+                      "with the same plan")
+            started = time.monotonic()
+            try:
+                async with model_lock():
+                    await asyncio.to_thread(self._reconnect, indices)
+                    llm = await asyncio.to_thread(self._reload, self.stopping.is_set)
+                    self.llm = self.shown = llm
+            except (TbrpcError, ValueError) as exc:   # a node failed again: wait again
+                if self.stopping.is_set():
+                    return
+                failed = await asyncio.to_thread(self.nodes.failed) or {i: f"reload failed: {exc}" for i in indices}
+                indices = sorted(failed)
+                self.outage = self._outage(failed)
+                self._say(f"{self.outage.message()}")
+                continue
+            self.outage = None
+            self._say(f"model reloaded in {time.monotonic() - started:.1f} s; serving again")
+            return
+
+    async def _until_back(self, index: int) -> bool:
+        """Restart node `index` if this launch started it and its process exited; else probe it with a
+        backoff until it answers the handshake. False: the server stops meanwhile."""
+        assert self.outage is not None
+        spec, endpoint = self.nodes.specs[index], self.nodes.endpoints[index]
+        wait, last_said = FIRST_PROBE_S, time.monotonic()
+        while not self.stopping.is_set():
+            running = self.nodes.started_here(index)
+            if running is not None and not running.alive():
+                self.outage.state = "restarting"
+                self._say(f"node {spec.name} ({endpoint}): restarting it (its process exited with code "
+                          f"{running.proc.returncode}); old log: {running.log_path}.1")
+                try:
+                    await asyncio.to_thread(self.nodes.restart, index, self._head_model)
+                    self._say(f"node {spec.name} ({endpoint}): restarted")
+                    return True
+                except LaunchError as exc:
+                    self.outage.last_probe = str(exc)
+                    self._say(f"node {spec.name}: restart failed ({exc}); trying again in {wait:.1f} s")
+            else:
+                self.outage.state = "waiting"
+                info, why = await asyncio.to_thread(answers, endpoint, PROBE_TIMEOUT_S, head_secret_file(spec))
+                self.outage.probes += 1
+                if info is not None:
+                    return True
+                self.outage.last_probe = str(why)
+                if self.outage.probes == 1 or time.monotonic() - last_said >= STILL_WAITING_EVERY_S:
+                    last_said = time.monotonic()
+                    self._say(f"node {spec.name} ({endpoint}): waiting for it ({self.outage.probes} probe(s), "
+                              f"last: {why}); Ctrl-C stops the server")
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, MAX_PROBE_S)
+        return False
+
+
+def error_body(message: str) -> bytes:
+    """The JSON a refused request gets (the shape of llama-cpp-python's own errors, plus the reason)."""
+    return json.dumps({"error": {"message": message, "type": "node_unavailable", "code": 503}}).encode()
+
+
+class OutageGuard:
+    """ASGI middleware: while the server waits for a node, requests for the model get 503 naming it;
+    a request that fails because a node failed under it (llama-cpp-python's 500) gets the same."""
+
+    def __init__(self, app: ASGIApp, serving: Serving) -> None:
+        self.app = app
+        self.serving = serving
+
+    async def _refuse(self, send: Send, message: str) -> None:
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", str(RETRY_AFTER_S).encode())]})
+        await send({"type": "http.response.body", "body": error_body(message)})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith(MODEL_PATHS) or path in ALWAYS_ANSWERED:
+            await self.app(scope, receive, send)
+            return
+        why = await asyncio.to_thread(self.serving.unavailable)   # also a failure the watcher is yet to see
+        if why:
+            await self._refuse(send, why)
+            return
+        replaced = False
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal replaced
+            if message["type"] == "http.response.start" and int(message["status"]) >= 500:
+                why = await asyncio.to_thread(self.serving.unavailable)
+                if why:
+                    replaced = True
+                    await self._refuse(send, why)
+                    return
+            if not replaced:
+                await send(message)
+
+        await self.app(scope, receive, guarded_send)
+

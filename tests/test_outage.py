@@ -1,0 +1,194 @@
+"""A serving `tbrpc launch` through a node's failure (tbrpc/outage.py): real nodes, kill -9.
+
+While a node is gone every request for the model gets 503 naming it, at
+once (never a hang); the page, its JSON and `tbrpc status` say what the
+server waits for; when the node answers again (restarted by hand, or by
+launch for a node it started) the model reloads and answers with the tokens
+of one plain process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import models
+from helpers import (
+    ENV, PROMPT, Launch, assert_gone, baseline, http_json, http_stream, start_launch, start_node, stop_nodes,
+    with_descendants,
+)
+
+N_TOKENS = 12
+BODY = {"prompt": PROMPT, "max_tokens": N_TOKENS, "temperature": 0, "repeat_penalty": 1.0}
+OUTAGE_ANSWER_S = 10.0   # a generous bound for "at once": a hang would be the request timeout
+
+
+@cache
+def expected_text() -> str:
+    return str(baseline(models.ensure("llama"), PROMPT, N_TOKENS)["text"])
+
+
+def refused(url: str, body: dict[str, Any] | None) -> tuple[int, dict[str, str], dict[str, Any], float]:
+    """(status, headers, JSON body, seconds) of a request the server refuses."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            raise AssertionError(f"{url} answered {answer.status}: {answer.read()[:300]!r}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, json.loads(exc.read()), time.monotonic() - started
+
+
+def completion(base: str) -> str:
+    return str(http_json(f"{base}/completions", BODY)["choices"][0]["text"])
+
+
+def status_text(tmp_path: Path, env: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    return done.stdout
+
+
+def stop(launch: Launch) -> None:
+    launch.proc.send_signal(signal.SIGINT)
+    assert launch.finish() == 0, launch.stderr
+
+
+def test_waits_for_a_node_started_by_hand_then_reloads(tmp_path: Path) -> None:
+    want = expected_text()
+    first, second = start_node(tmp_path), start_node(tmp_path)
+    started = [first, second]
+    cluster = tmp_path / "two.toml"
+    cluster.write_text("".join(f'[[node]]\nname = "n{i}"\nhost = "127.0.0.1"\nport = {n.port}\nstart = "manual"\n\n'
+                               for i, n in enumerate(started)))
+    env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    try:
+        with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster), "--ctx", "256",
+                          "--port", "0", env=env) as launch:
+            base = launch.http_base()
+            root = base.removesuffix("/v1")
+            assert completion(base) == want
+
+            second.proc.kill()   # kill -9; the head learns of it from the next request: one in flight, whose 500 becomes the 503
+            second.proc.wait()
+            for body, path in ((BODY, "completions"), ({**BODY, "stream": True}, "completions"),
+                               ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, "chat/completions")):
+                code, headers, answer, seconds = refused(f"{base}/{path}", body)
+                assert code == 503 and seconds < OUTAGE_ANSWER_S, (code, seconds, answer)
+                assert answer["error"]["type"] == "node_unavailable", answer
+                assert f"node n1 (127.0.0.1:{second.port})" in answer["error"]["message"], answer
+                assert "waiting for it" in answer["error"]["message"], answer
+                assert headers.get("retry-after") == "5", headers
+            launch.wait_for(r"node n1 \(127\.0\.0\.1:\d+\) failed: .*requests get 503 meanwhile")
+            launch.wait_for(r"model freed")
+            assert [m["id"] for m in http_json(f"{base}/models")["data"]]   # what needs no model still answers
+            page = http_json(f"{root}/tbrpc/status.json")
+            assert page["waiting"]["nodes"] == [f"n1 (127.0.0.1:{second.port})"], page["waiting"]
+            assert page["waiting"]["state"] == "waiting" and page["waiting"]["probes"] >= 1, page["waiting"]
+            assert "tbrpc_waiting_for_node 1.0" in urllib.request.urlopen(f"{root}/metrics", timeout=30).read().decode()
+            shown = status_text(tmp_path, env)
+            assert f"503 to every request: node n1 (127.0.0.1:{second.port}) failed" in shown, shown
+
+            again = start_node(tmp_path, "--port", str(second.port))   # the node returns on its endpoint
+            started.append(again)
+            launch.wait_for(r"node n1 \(127\.0\.0\.1:\d+\): answers again; reconnecting and reloading")
+            launch.wait_for(r"model reloaded in [\d.]+ s; serving again")
+            assert completion(base) == want
+            chunks = http_stream(f"{base}/completions", {**BODY, "stream": True})
+            assert "".join(c["choices"][0]["text"] for c in chunks) == want
+            assert http_json(f"{root}/tbrpc/status.json")["waiting"] is None
+            assert "503 to every request" not in status_text(tmp_path, env)
+            stop(launch)
+    finally:
+        stop_nodes([n for n in started if n.proc.poll() is None])
+
+
+def test_restarts_a_node_it_started(tmp_path: Path) -> None:
+    want = expected_text()
+    with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256",
+                      "--port", "0") as launch:
+        base = launch.http_base()
+        assert completion(base) == want
+        before = launch.node_pids()
+        old_tree = with_descendants([before[1]])
+        os.kill(before[1], signal.SIGKILL)
+        launch.wait_for(r"node local1 \(127\.0\.0\.1:\d+\): restarting it \(its process exited with code -9\)")
+        launch.wait_for(r"model reloaded in [\d.]+ s; serving again")
+        assert_gone(old_tree)
+        after = launch.node_pids()
+        assert after[0] == before[0] and after[1] != before[1], (before, after)
+        assert (launch.log_dir / "local1.log.1").exists()   # the dead node's log, kept
+        assert completion(base) == want
+        pids = with_descendants(after)
+        stop(launch)
+        assert_gone(pids)
+
+
+def test_requests_in_flight_get_the_error_and_a_node_that_never_returns_is_waited_for(tmp_path: Path) -> None:
+    """Gemma (slow enough to kill a node mid-answer): a stream under way ends without [DONE], a plain
+    request under way gets the 503; with the node gone for good launch keeps waiting until Ctrl-C."""
+    first, second = start_node(tmp_path), start_node(tmp_path)
+    started = [first, second]
+    cluster = tmp_path / "two.toml"
+    cluster.write_text("".join(f'[[node]]\nname = "n{i}"\nhost = "127.0.0.1"\nport = {n.port}\nstart = "manual"\n\n'
+                               for i, n in enumerate(started)))
+    long = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+    try:
+        with start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--cluster", str(cluster), "--ctx", "256",
+                          "--port", "0") as launch:
+            base = launch.http_base()
+            root = base.removesuffix("/v1")
+            request = urllib.request.Request(f"{base}/completions", data=json.dumps({**long, "stream": True}).encode(),
+                                             headers={"Content-Type": "application/json"})
+            lines = []
+            with urllib.request.urlopen(request, timeout=60) as stream:
+                lines.append(stream.readline())       # the first event: generation is under way
+                second.proc.kill()
+                second.proc.wait()
+                started_at = time.monotonic()
+                lines.extend(stream)                  # the rest, until the server ends the stream
+            assert time.monotonic() - started_at < 60
+            events = [line for line in lines if line.startswith(b"data: ")]
+            assert 1 <= len(events) < long["max_tokens"] and b"data: [DONE]" not in b"".join(lines), lines[-3:]
+            launch.wait_for(r"model freed")
+
+            again = start_node(tmp_path, "--port", str(second.port))
+            started.append(again)
+            launch.wait_for(r"serving again")
+            answer: dict[str, Any] = {}
+
+            def ask() -> None:
+                answer["refused"] = refused(f"{base}/completions", long)
+
+            asking = threading.Thread(target=ask)
+            asking.start()
+            deadline = time.monotonic() + 60
+            while http_json(f"{root}/tbrpc/status.json")["requests"]["in_flight"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.5)                           # into the generation
+            again.proc.kill()
+            again.proc.wait()
+            asking.join(timeout=60)
+            code, _, body, _ = answer["refused"]
+            assert code == 503 and f"node n1 (127.0.0.1:{second.port})" in body["error"]["message"], body
+
+            launch.wait_for(r"node n1 \(127\.0\.0\.1:\d+\): waiting for it \(1 probe")   # it never comes back
+            time.sleep(2 * 0.5 + 1.0)                 # several probes later: still waiting, still answering 503
+            assert refused(f"{base}/completions", long)[0] == 503
+            assert http_json(f"{root}/tbrpc/status.json")["waiting"]["probes"] >= 2
+            stop(launch)
+            assert "stopping (SIGINT)" in launch.stderr
+    finally:
+        stop_nodes([n for n in started if n.proc.poll() is None])
