@@ -74,7 +74,7 @@ struct tbrpc_client {
     struct client_node ** nodes;
     size_t n_nodes, cap_nodes;
     bool   registered;
-    struct head_file { char path[4096]; int ok; struct tb_file_identity identity; } * head_files;  // identities, computed once
+    struct head_file { char path[4096]; int ok; uint64_t size; uint8_t hash[TB_FILE_HASH_LEN]; } * head_files;  // content hashes, computed once
     size_t n_head_files;
 };
 

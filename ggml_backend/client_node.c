@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 // ---- talking to a node -------------------------------------------------------
 
@@ -388,49 +389,55 @@ bool ask_node_about_op(struct client_node * n, uint16_t cmd, uint64_t key, const
 
 #define FILE_MIN (256u << 10)          // smaller writes cost less to send than to look up (a /proc/self/maps parse)
 
-// Identity of a file the head has mapped, computed once per path.
-static int head_file_identity(struct tbrpc_client * c, const char * path, struct tb_file_identity * out) {
+// Size and content hash of a file the head has mapped: once per path in this
+// process, and once per file on this machine (model_file.h caches it on disk).
+static int head_file_hash(struct tbrpc_client * c, const char * path, struct head_file * out) {
     pthread_mutex_lock(&c->lock);
     for (size_t i = 0; i < c->n_head_files; i++) {
         if (strcmp(c->head_files[i].path, path) == 0) {
-            *out = c->head_files[i].identity;
-            int ok = c->head_files[i].ok;
+            *out = c->head_files[i];
             pthread_mutex_unlock(&c->lock);
-            return ok ? 0 : -1;
+            return out->ok ? 0 : -1;
         }
     }
     pthread_mutex_unlock(&c->lock);
     struct head_file hf = { .ok = 0 };
-    char why[256];
+    char why[256], cache[4096];
     snprintf(hf.path, sizeof hf.path, "%s", path);
-    hf.ok = tb_file_identity_path(path, &hf.identity, why, sizeof why) == 0;
+    tb_hash_cache_dir(cache, sizeof cache);
+    struct stat st;
+    hf.ok = stat(path, &st) == 0 && tb_file_hash_path(path, cache, hf.hash, NULL, why, sizeof why) == 0;
+    hf.size = hf.ok ? (uint64_t) st.st_size : 0;
     pthread_mutex_lock(&c->lock);
     struct head_file * grown = realloc(c->head_files, (c->n_head_files + 1) * sizeof *grown);
     if (grown) { c->head_files = grown; c->head_files[c->n_head_files++] = hf; }
     pthread_mutex_unlock(&c->lock);
-    *out = hf.identity;
+    *out = hf;
     return hf.ok ? 0 : -1;
 }
 
 // When [data, data+size) lies in a model file the head has mapped (llama.cpp
 // loads with mmap) and the node holds the same file, the node's id for it;
-// otherwise 0 and the bytes are sent. Caller holds n->lock.
+// otherwise 0 and the bytes are sent. Only a node with model directories is
+// asked, so a head whose nodes have none never hashes its files. Caller
+// holds n->lock.
 uint64_t node_file_for(struct client_node * n, const void * data, size_t size, uint64_t * file_offset) {
     char path[4096];
-    if (!n->client || size < FILE_MIN || tb_find_file_mapping(data, size, path, sizeof path, file_offset) != 0) return 0;
+    if (!n->client || !(n->info.caps & TB_CAP_MODEL_FILES) || size < FILE_MIN ||
+        tb_find_file_mapping(data, size, path, sizeof path, file_offset) != 0) return 0;
     for (size_t i = 0; i < n->n_files; i++) {
         if (strcmp(n->files[i].path, path) == 0) return n->files[i].id;
     }
     struct tb_open_file req;
     memset(&req, 0, sizeof req);
     uint64_t id = 0;
-    struct tb_file_identity identity;
+    struct head_file mine;
     const char * base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
     char why[256];
-    if (head_file_identity(n->client, path, &identity) == 0 && strlen(base) < sizeof req.name &&
-        tb_file_proof_path(path, identity.size, n->info.file_nonce, req.proof, why, sizeof why) == 0) {
-        req.size = identity.size;
-        memcpy(req.fingerprint, identity.fingerprint, sizeof req.fingerprint);
+    if (head_file_hash(n->client, path, &mine) == 0 && strlen(base) < sizeof req.name &&
+        tb_file_proof_path(path, mine.size, n->info.file_nonce, req.proof, why, sizeof why) == 0) {
+        req.size = mine.size;
+        memcpy(req.content_hash, mine.hash, sizeof req.content_hash);
         snprintf(req.name, sizeof req.name, "%s", base);
         if (node_call_locked(n, TB_CMD_OPEN_FILE, &req, sizeof req, NULL, 0, &id, sizeof id) != 0) id = 0;
     }

@@ -2,6 +2,7 @@
 // or a freshly spawned process, or a thread), keeps per-client counters in
 // shared memory for STATUS, and stops cleanly. One client's session is node_session.c.
 #include "node_internal.h"
+#include "model_file.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -122,7 +123,9 @@ static int map_worker_view(struct tb_node * n, int fd, int slot, char * err, siz
 
 static void start_worker(struct tb_node * n, int fd, int slot) {
     const pid_t parent = getpid();
+    pthread_mutex_lock(&n->lock);   // no other thread (the hasher, logging) holds it or the log across fork()
     pid_t pid = fork();
+    pthread_mutex_unlock(&n->lock);
     if (pid < 0) {
         node_log(n, "cannot fork a worker for a new client: %s", strerror(errno));
         close(fd);
@@ -359,6 +362,7 @@ static int node_init(struct tb_node * n, const struct tb_node_config * cfg, char
     if (!n->dev) return -1;
     if (cfg->name && *cfg->name) snprintf(n->name, sizeof n->name, "%s", cfg->name);
     snprintf(n->model_dirs, sizeof n->model_dirs, "%s", cfg->model_dirs ? cfg->model_dirs : "");
+    tb_hash_cache_dir(n->hash_cache, sizeof n->hash_cache);
     snprintf(n->host, sizeof n->host, "%s", cfg->host ? cfg->host : "");
     n->cfg.host = n->cfg.device = n->cfg.name = n->cfg.log_path = n->cfg.model_dirs = NULL;   // not owned; do not keep
     n->cfg.worker_argv = NULL;
@@ -516,6 +520,7 @@ int tb_node_port(const struct tb_node * n) { return n->port; }
 
 int tb_node_serve(struct tb_node * n) {
     node_log(n, "serving %s (%s) on port %d", ggml_backend_dev_name(n->dev), ggml_backend_dev_description(n->dev), n->port);
+    n->has_hasher = n->model_dirs[0] && pthread_create(&n->hasher, NULL, node_hash_model_files, n) == 0;
     struct pollfd p[2] = { { .fd = n->listen_fd, .events = POLLIN }, { .fd = n->stop_pipe[0], .events = POLLIN } };
     while (!n->stopping) {
         int rc = poll(p, 2, IDLE_POLL_MS);
@@ -529,7 +534,10 @@ int tb_node_serve(struct tb_node * n) {
         }
     }
     n->stopping = 1;
+    __atomic_store_n(&n->hasher_stop, 1, __ATOMIC_RELAXED);
     end_workers(n);
+    if (n->has_hasher) pthread_join(n->hasher, NULL);
+    n->has_hasher = false;
     pthread_mutex_lock(&n->lock);
     while (n->n_threads > 0) pthread_cond_wait(&n->conn_done, &n->lock);
     pthread_mutex_unlock(&n->lock);

@@ -2,16 +2,22 @@
 // file the head names (inside a --model-dir, a regular file, proven held by
 // the head: model_file.h), and filling buffer ranges and strided rows from it.
 #include "node_session.h"
+#include "auth.h"
 #include "model_file.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#endif
 
 // A plain "*.gguf" file name: no directories, nothing hidden.
 static bool is_model_file_name(const char * name) {
@@ -59,10 +65,52 @@ static int open_served_file(const struct tb_node * n, const char * dir, const ch
     return fd;
 }
 
+// The node's background pass at start: the content hash of every model file
+// in its directories, so that a head's first OPEN_FILE finds it cached (or
+// waits on the file's lock for the pass to finish it, instead of hashing it
+// a second time). At low priority; abandoned when the node stops.
+void * node_hash_model_files(void * arg) {
+    struct tb_node * n = arg;
+#ifdef __linux__
+    (void) setpriority(PRIO_PROCESS, (id_t) syscall(SYS_gettid), 10);   // its hashing threads inherit this
+#endif
+    if (!tb_hash_cache_usable(n->hash_cache))
+        node_log(n, "no usable cache for content hashes (%s): a model file is hashed again for every session that "
+                 "opens it; set TBRPC_HASH_CACHE to a directory only this user can write",
+                 n->hash_cache[0] ? n->hash_cache : "no TBRPC_HASH_CACHE, XDG_CACHE_HOME or HOME");
+    char dirs[sizeof n->model_dirs];
+    snprintf(dirs, sizeof dirs, "%s", n->model_dirs);
+    char * save = NULL;
+    for (char * dir = strtok_r(dirs, ":", &save); dir && !__atomic_load_n(&n->hasher_stop, __ATOMIC_RELAXED);
+         dir = strtok_r(NULL, ":", &save)) {
+        DIR * d = opendir(dir);
+        if (!d) continue;
+        for (struct dirent * e; (e = readdir(d)) != NULL && !__atomic_load_n(&n->hasher_stop, __ATOMIC_RELAXED);) {
+            if (!is_model_file_name(e->d_name)) continue;
+            char path[PATH_MAX], why[PATH_MAX + 128], err[256];
+            int fd = open_served_file(n, dir, e->d_name, path, sizeof path, why, sizeof why);
+            if (fd < 0) continue;
+            uint8_t hash[TB_FILE_HASH_LEN];
+            int computed = 0;
+            const int64_t started = tb_now_ns();
+            if (tb_file_hash_cached(fd, n->hash_cache, &n->hasher_stop, hash, &computed, err, sizeof err) != 0)
+                node_log(n, "cannot hash %s: %s", path, err);
+            else if (computed)
+                node_log(n, "hashed %s in %.1f s (at start)", path, (double) (tb_now_ns() - started) / 1e9);
+            close(fd);
+        }
+        closedir(d);
+    }
+    return NULL;
+}
+
 // Look for the client's file in our model directories; return its id or 0.
-// The file must match the head's size and fingerprint, and the head must
-// prove it holds the whole file (model_file.h): a client cannot read out a
-// file it does not already have.
+// In order of cost: the same size; the head's proof that it holds the whole
+// file (32 random blocks for this session's nonce: model_file.h); then the
+// same content hash, from the cache or computed here once. The proof comes
+// first, so only a head that holds the file can make the node hash it, and
+// how long an answer takes tells no one else anything. The hash is what
+// makes every byte the same: the proof samples, it does not cover.
 static uint64_t open_model_file(struct node_conn * c, const struct tb_open_file * req) {
     for (size_t i = 0; i < c->n_files; i++) {
         if (strcmp(c->files[i].name, req->name) == 0) return i + 1;
@@ -78,24 +126,44 @@ static uint64_t open_model_file(struct node_conn * c, const struct tb_open_file 
             if (why[0]) node_log(c->node, "client %s: refused to serve %s: %s", c->tp->peer, req->name, why);
             continue;
         }
-        struct tb_file_identity mine;
-        uint8_t proof[TB_FILE_PROOF_LEN];
-        char read_err[128];
-        const bool same = tb_file_identity_fd(fd, &mine, read_err, sizeof read_err) == 0 && mine.size == req->size &&
-                          memcmp(mine.fingerprint, req->fingerprint, TB_FINGERPRINT_LEN) == 0;
-        if (same && tb_file_proof_fd(fd, mine.size, c->file_nonce, proof, read_err, sizeof read_err) == 0 &&
-            memcmp(proof, req->proof, sizeof proof) == 0) {
+        struct stat st;
+        uint8_t proof[TB_FILE_PROOF_LEN], hash[TB_FILE_HASH_LEN];
+        char read_err[256];
+        const bool same_size = fstat(fd, &st) == 0 && (uint64_t) st.st_size == req->size;
+        const bool proven = same_size && tb_file_proof_fd(fd, req->size, c->file_nonce, proof, read_err, sizeof read_err) == 0 &&
+                            tb_equal_ct(proof, req->proof, sizeof proof);
+        int computed = 0;
+        int64_t hashing = 0;
+        bool hashed = false;
+        if (proven) {
+            hashing = tb_now_ns();
+            set_busy(c, COMPUTING);   // the head hears keepalives while we hash (once per file: cached)
+            hashed = tb_file_hash_cached(fd, c->node->hash_cache, NULL, hash, &computed, read_err, sizeof read_err) == 0;
+            set_busy(c, IDLE);
+            hashing = tb_now_ns() - hashing;
+            if (hashed && computed)
+                node_log(c->node, "hashed %s: %llu bytes in %.1f s", path, (unsigned long long) req->size, (double) hashing / 1e9);
+            else if (hashed)
+                node_log(c->node, "hash of %s from the cache", path);
+            else
+                node_log(c->node, "client %s: cannot hash %s: %s", c->tp->peer, path, read_err);
+        }
+        if (hashed && tb_equal_ct(hash, req->content_hash, sizeof hash)) {
             size_t i = c->n_files++;
             c->files[i].fd = fd;
-            c->files[i].size = mine.size;
+            c->files[i].size = req->size;
             snprintf(c->files[i].name, sizeof c->files[i].name, "%s", req->name);
             node_log(c->node, "client %s: weights of %s come from this node's %s", c->tp->peer, req->name, path);
             return i + 1;
         }
-        node_log(c->node, same ? "client %s: %s matches the head's fingerprint, but the head could not prove it holds "
-                                 "the whole file; its weights will stream"
-                               : "client %s: %s differs from the head's copy (size or fingerprint); its weights will stream",
-                 c->tp->peer, path);
+        if (!same_size)
+            node_log(c->node, "client %s: %s differs from the head's copy (size); its weights will stream", c->tp->peer, path);
+        else if (!proven)
+            node_log(c->node, "client %s: %s differs from the head's copy, or the head could not prove it holds the whole "
+                     "file (proof); its weights will stream", c->tp->peer, path);
+        else if (hashed)
+            node_log(c->node, "client %s: %s differs from the head's copy (content hash); its weights will stream",
+                     c->tp->peer, path);
         close(fd);
     }
     return 0;

@@ -17,9 +17,24 @@ void forget_kept_graphs(struct node_conn * c) {
 }
 
 // Decode a tensor table (+ node list for graphs) into a fresh context.
+// A graph's cost (op_rules.h) against what this client may spend now: the
+// limit follows the buffers it holds, so a kept graph is checked again each
+// time GRAPH_RECOMPUTE runs it (the client may have freed buffers since).
+static int check_cost(struct node_conn * c, uint16_t cmd, uint64_t cost, char * err, size_t err_len) {
+    uint64_t held = 0;
+    for (size_t i = 0; i < c->n_buffers; i++) held += c->buffers[i].size;
+    const uint64_t limit = tb_graph_cost_limit(held);
+    if (cost <= limit) return 0;
+    snprintf(err, err_len, "%s: the graph costs %llu element operations, over this client's limit of %llu "
+             "(%llu per byte of the %llu bytes of buffers it holds, at least %llu)", tb_cmd_name(cmd),
+             (unsigned long long) cost, (unsigned long long) limit, (unsigned long long) TB_COST_PER_BYTE,
+             (unsigned long long) held, (unsigned long long) TB_COST_FLOOR);
+    return -1;
+}
+
 static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_header * h, bool with_nodes,
                                           struct ggml_tensor *** tensors_out, struct ggml_cgraph ** graph_out,
-                                          uint32_t * n_tensors_out, char * err, size_t err_len) {
+                                          uint64_t * cost_out, uint32_t * n_tensors_out, char * err, size_t err_len) {
     const struct tb_graph_header * gh = (const struct tb_graph_header *) c->payload;
     const uint32_t nt = gh->n_tensors, nn = with_nodes ? gh->n_nodes : 0;
     if (nt == 0 || nt > TB_MAX_GRAPH_TENSORS || nn > TB_MAX_GRAPH_NODES || (with_nodes && nn == 0)) {
@@ -49,6 +64,7 @@ static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_
     if (tb_decode_tensors(ctx, wire, nt, lookup_buffer, c, with_nodes, tensors, err, err_len) != 0) goto fail;
     if (with_nodes) {
         struct ggml_cgraph * g = ggml_new_graph_custom(ctx, nn, false);
+        uint64_t cost = 0;
         // a tensor computed twice in one graph costs twice for nothing: refused (the cost of a graph is bounded by its size)
         seen = calloc((nt + 7) / 8, 1);
         if (!seen) { snprintf(err, err_len, "out of memory decoding %u nodes", nn); goto fail; }
@@ -69,12 +85,16 @@ static struct ggml_context * decode_graph(struct node_conn * c, const struct tb_
                          ggml_op_name(tensors[node_idx[i]]->op), ggml_backend_dev_name(c->node->dev));
                 goto fail;
             }
+            const uint64_t op_cost = tb_op_cost(tensors[node_idx[i]]);
+            cost = cost > UINT64_MAX - op_cost ? UINT64_MAX : cost + op_cost;
             ggml_graph_add_node(g, tensors[node_idx[i]]);
             // the use counts let ggml fuse ops (rms_norm+mul, ...) as the head's own CPU would
             const size_t slot = tbrpc_ggml_hash_slot(&g->visited_hash_set, tensors[node_idx[i]], true);
             if (slot != (size_t) -1) g->use_counts[slot] = wire[node_idx[i]].use_count;
         }
+        if (check_cost(c, h->cmd, cost, err, err_len) != 0) goto fail;
         *graph_out = g;
+        *cost_out = cost;
     }
     free(seen);
     *tensors_out = tensors;
@@ -108,7 +128,8 @@ int handle_graph_compute(struct node_conn * c, const struct tb_header * h, char 
     struct ggml_tensor ** tensors = NULL;
     struct ggml_cgraph * g = NULL;
     uint32_t nt = 0;
-    struct ggml_context * ctx = decode_graph(c, h, true, &tensors, &g, &nt, err, err_len);
+    uint64_t cost = 0;
+    struct ggml_context * ctx = decode_graph(c, h, true, &tensors, &g, &cost, &nt, err, err_len);
     if (!ctx) return -1;
     free(tensors);
     const uint32_t slot = ((const struct tb_graph_header *) c->payload)->slot;
@@ -120,6 +141,7 @@ int handle_graph_compute(struct node_conn * c, const struct tb_header * h, char 
     if (c->kept[slot].ctx) ggml_free(c->kept[slot].ctx);
     c->kept[slot].ctx = ctx;
     c->kept[slot].graph = g;
+    c->kept[slot].cost = cost;
     c->graph = g;
     return run_graph(c, err, err_len);
 }
@@ -131,6 +153,7 @@ int handle_graph_recompute(struct node_conn * c, const struct tb_header * h, cha
         snprintf(err, err_len, "GRAPH_RECOMPUTE of slot %u, which holds no graph", slot);
         return -1;
     }
+    if (check_cost(c, h->cmd, c->kept[slot].cost, err, err_len) != 0) return -1;
     c->graph = c->kept[slot].graph;
     return run_graph(c, err, err_len);
 }
@@ -138,7 +161,7 @@ int handle_graph_recompute(struct node_conn * c, const struct tb_header * h, cha
 int handle_supports_op(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     struct ggml_tensor ** tensors = NULL;
     uint32_t nt = 0;
-    struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, &nt, err, err_len);
+    struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, NULL, &nt, err, err_len);
     if (!ctx) return -1;
     // an op the node's rules refuse is one it does not support (and the
     // device's supports_op may dereference sources the rules require)
@@ -155,7 +178,7 @@ int handle_supports_op(struct node_conn * c, const struct tb_header * h, struct 
 int handle_alloc_size(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     struct ggml_tensor ** tensors = NULL;
     uint32_t nt = 0;
-    struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, &nt, err, err_len);
+    struct ggml_context * ctx = decode_graph(c, h, false, &tensors, NULL, NULL, &nt, err, err_len);
     if (!ctx) return -1;
     if (tb_op_check(tensors[nt - 1], nt - 1, err, err_len) != 0) { free(tensors); ggml_free(ctx); return -1; }
     uint64_t size = ggml_backend_buft_get_alloc_size(ggml_backend_dev_buffer_type(c->node->dev), tensors[nt - 1]);

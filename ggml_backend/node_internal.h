@@ -46,6 +46,10 @@ struct tb_node {
     int      status_fd;           // the shared memory behind `shared`, inherited by spawned workers (closed once mapped)
     int      parent_pipe[2];      // spawned workers hold the read end: end of file = the node is gone
     char     model_dirs[4096];    // ':'-separated; empty: clients cannot ask for files
+    char     hash_cache[4096];    // where content hashes of model files are cached (tb_hash_cache_dir); empty: none
+    pthread_t hasher;             // hashes the model directories' files at start (node.c start_hasher)
+    bool     has_hasher;
+    int      hasher_stop;         // set (atomically) to abandon it
     // The status table (MAP_SHARED over status_fd): page 0 holds in_use[MAX_CLIENTS]
     // (parent-written), page 1 + i slot i's counters. See node.c map_table.
     uint8_t * shared;
@@ -63,6 +67,9 @@ struct tb_node {
     pthread_cond_t  conn_done;
     int      n_threads;           // connections served by threads, awaited at stop
 };
+
+// The content hash of every model file, in the background at start (node_files.c).
+void * node_hash_model_files(void * node);
 
 void node_log(struct tb_node * node, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
 

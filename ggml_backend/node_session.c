@@ -116,6 +116,7 @@ static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
     h->caps = buft->iface.get_alloc_size == NULL ? TB_CAP_ALLOC_SIZE_IS_NBYTES : 0;
     if (strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(n->dev)), "CPU") == 0) h->caps |= TB_CAP_SUPPORTS_OP_IS_CPU;
     if (n->serve_mode != SERVE_THREAD) h->caps |= TB_CAP_SHM;   // see handle_transport_offer
+    if (n->model_dirs[0]) h->caps |= TB_CAP_MODEL_FILES;
     char no_rdma[160];
     if (tb_rdma_available(no_rdma, sizeof no_rdma)) h->caps |= TB_CAP_RDMA;
     tb_ggml_build(h->ggml_build, sizeof h->ggml_build);

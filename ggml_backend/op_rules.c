@@ -67,6 +67,54 @@ bool tb_op_allowed(enum ggml_op op) {
     }
 }
 
+// ---- cost ---------------------------------------------------------------------------
+
+static uint64_t sat_mul(uint64_t a, uint64_t b) {
+    uint64_t r;
+    return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+
+static uint64_t sat_add(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+
+static uint64_t elements(const struct ggml_tensor * t) {
+    uint64_t n = 1;
+    for (int d = 0; d < GGML_MAX_DIMS; d++) n = sat_mul(n, t->ne[d] > 0 ? (uint64_t) t->ne[d] : 0);
+    return n;
+}
+
+uint64_t tb_op_cost(const struct ggml_tensor * t) {
+    const struct ggml_tensor * a = t->src[0], * b = t->src[1], * v = t->src[2];
+    switch (t->op) {
+        case GGML_OP_NONE: case GGML_OP_VIEW: case GGML_OP_RESHAPE: case GGML_OP_PERMUTE: case GGML_OP_TRANSPOSE:
+            return 0;
+        case GGML_OP_MUL_MAT: case GGML_OP_MUL_MAT_ID:   // every output element is a dot product over a row of src0
+            return a ? sat_mul(elements(t), (uint64_t) (a->ne[0] > 0 ? a->ne[0] : 0)) : elements(t);
+        case GGML_OP_FLASH_ATTN_EXT:                   // each query row against every key: K.q and then V
+            if (!a || !b || !v) return elements(t);
+            return sat_mul(sat_mul(sat_mul(sat_mul((uint64_t) a->ne[1], (uint64_t) a->ne[2]), (uint64_t) a->ne[3]),
+                                   (uint64_t) b->ne[1]), sat_add((uint64_t) b->ne[0], (uint64_t) v->ne[0]));
+        case GGML_OP_GET_ROWS:                         // reads only the rows it gathers
+            return sat_add(elements(t), b ? elements(b) : 0);
+        case GGML_OP_ARGSORT: case GGML_OP_TOP_K: {    // a sort of each row
+            uint64_t log2 = 1;
+            for (int64_t n = a ? a->ne[0] : 1; n > 1; n >>= 1) log2++;
+            return sat_mul(a ? elements(a) : elements(t), log2);
+        }
+        default: {                                     // one pass over its largest operand
+            uint64_t most = elements(t);
+            for (int s = 0; s < GGML_MAX_SRC; s++) {
+                if (t->src[s] && elements(t->src[s]) > most) most = elements(t->src[s]);
+            }
+            return most;
+        }
+    }
+}
+
+uint64_t tb_graph_cost_limit(uint64_t bytes_held) {
+    const uint64_t limit = sat_mul(bytes_held, TB_COST_PER_BYTE);
+    return limit > TB_COST_FLOOR ? limit : TB_COST_FLOOR;
+}
+
 // ---- layout helpers ---------------------------------------------------------------
 
 static bool is_float(enum ggml_type t) { return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16; }

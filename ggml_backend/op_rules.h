@@ -38,6 +38,25 @@ int tb_op_check(const struct ggml_tensor * t, uint32_t index, char * err, size_t
 // a message naming the op, the tensor and the bad index.
 int tb_graph_compute_checked(ggml_backend_t backend, struct ggml_cgraph * graph, char * err, size_t err_len);
 
+// What a graph may cost. Each node's cost is an estimate, in element
+// operations, of the work its kernel does (tb_op_cost: a matrix product
+// costs its output's elements times the shared dimension, attention its
+// query rows times the keys times the head sizes, most ops the elements of
+// their largest operand, views nothing). A graph's cost, the sum over its
+// nodes, may be at most TB_COST_PER_BYTE per byte of buffers the client
+// holds, and never less than TB_COST_FLOOR: a real model's graph does about
+// (parameters + KV cache elements) x tokens in the batch, and a byte holds at
+// most a handful of parameters, so 65536 per byte leaves room for batches of
+// thousands of tokens, while a client holding little cannot make a node
+// work for long (docs/protocol.md, The op rules).
+#define TB_COST_PER_BYTE 65536ull
+#define TB_COST_FLOOR    (1ull << 34)
+
+// The cost of computing t (saturating at UINT64_MAX).
+uint64_t tb_op_cost(const struct ggml_tensor * t);
+// The most a graph may cost for a client holding `bytes_held` bytes.
+uint64_t tb_graph_cost_limit(uint64_t bytes_held);
+
 #ifdef TB_OP_RULES_TESTING
 // Test builds only (tests/c/safety_tests.c): switch one rule family off to
 // show that the property test notices. Never compiled into the library.

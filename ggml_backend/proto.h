@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 #define TB_MAGIC            0x43504254u   // "TBPC" on the wire
-#define TB_PROTO_VERSION    4u
+#define TB_PROTO_VERSION    5u
 #define TB_MAX_PAYLOAD      (256ull << 20) // one message; larger tensor writes are split by the client
 #define TB_MAX_GRAPH_TENSORS (1u << 20)
 #define TB_MAX_GRAPH_NODES   (1u << 20)
@@ -146,6 +146,9 @@ struct tb_hello {            // request and reply share it; the node fills the d
 // reply then carries only abi, caps and nonce; the device facts come in the
 // AUTH reply.
 #define TB_CAP_AUTH                 16u
+// The node has model directories: OPEN_FILE may find a file there (a head
+// hashes its own copy only for a node that says so).
+#define TB_CAP_MODEL_FILES          32u
 
 // AUTH: each side proves it knows the cluster secret K with an HMAC-SHA256
 // over both HELLO nonces (auth.h), the head first. The secret never crosses
@@ -235,9 +238,10 @@ struct tb_memset_req  { uint64_t handle, offset, size; uint8_t value; uint8_t pa
 struct tb_copy_req    { uint64_t src_handle, src_offset, dst_handle, dst_offset, size; };
 
 // A model file the head has mapped; the node looks for `name` in its model
-// directories and accepts it only with the same size and fingerprint.
-// The proof answers the session's file_nonce: the head holds the whole file.
-struct tb_open_file   { uint64_t size; uint8_t fingerprint[TB_FINGERPRINT_LEN]; uint8_t proof[TB_FILE_PROOF_LEN];
+// directories and accepts it only with the same size, a proof that answers
+// the session's file_nonce (the head holds the whole file) and the same
+// content hash (every byte is the same: model_file.h).
+struct tb_open_file   { uint64_t size; uint8_t content_hash[TB_FILE_HASH_LEN]; uint8_t proof[TB_FILE_PROOF_LEN];
                         char name[TB_FILE_NAME_LEN]; };
 struct tb_file_range  { uint64_t handle, offset, size, file_id, file_offset; };
 // Strided writes (llama.cpp's meta device uploads a slice of every row of a

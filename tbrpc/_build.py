@@ -80,7 +80,7 @@ struct tb_peer_answer { uint8_t nonce[32]; uint8_t mac[32]; char name[64]; };
 void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint8_t out[32]);
 void tb_auth_mac(const uint8_t * secret, size_t secret_len, const char * role, const uint8_t nonce_a[32],
                  const uint8_t nonce_b[32], const void * extra, size_t extra_len, uint8_t out[32]);
-struct tb_open_file { uint64_t size; uint8_t fingerprint[16]; uint8_t proof[16]; char name[256]; };
+struct tb_open_file { uint64_t size; uint8_t content_hash[32]; uint8_t proof[16]; char name[256]; };
 struct tb_file_range { uint64_t handle, offset, size, file_id, file_offset; };
 void tb_abi_fill(struct tb_abi * abi);
 bool tb_cmd_posted(uint16_t cmd);
@@ -93,6 +93,9 @@ void tb_ggml_build(char * out, size_t len);
 
 struct tb_file_identity { uint64_t size; uint8_t fingerprint[16]; };
 int tb_file_proof_path(const char * path, uint64_t size, const uint8_t nonce[16], uint8_t out[16], char * err, size_t err_len);
+int tb_file_hash_path(const char * path, const char * cache_dir, uint8_t out[32], int * computed, char * err, size_t err_len);
+int tb_file_hash_fd(int fd, uint64_t size, int n_threads, const int * stop, uint8_t out[32], char * err, size_t err_len);
+void tb_hash_cache_dir(char * out, size_t len);
 """
 
 

@@ -9,18 +9,28 @@ sometimes with a payload shorter than its header says. After every request
 that wants an answer, and every few posted ones (by a SYNC), the node must
 answer or close the connection within HANG_S: anything else is a hang.
 
-    python -m tests.fuzz --frames 1000000 [--seed N] [--node HOST:PORT]
+    python -m tests.fuzz --frames 1000000 [--seed N] [--jobs J] [--node HOST:PORT]
 
 starts a node of its own (unless given one) and prints what it found:
 frames, connections, node deaths, hangs, worker crashes (from the node's
-log) and the node's RSS before and after. tests/test_fuzz.py runs a
-bounded campaign in the suite.
+log) and the node's RSS before and after. `--jobs J` runs J fuzzing
+processes at once against the node (seeds N..N+J-1), each printing its
+progress. tests/test_fuzz.py runs a bounded campaign in the suite.
+
+Where the time goes, and why it is spent this way: a new connection costs
+the node a worker (a fork) and a HELLO, so the commands after which the
+stream cannot go on (HELLO, AUTH, KEEPALIVE, TRANSPORT_SWITCH, a payload
+shorter than its header) are drawn less often than the others, as is
+OPEN_FILE, whose answer always takes at least 10 ms (node_files.c); every
+one of them is still drawn tens of thousands of times in 10^6 frames.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import multiprocessing
+import os
 import random
 import re
 import socket
@@ -48,7 +58,10 @@ OPS = ("NONE", "ADD", "ADD1", "ACC", "SUB", "MUL", "DIV", "SQR", "SQRT", "SUM_RO
 REQUEST_U64S = {"ALLOC_BUFFER": 1, "FREE_BUFFER": 1, "BUFFER_CLEAR": 4, "MEMSET_TENSOR": 4, "GET_TENSOR": 3,
                 "COPY_TENSOR": 5, "LOAD_FROM_FILE": 5, "PEER_ACCEPT": 1, "PEER_SEND": 4, "PEER_RECV": 4,
                 "TRANSPORT_OFFER": 2, "SET_TENSOR_2D": 5, "LOAD_FROM_FILE_2D": 8, "ALLREDUCE": 37, "AUTH": 4,
-                "PEER_CONNECT": 34, "OPEN_FILE": 37, "TRANSPORT_SWITCH": 0}
+                "PEER_CONNECT": 34, "OPEN_FILE": 39, "TRANSPORT_SWITCH": 0}
+ENDS_STREAM = ("TRANSPORT_SWITCH", "KEEPALIVE", "HELLO", "AUTH")   # after these the fuzzer reconnects
+MODEL_FILE = ("fuzz.gguf", 1 << 20)   # what `main` puts in the node's --model-dir: OPEN_FILE names it often
+RARE = {**{name: 0.15 for name in ENDS_STREAM}, "OPEN_FILE": 0.25}   # how often they are drawn, relative to the rest
 
 
 @dataclass
@@ -90,6 +103,7 @@ class Fuzzer:
         self.rng = random.Random(seed)
         self.ops = _op_indices()
         self.commands = _command_numbers()
+        self.names = sorted(self.commands)
         self.posted_since_sync = 0
         self.handles: list[tuple[int, int]] = []   # (handle, size) of this connection's buffers
         self.sock: socket.socket | None = None
@@ -101,6 +115,8 @@ class Fuzzer:
     def connect(self) -> None:
         self.close()
         self.sock = socket.create_connection(self.address, timeout=self.hang_s)
+        # as the head does: without it a SYNC after posted requests waits for the node's delayed ACK (40 ms)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.findings.connections += 1
         self.handles = []
         hello = self.ffi.new("struct tb_hello *")
@@ -218,7 +234,9 @@ class Fuzzer:
     def step(self) -> None:
         if self.sock is None:
             self.connect()
-        name = self.rng.choice(sorted(self.commands))
+        name = self.rng.choice(self.names)
+        while self.rng.random() > RARE.get(name, 1.0):
+            name = self.rng.choice(self.names)
         cmd = self.commands[name]
         claimed = None
         r = self.rng.random()
@@ -227,16 +245,20 @@ class Fuzzer:
         elif name in ("SET_TENSOR", "SET_TENSOR_2D") and r < 0.8:
             head = self.fields(3 if name == "SET_TENSOR" else 5)
             payload = head + bytes(self.rng.choice((0, 4, 64, 4096)))
+        elif name == "OPEN_FILE" and r < 0.5:   # the node's own file, with a size that may match and a forged proof
+            file_name, size = MODEL_FILE
+            payload = (struct.pack("<Q", self.rng.choice((size, size - 1, self.u64()))) + self.rng.randbytes(48) +
+                       file_name.encode().ljust(256, b"\0"))
         elif name in REQUEST_U64S and r < 0.8:
             payload = self.fields(REQUEST_U64S[name])
         else:
             payload = self.rng.randbytes(self.rng.choice((0, 1, 8, 24, 100, 4096)))
-            if self.rng.random() < 0.05:
+            if self.rng.random() < 0.01:
                 claimed = len(payload) + self.rng.choice((1, 100))   # a payload that never comes: the node times out
         if not self.send(cmd, payload, claimed):
             self.close()
             return
-        if claimed is not None or name in ("TRANSPORT_SWITCH", "KEEPALIVE", "HELLO", "AUTH"):
+        if claimed is not None or name in ENDS_STREAM:
             self.close()     # the stream cannot go on: start again
             return
         if self.lib.tb_cmd_posted(cmd):
@@ -275,12 +297,17 @@ def rss_kib(pid: int) -> int:
 
 
 def campaign(endpoint: str, frames: int, seed: int, node_pid: int | None, log: Path | None,
-             hang_s: float = HANG_S) -> Findings:
+             hang_s: float = HANG_S, progress_every: int = 0) -> Findings:
     fuzzer = Fuzzer(endpoint, seed, hang_s)
     found = fuzzer.findings
     if node_pid:
         found.rss_before_kib = rss_kib(node_pid)
+    started, reported = time.monotonic(), 0
     while found.frames < frames:
+        if progress_every and found.frames - reported >= progress_every:
+            reported = found.frames
+            print(f"seed {seed}: {found.frames} frames, {found.connections} connections, {len(found.hangs)} hangs, "
+                  f"{time.monotonic() - started:.0f} s", flush=True)
         try:
             fuzzer.step()
         except (ConnectionRefusedError, RuntimeError):
@@ -301,17 +328,27 @@ def campaign(endpoint: str, frames: int, seed: int, node_pid: int | None, log: P
     return found
 
 
+def _job(args: tuple[str, int, int]) -> Findings:
+    endpoint, frames, seed = args
+    return campaign(endpoint, frames, seed, None, None, progress_every=20000)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--frames", type=int, default=100000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=1, help="fuzzing processes at once (default 1)")
     parser.add_argument("--node", default=None, help="HOST:PORT of a running node (default: start one)")
     args = parser.parse_args()
     proc, log = None, None
     endpoint = args.node
     if endpoint is None:
-        log = Path(tempfile.mkdtemp(prefix="tbrpc-fuzz-")) / "node.log"
-        proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1"],
+        work = Path(tempfile.mkdtemp(prefix="tbrpc-fuzz-"))
+        log = work / "node.log"
+        (work / "models").mkdir()
+        (work / "models" / MODEL_FILE[0]).write_bytes(os.urandom(MODEL_FILE[1]))
+        proc = subprocess.Popen([sys.executable, "-m", "tbrpc.cli", "node", "--port", "0", "--threads", "1",
+                                 "--model-dir", str(work / "models")],
                                 stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
         deadline = time.monotonic() + 30
         while (port := listening_port(log.read_text(errors="replace"))) is None:
@@ -319,15 +356,35 @@ def main() -> None:
                 raise SystemExit(f"node did not start: {log.read_text()}")
             time.sleep(0.05)
         endpoint = f"127.0.0.1:{port}"
+        print(f"node pid {proc.pid} at {endpoint}, log {log}", flush=True)
     started = time.monotonic()
+    load_before = os.getloadavg()
+    rss_before = rss_kib(proc.pid) if proc else 0
     try:
-        found = campaign(endpoint, args.frames, args.seed, proc.pid if proc else None, log)
+        if args.jobs <= 1:
+            found = campaign(endpoint, args.frames, args.seed, proc.pid if proc else None, log, progress_every=20000)
+        else:
+            share = -(-args.frames // args.jobs)
+            with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+                parts = pool.map(_job, [(endpoint, share, args.seed + i) for i in range(args.jobs)])
+            found = Findings(frames=sum(p.frames for p in parts), connections=sum(p.connections for p in parts),
+                             hangs=[h for p in parts for h in p.hangs], node_died=any(p.node_died for p in parts))
+            found.rss_before_kib = rss_before
+            if proc is not None:
+                try:
+                    found.rss_after_kib = rss_kib(proc.pid)
+                except OSError:
+                    found.node_died = True
+            if log is not None:
+                found.worker_crashes = len(re.findall(r"died with signal", log.read_text(errors="replace")))
     finally:
         if proc is not None:
             alive = proc.poll() is None
             proc.terminate()
             proc.wait(timeout=30)
+    load_after = os.getloadavg()
     print(found.summary() + f"; {time.monotonic() - started:.0f} s" + ("" if proc is None or alive else "; NODE EXITED"))
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}; {args.jobs} job(s)")
     for hang in found.hangs[:20]:
         print("hang:", hang)
     if log is not None and found.worker_crashes:

@@ -437,15 +437,18 @@ def hello_nonce(w: Wire) -> bytes:
     return bytes(ffi.from_buffer("struct tb_hello *", bytearray(body)).file_nonce)
 
 
-def open_held_file(w: Wire, nonce: bytes, path: Path, name: str | None = None, proof_of: Path | None = None) -> int:
-    """OPEN_FILE for `path` as the head does it: size, fingerprint, and the
-    proof for this session (computed over `proof_of`, by default the file itself)."""
-    identity = ffi.new("struct tb_file_identity *")
+def open_held_file(w: Wire, nonce: bytes, path: Path, name: str | None = None, proof_of: Path | None = None,
+                   hash_of: Path | None = None) -> int:
+    """OPEN_FILE for `path` as the head does it: size, the proof for this
+    session (computed over `proof_of`, by default the file itself) and the
+    content hash (of `hash_of`, by default the file itself)."""
     err = ffi.new("char[]", 256)
-    assert lib.tbrpc_file_identity(str(path).encode(), identity, err, 256) == 0, ffi.string(err)
+    size = path.stat().st_size
     proof = ffi.new("uint8_t[16]")
-    assert lib.tb_file_proof_path(str(proof_of or path).encode(), identity.size, nonce, proof, err, 256) == 0
-    w.send(lib.TB_CMD_OPEN_FILE, pack("struct tb_open_file", size=identity.size, fingerprint=bytes(identity.fingerprint),
+    assert lib.tb_file_proof_path(str(proof_of or path).encode(), size, nonce, proof, err, 256) == 0
+    content_hash = ffi.new("uint8_t[32]")
+    assert lib.tb_file_hash_path(str(hash_of or path).encode(), ffi.NULL, content_hash, ffi.NULL, err, 256) == 0, ffi.string(err)
+    w.send(lib.TB_CMD_OPEN_FILE, pack("struct tb_open_file", size=size, content_hash=bytes(content_hash),
                                       proof=bytes(proof), name=(name or path.name).encode()))
     status, body = w.reply()
     assert status == 0, body
@@ -590,6 +593,7 @@ def test_a_graph_stops_when_its_client_goes(node: Any) -> None:
     w = ready(node)
     n = 1024
     handle = w.alloc(3 * n * n * 4)
+    w.alloc(32 << 20)   # 2000 products of 2^30 need 32 MiB more held (op_rules.h: 65536 element operations per byte)
     mul_mat = ggml_op_index("MUL_MAT")
     square = dict(buffer=handle, ne=[n, n, 1, 1], nb=[4, 4 * n, 4 * n * n, 4 * n * n])
     tensors = [tensor(**square, offset=0), tensor(**square, offset=4 * n * n)]   # W, x0
@@ -597,8 +601,8 @@ def test_a_graph_stops_when_its_client_goes(node: Any) -> None:
         tensors.append(tensor(**square, offset=4 * n * n * (1 + (i + 1) % 2), op=mul_mat, flags=GGML_TENSOR_FLAG_COMPUTE,
                               src=[0, len(tensors) - 1] + [-1] * 8))
     w.send(lib.TB_CMD_GRAPH_COMPUTE, graph(tensors, list(range(2, len(tensors)))))
-    time.sleep(1.0)   # it is computing, its buffer held
-    held = 3 * n * n * 4
+    time.sleep(1.0)   # it is computing, its buffers held
+    held = 3 * n * n * 4 + (32 << 20)
     assert tbrpc.probe(node.endpoint, timeout=5)[1].bytes_allocated >= held
     w.sock.close()
     deadline = time.monotonic() + 15

@@ -223,3 +223,59 @@ def test_thread_isolation_hands_out_cleared_buffers(nodes: Any) -> None:
         second.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=h2, offset=0, size=size))
         status, body = second.reply()
         assert status == 0 and body == b"\0" * size
+
+
+# ---- graph cost (op_rules.h tb_op_cost, node_graphs.c check_cost) -------------------
+
+MIB = 1 << 20
+COST_PER_BYTE = 65536   # op_rules.h TB_COST_PER_BYTE
+
+
+def costly_mul_mat(h: int, flags: int) -> bytes:
+    """Three tensors, ~700 bytes: a 4096 x 1024 product over rows of 2^21
+    floats. The sources repeat one 8 MiB row (nb[1] = 0 is fine for a
+    source), the result fills 16 MiB: every tensor lies in its buffer, and
+    the work is 4096 * 1024 * 2^21 = 2^43 multiply-adds."""
+    k = 1 << 21
+    a = tensor(buffer=h, offset=0, ne=[k, 4096, 1, 1], nb=[4, 0, 4 * k, 4 * k])
+    b = tensor(buffer=h, offset=0, ne=[k, 1024, 1, 1], nb=[4, 0, 4 * k, 4 * k])
+    out = tensor(buffer=h, offset=16 * MIB, ne=[4096, 1024, 1, 1], nb=[4, 4 * 4096, 16 * MIB, 16 * MIB],
+                 op=ggml_op_index("MUL_MAT"), src=[0, 1] + [-1] * 8, flags=flags)
+    return graph([a, b, out], [2])
+
+
+def test_a_small_graph_of_enormous_cost_is_refused_at_validation(nodes: Any) -> None:
+    node = nodes(1)[0]
+    w = ready(node)
+    h = w.alloc(32 * MIB)
+    message = costly_mul_mat(h, GGML_TENSOR_FLAG_COMPUTE)
+    assert len(message) < 1024, len(message)
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, message)
+    error = w.sync_error()
+    limit = 32 * MIB * COST_PER_BYTE
+    assert f"GRAPH_COMPUTE: the graph costs {1 << 43} element operations, over this client's limit of {limit}" in error, error
+    w.send(lib.TB_CMD_STATUS)
+    status, body = w.reply()
+    assert status == 0 and ffi.from_buffer("struct tb_status *", bytearray(body)).graphs_computed == 0
+
+
+def test_a_kept_graph_never_outlives_the_limit_it_was_checked_against(nodes: Any) -> None:
+    """The limit follows the buffers a client holds. A graph accepted while
+    it held 128 MiB runs again by GRAPH_RECOMPUTE (checked again each time);
+    freeing a buffer, the only way the limit shrinks, drops the kept graphs,
+    so a costly graph cannot be kept past the memory that paid for it.
+    (The product is not flagged for computing, so the CPU backend skips it:
+    the cost counts every node the client sends, flagged or not.)"""
+    node = nodes(1)[0]
+    w = ready(node)
+    h = w.alloc(32 * MIB)
+    extra = w.alloc(96 * MIB)
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, costly_mul_mat(h, 0))
+    assert w.sync_error() == ""
+    w.send(lib.TB_CMD_GRAPH_RECOMPUTE, struct.pack("<I", 0))
+    assert w.sync_error() == ""
+    w.send(lib.TB_CMD_FREE_BUFFER, struct.pack("<Q", extra))
+    w.send(lib.TB_CMD_GRAPH_RECOMPUTE, struct.pack("<I", 0))
+    assert "slot 0, which holds no graph" in w.sync_error()
+    w.send(lib.TB_CMD_GRAPH_COMPUTE, costly_mul_mat(h, 0))
+    assert f"over this client's limit of {32 * MIB * COST_PER_BYTE}" in w.sync_error()
