@@ -139,15 +139,17 @@ def ggml_link(lib: Path) -> list[str]:
     return [f"-L{lib}", "-l:libggml.so.0", "-l:libggml-base.so.0"]
 
 
-def build_program(source: Path, exe: Path, with_ggml: bool = True, defines: tuple[str, ...] = ()) -> Path:
+def build_program(source: Path, exe: Path, with_ggml: bool = True, defines: tuple[str, ...] = (),
+                  compiler: tuple[str, ...] = ("cc",)) -> Path:
     """Compile a C test or benchmark program with tbrpc's C sources: all of
     them against llama-cpp-python's ggml, or (with_ggml=False) those that need
     no ggml (transports, auth). Warnings are errors. `defines` ("NAME" or "NAME=VALUE") go to every
     source: build variants for tests (the deliberately broken RDMA wires, the
-    op rules' test hooks TB_OP_RULES_TESTING)."""
+    op rules' test hooks TB_OP_RULES_TESTING). `compiler` is the command and
+    its own options: a cross compiler for another CPU, say."""
     import subprocess
 
-    cmd = ["cc", "-std=gnu11", "-O2", *WARNINGS, "-Werror", *[f"-D{d}" for d in defines], f"-I{C_DIR}", str(source)]
+    cmd = [*compiler, "-std=gnu11", "-O2", *WARNINGS, "-Werror", *[f"-D{d}" for d in defines], f"-I{C_DIR}", str(source)]
     if with_ggml:
         include, lib, _ = llama_cpp_paths()
         cmd += [f"-I{include}", *[str(C_DIR / s) for s in C_SOURCES], *ggml_link(lib), f"-Wl,-rpath,{lib}"]
