@@ -8,6 +8,9 @@ round:
   tensor            head + 2 local nodes, split_mode=3 with tbrpc's ALLREDUCE
   tensor-butterfly  the same with TBRPC_NO_ALLREDUCE=1: llama.cpp's own butterfly
                     of node-to-node copies and one-node ADD graphs
+  ffn               head + 2 local nodes, tbrpc's own split (split_rules.c: the
+                    FFN cut, the rest whole on each node) as the only device of
+                    a layer split
 
 For each: prompt and decode tokens/s (greedy, fixed prompt), and for the
 tensor modes all-reduces per decoded token, bytes per all-reduce (n_embd
@@ -15,13 +18,13 @@ floats per token) and the time the nodes spent in ALLREDUCE per token
 (from their STATUS counters, averaged over the nodes). Checks that every
 mode decoded the same tokens.
 
-The tiny llama with F32 weights is the model: llama.cpp's meta backend
-aborts on Gemma 3's attention and on the tiny quantized models (docs/
-architecture.md, Tensor split). On tiny models every mode measures
-per-graph overhead, not compute; a two-core machine runs head and nodes on
-the same cores.
+--model llama-f32 (the default) runs every mode; --model gemma (Gemma 3
+270M, Q4_K_M) runs single, layer and ffn: llama.cpp's tensor split aborts
+on a model with one KV head (the planner refuses it; docs/architecture.md,
+Tensor split). On tiny models every mode measures per-graph overhead, not
+compute; a two-core machine runs head and nodes on the same cores.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_tensor.py --rounds 3
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tensor.py --rounds 3 [--model gemma]
 
 A benchmark, not a test: nothing here asserts on timings.
 """
@@ -42,7 +45,8 @@ from typing import Any
 from tbrpc.node_processes import listening_port
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("single", "layer", "tensor", "tensor-butterfly")
+MODES = ("single", "layer", "tensor", "tensor-butterfly", "ffn")
+MODES_OF = {"llama-f32": MODES, "gemma": ("single", "layer", "ffn")}
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
 
 RUN = """
@@ -52,13 +56,21 @@ os.environ.update(spec["env"])
 import llama_cpp
 import numpy as np
 import tbrpc
+from tbrpc.llama import model_params_patch
 kwargs = dict(n_ctx=512, n_threads=1, n_batch=512, verbose=False, seed=0, flash_attn=True)
+devices = None
 if spec["nodes"]:
     tbrpc.connect(spec["nodes"])
     kwargs.update(n_gpu_layers=-1, tensor_split=[1.0] * len(spec["nodes"]), split_mode=spec["split_mode"])
+    if spec["ffn_granularity"]:
+        import ctypes
+        meta = tbrpc.cluster().ffn_split_device(spec["nodes"], [1.0] * len(spec["nodes"]), spec["ffn_granularity"])
+        devices = (ctypes.c_void_p * 2)(meta, None)
+        kwargs.update(split_mode=1, tensor_split=None)
 else:
     kwargs.update(n_gpu_layers=0)
-llm = llama_cpp.Llama(spec["model"], **kwargs)
+with model_params_patch(devices):
+    llm = llama_cpp.Llama(spec["model"], **kwargs)
 prompt = llm.tokenize(spec["prompt"].encode())
 def status():
     return [tbrpc.cluster().status(i) for i in range(len(spec["nodes"]))]
@@ -95,9 +107,9 @@ def start_node(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError(f"node did not start: {log.read_text()}")
 
 
-def run(mode: str, model: str, endpoints: list[str], n: int) -> dict[str, Any]:
+def run(mode: str, model: str, endpoints: list[str], n: int, granularity: int) -> dict[str, Any]:
     spec = {"model": model, "prompt": PROMPT, "n": n, "nodes": [] if mode == "single" else endpoints,
-            "split_mode": 1 if mode == "layer" else 3,
+            "split_mode": 3 if mode.startswith("tensor") else 1, "ffn_granularity": granularity if mode == "ffn" else 0,
             "env": {"TBRPC_NO_ALLREDUCE": "1"} if mode == "tensor-butterfly" else {}}
     proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(spec)], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -112,20 +124,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(MODES_OF), default="llama-f32")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     import models
+    from tbrpc.gguf_model import load_gguf
+    from tbrpc.plan import ffn_granularity
 
-    model = str(models.ensure("llama-f32"))
+    model = str(models.ensure(args.model))
+    modes = MODES_OF[args.model]
+    granularity = ffn_granularity(load_gguf(model))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-tensor-"))
     nodes = [start_node(log_dir) for _ in range(args.nodes)]
     endpoints = [e for _, e in nodes]
-    results: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
         for r in range(args.rounds):
-            order = MODES if r % 2 == 0 else tuple(reversed(MODES))
+            order = modes if r % 2 == 0 else tuple(reversed(modes))
             for mode in order:
-                results[mode].append(run(mode, model, endpoints, args.tokens))
+                results[mode].append(run(mode, model, endpoints, args.tokens, granularity))
     finally:
         for proc, _ in nodes:
             proc.terminate()
@@ -135,7 +152,7 @@ def main() -> None:
           + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"{'mode':18} {'prompt t/s':>10} {'decode t/s':>10} {'vs single':>9} {'AR/token':>8} {'B/AR':>6} "
           f"{'AR ms/token':>11}")
-    for mode in MODES:
+    for mode in modes:
         rows = results[mode]
         decode = statistics.median(x["decode_tps"] for x in rows)
         prompt = statistics.median(x["prompt_tps"] for x in rows)

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <stdbool.h>
 #include <fcntl.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -39,17 +40,20 @@ static void compress_portable(uint32_t st[8], const uint8_t b[64]) {
     st[0] += a; st[1] += bb; st[2] += c; st[3] += d; st[4] += e; st[5] += f; st[6] += g; st[7] += h;
 }
 
+// The CPU's own SHA-256 instructions, where there are any: compress_hw() and
+// cpu_has_sha_instructions(), one pair per architecture. compress_blocks()
+// below is the one place that picks between them and the portable code.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TB_SHA256_HW "x86 SHA-NI"
 #include <cpuid.h>
 #include <immintrin.h>
-#include <stdlib.h>
 
 // The same compression with the x86 SHA extensions (SHA256RNDS2, MSG1,
 // MSG2): about ten times the portable speed, which is what makes hashing a
 // whole model file affordable. The state is kept as the instructions want
 // it, ABEF and CDGH; four schedule words at a time.
 __attribute__((target("sha,sse4.1,ssse3")))
-static void compress_shani(uint32_t st[8], const uint8_t * p, size_t n_blocks) {
+static void compress_hw(uint32_t st[8], const uint8_t * p, size_t n_blocks) {
     const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bll, 0x0405060700010203ll);
     __m128i t = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *) &st[0]), 0xB1);   // C D A B
     __m128i s1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *) &st[4]), 0x1B);  // E F G H
@@ -79,30 +83,103 @@ static void compress_shani(uint32_t st[8], const uint8_t * p, size_t n_blocks) {
     _mm_storeu_si128((__m128i *) &st[4], _mm_alignr_epi8(s1, t, 8));       // H G F E
 }
 
-// Whether to use them: the CPU has them (CPUID leaf 7, EBX bit 29) and
-// TBRPC_SHA256_PORTABLE is not set (tests compare both ways). Asked once.
-static bool use_shani(void) {
+// SHA (CPUID leaf 7, EBX bit 29), SSSE3 and SSE4.1 (leaf 1, ECX bits 9 and 19).
+static bool cpu_has_sha_instructions(void) {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b >> 29 & 1)) return false;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c >> 19 & 1) && (c >> 9 & 1);
+}
+#elif defined(__aarch64__) && (defined(__ARM_FEATURE_SHA2) || (defined(__GNUC__) && !defined(__clang__)))
+// Built where the target has SHA-2 anyway (every Apple Silicon target does),
+// or by GCC, which compiles it for this one function ("+crypto": AES and
+// SHA-2, what GCC's arm_neon.h asks for). Clang 14's arm_neon.h declares the
+// intrinsics only for such a target, so a clang build for plain ARMv8.0 has
+// the portable code alone.
+#define TB_SHA256_HW "ARMv8 SHA2"
+#include <arm_neon.h>
+#if defined(__linux__)
+#include <sys/auxv.h>
+#endif
+#if defined(__ARM_FEATURE_SHA2)
+#define TB_ARM_SHA2
+#else
+#define TB_ARM_SHA2 __attribute__((target("+crypto")))
+#endif
+
+// The same compression with ARMv8's SHA-2 instructions. The state stays in
+// its natural order, ABCD and EFGH, one vector each. SHA256H makes the new
+// ABCD and SHA256H2 the new EFGH of four rounds, both from the old pair and
+// four words W[t] + K[t]; SHA256SU0 gives W[t-16] + s0(W[t-15]) and SHA256SU1
+// adds W[t-7] + s1(W[t-2]) for the next four schedule words.
+TB_ARM_SHA2
+static void compress_hw(uint32_t st[8], const uint8_t * p, size_t n_blocks) {
+    uint32x4_t abcd = vld1q_u32(&st[0]), efgh = vld1q_u32(&st[4]);
+    for (; n_blocks > 0; n_blocks--, p += 64) {
+        const uint32x4_t save_abcd = abcd, save_efgh = efgh;
+        uint32x4_t m[4];   // W[4g .. 4g+3] for the last four groups g, at m[g % 4]
+        for (int g = 0; g < 16; g++) {
+            if (g < 4) {   // the block's sixteen big-endian words
+                m[g] = vreinterpretq_u32_u8(vrev32q_u8(vld1q_u8(p + 16 * g)));
+            } else {
+                m[g & 3] = vsha256su1q_u32(vsha256su0q_u32(m[g & 3], m[(g + 1) & 3]), m[(g + 2) & 3], m[(g + 3) & 3]);
+            }
+            const uint32x4_t wk = vaddq_u32(m[g & 3], vld1q_u32(&K[4 * g]));
+            const uint32x4_t old_abcd = abcd;
+            abcd = vsha256hq_u32(abcd, efgh, wk);
+#ifndef TB_SHA256_BROKEN_ARMV8_ROUND
+            efgh = vsha256h2q_u32(efgh, old_abcd, wk);
+#else   // deliberately wrong (tests only): EFGH from the new ABCD
+            efgh = vsha256h2q_u32(efgh, abcd, wk);
+            (void) old_abcd;
+#endif
+        }
+        abcd = vaddq_u32(abcd, save_abcd);
+        efgh = vaddq_u32(efgh, save_efgh);
+    }
+    vst1q_u32(&st[0], abcd);
+    vst1q_u32(&st[4], efgh);
+}
+
+// Every Apple Silicon CPU has them; Linux says so in the ELF auxiliary vector.
+static bool cpu_has_sha_instructions(void) {
+#if defined(__APPLE__) || defined(__ARM_FEATURE_SHA2)
+    return true;
+#elif defined(__linux__) && defined(HWCAP_SHA2)
+    return (getauxval(AT_HWCAP) & HWCAP_SHA2) != 0;
+#else
+    return false;
+#endif
+}
+#endif
+
+#ifdef TB_SHA256_HW
+// Which compression this process runs: the CPU's SHA instructions when it has
+// them, unless TBRPC_SHA256_PORTABLE is set (tests compare both ways). Asked once.
+static bool use_sha_instructions(void) {
     static int known;   // 0: not asked yet, 1: no, 2: yes
     int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
     if (v == 0) {
-        unsigned a = 0, b = 0, c = 0, d = 0;
         const char * portable = getenv("TBRPC_SHA256_PORTABLE");
-        v = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 29 & 1) && (c = 0, __get_cpuid(1, &a, &b, &c, &d)) &&
-            (c >> 19 & 1) && (c >> 9 & 1) && !(portable && *portable && strcmp(portable, "0") != 0) ? 2 : 1;
+        v = !(portable && *portable && strcmp(portable, "0") != 0) && cpu_has_sha_instructions() ? 2 : 1;
         __atomic_store_n(&known, v, __ATOMIC_RELAXED);
     }
     return v == 2;
 }
+#endif
+
+const char * tb_sha256_impl(void) {
+#ifdef TB_SHA256_HW
+    if (use_sha_instructions()) return TB_SHA256_HW;
+#endif
+    return "portable";
+}
 
 static void compress_blocks(uint32_t st[8], const uint8_t * p, size_t n_blocks) {
-    if (use_shani()) { compress_shani(st, p, n_blocks); return; }
-    for (; n_blocks > 0; n_blocks--, p += 64) compress_portable(st, p);
-}
-#else
-static void compress_blocks(uint32_t st[8], const uint8_t * p, size_t n_blocks) {
-    for (; n_blocks > 0; n_blocks--, p += 64) compress_portable(st, p);
-}
+#ifdef TB_SHA256_HW
+    if (use_sha_instructions()) { compress_hw(st, p, n_blocks); return; }
 #endif
+    for (; n_blocks > 0; n_blocks--, p += 64) compress_portable(st, p);
+}
 
 void tb_sha256_init(struct tb_sha256 * s) {
     static const uint32_t iv[8] = { 0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,

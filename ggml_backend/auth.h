@@ -28,6 +28,10 @@ struct tb_sha256 {
 void tb_sha256_init(struct tb_sha256 * s);
 void tb_sha256_update(struct tb_sha256 * s, const void * data, size_t len);
 void tb_sha256_final(struct tb_sha256 * s, uint8_t out[TB_SHA256_LEN]);
+// Which compression this process uses: "portable", or the CPU's SHA
+// instructions ("x86 SHA-NI", "ARMv8 SHA2"); TBRPC_SHA256_PORTABLE=1 forces
+// the portable one.
+const char * tb_sha256_impl(void);
 
 // HMAC-SHA256 over the concatenation of up to four parts (NULL parts are skipped).
 void tb_hmac_sha256(const uint8_t * key, size_t key_len,

@@ -676,6 +676,13 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
     out->error_kind = n->failed ? n->error_kind : 0;
     snprintf(out->error, sizeof out->error, "%s", n->error);
     snprintf(out->transport, sizeof out->transport, "%s", n->tp->describe);
+    size_t used = 0;
+    for (size_t k = 0; k < n->n_links && used < sizeof out->links; k++) {
+        if (!n->links[k].usable) continue;
+        int w = snprintf(out->links + used, sizeof out->links - used, "%s%s %s", used ? "; " : "", n->links[k].to->endpoint,
+                         n->links[k].transport);
+        if (w > 0) used += (size_t) w;
+    }
     out->bytes_sent = n->tp->bytes_sent;
     out->bytes_received = n->tp->bytes_received;
     out->round_trips = n->round_trips;

@@ -42,6 +42,7 @@ struct client_node {
     uint64_t next_id;
     bool   dirty;                            // posted requests not yet confirmed by a reply
     bool   failed;
+    bool   forced_tcp;                       // asked for TCP: its links are asked to stay on TCP too
     bool   handshaking;                      // failures now are TBRPC_ERR_HANDSHAKE, later TBRPC_ERR_FAILED
     int    error_kind;                       // enum tbrpc_error_kind of the failure
     char   error[512];
@@ -56,7 +57,8 @@ struct client_node {
     size_t n_files;
 
     // Links from this node to others (activations go node to node); set up once per pair.
-    struct peer_link { struct client_node * to; uint64_t out_id, in_id; bool usable; } links[16];
+    // transport: what carries the link, and why, as the dialing node (this one) said.
+    struct peer_link { struct client_node * to; uint64_t out_id, in_id; bool usable; char transport[96]; } links[16];
     size_t n_links;
     // How other nodes dial this one for a link, where not at its endpoint's
     // host: Thunderbolt links are point to point, one subnet per cable.

@@ -483,9 +483,16 @@ struct peer_link * peer_link(struct client_node * a, struct client_node * b) {
     }
     conn.port = listen.port;
     conn.token = listen.token;
+    conn.caps = b->info.caps;                                  // what b offers for the link's upgrade
+    conn.flags = a->forced_tcp || b->forced_tcp ? TB_LINK_TCP : 0;
+    struct tb_peer_connect_reply connected_rep;
+    memset(&connected_rep, 0, sizeof connected_rep);
     pthread_mutex_lock(&b->lock);
     const uint64_t accept_id = node_call_send_locked(b, TB_CMD_PEER_ACCEPT, &listen.token, sizeof listen.token);
-    const int connected = accept_id ? node_call(a, TB_CMD_PEER_CONNECT, &conn, sizeof conn, &link->out_id, sizeof link->out_id) : -1;
+    const int connected = accept_id ? node_call(a, TB_CMD_PEER_CONNECT, &conn, sizeof conn, &connected_rep, sizeof connected_rep) : -1;
+    link->out_id = connected_rep.peer_id;
+    connected_rep.transport[sizeof connected_rep.transport - 1] = '\0';
+    snprintf(link->transport, sizeof link->transport, "%s", connected_rep.transport);
     // a could not dial (or prove itself): b would wait out its timeout for
     // nobody. Any next request ends b's wait; SYNC costs nothing.
     const uint64_t nudge_id = accept_id && (connected != 0 || !link->out_id) ? node_call_send_locked(b, TB_CMD_SYNC, NULL, 0) : 0;
@@ -591,9 +598,8 @@ static int upgrade_to_shm(struct client_node * n, char * why, size_t why_len) {
         snprintf(why, why_len, "%s", n->error);
         return -1;
     }
-    rep.declined[sizeof rep.declined - 1] = '\0';
-    if (rep.declined[0]) { snprintf(why, why_len, "%s", rep.declined); return -1; }
-    struct tb_shm * seg = tb_shm_attach(&rep.offer, why, why_len);
+    struct tb_shm * seg = tb_upgrade_attach(&rep, why, why_len);
+    if (rep.declined[0]) return -1;
     uint32_t attached = seg != NULL;
     if (node_post(n, TB_CMD_TRANSPORT_SWITCH, &attached, sizeof attached) != 0 || tb_flush(n->tp) != 0) {
         tb_shm_discard(seg);
@@ -611,7 +617,6 @@ static int upgrade_to_shm(struct client_node * n, char * why, size_t why_len) {
 // Move the connection onto RDMA (transport/rdma.h); 0, or -1 with why not
 // (both sides then stay on TCP).
 static int upgrade_to_rdma(struct client_node * n, char * why, size_t why_len) {
-    if (!tb_rdma_available(why, why_len)) return -1;   // no offer: nothing for the node to set up
     struct tb_transport_req req = { TB_TRANSPORT_RDMA, 0, 0, 0 };
     struct tb_transport_reply rep;
     if (node_call(n, TB_CMD_TRANSPORT_OFFER, &req, sizeof req, &rep, sizeof rep) != 0) {
@@ -620,7 +625,7 @@ static int upgrade_to_rdma(struct client_node * n, char * why, size_t why_len) {
     }
     rep.declined[sizeof rep.declined - 1] = '\0';
     if (rep.declined[0]) { snprintf(why, why_len, "peer: %s", rep.declined); return -1; }
-    struct tb_transport * rdma = tb_rdma_upgrade(n->tp, NULL, why, why_len);
+    struct tb_transport * rdma = tb_rdma_upgrade(n->tp, NULL, NULL, why, why_len);
     if (!rdma) {
         if (n->tp->error_kind != TB_IO_OK) node_fail(n, "TRANSPORT_OFFER", why);   // TCP itself failed
         return -1;
@@ -629,18 +634,22 @@ static int upgrade_to_rdma(struct client_node * n, char * why, size_t why_len) {
     return 0;
 }
 
-// Shared memory when the node is on this host and offers it, RDMA when it is
-// on another and both have a device, else TCP; the transport's description
-// says which, and why.
+// What to ask the node for is tb_upgrade_choose's to say (transport/upgrade.c:
+// the same rules as a node-to-node link); the transport's description says
+// what carries the connection, and why.
 static void choose_transport(struct client_node * n, const char * wanted) {
     char why[256] = "";
-    if (wanted && strcmp(wanted, "tcp") == 0) snprintf(why, sizeof why, "asked for");
-    else if (!tb_tcp_same_host(n->tp)) {
-        if (!(n->info.caps & TB_CAP_RDMA)) snprintf(why, sizeof why, "peer has no RDMA device");
-        else if (upgrade_to_rdma(n, why, sizeof why) == 0) return;
+    const struct tb_upgrade_want want = {
+        .forced_tcp = wanted && strcmp(wanted, "tcp") == 0,
+        .peer_shm = (n->info.caps & TB_CAP_SHM) != 0,
+        .peer_rdma = (n->info.caps & TB_CAP_RDMA) != 0,
+    };
+    n->forced_tcp = want.forced_tcp;
+    switch (tb_upgrade_choose(n->tp, &want, why, sizeof why)) {
+        case TB_TRANSPORT_SHM:  if (upgrade_to_shm(n, why, sizeof why) == 0) return; break;
+        case TB_TRANSPORT_RDMA: if (upgrade_to_rdma(n, why, sizeof why) == 0) return; break;
+        default: break;
     }
-    else if (!(n->info.caps & TB_CAP_SHM)) snprintf(why, sizeof why, "the node offers no shared memory");
-    else if (upgrade_to_shm(n, why, sizeof why) == 0) return;
     if (!n->failed) snprintf(n->tp->describe, sizeof n->tp->describe, "tcp: %s", why);
 }
 
@@ -675,7 +684,7 @@ struct client_node * node_open(const char * endpoint, const char * name, int tim
     snprintf(n->endpoint, sizeof n->endpoint, "%s", endpoint);
     snprintf(n->name, sizeof n->name, "%s", name);
     char why[256];
-    n->tp = tb_tcp_connect(host, port, timeout_ms, why, sizeof why);
+    n->tp = tb_dial(host, port, NULL, timeout_ms, why, sizeof why);
     if (!n->tp) {
         snprintf(err, err_len, "tbrpc node %s: unreachable: %s", endpoint, why);
         *kind = TBRPC_ERR_UNREACHABLE;

@@ -80,6 +80,49 @@ static void slot_release(struct tb_node * n, int i) {
     pthread_mutex_unlock(&n->lock);
 }
 
+// ---- RDMA queue pairs per device, across every client ------------------------------
+// A device takes so many QPs (Apple: 10, TN3205), however many processes use
+// them: here one per head connection and one per node-to-node link, each
+// session in a worker process of its own. Each session counts the QPs it
+// holds per device in its own counters page (only it writes there); a new
+// one is counted first and the whole table summed after, and given back if
+// the sum is over the limit. Two sessions racing for the last QP may then
+// both be refused, but the device never has more than its limit in use.
+int node_take_qp(struct tb_node * n, struct client_slot * mine, const char * device, int limit, char * why, size_t why_len) {
+    struct slot_qps * e = NULL;
+    for (int k = 0; k < SLOT_QP_DEVICES && !e; k++) {
+        if (mine->qps[k].count && strncmp(mine->qps[k].device, device, sizeof mine->qps[k].device) == 0) e = &mine->qps[k];
+    }
+    for (int k = 0; k < SLOT_QP_DEVICES && !e; k++) {
+        if (!mine->qps[k].count) { e = &mine->qps[k]; snprintf(e->device, sizeof e->device, "%s", device); }
+    }
+    if (!e) { snprintf(why, why_len, "QP budget: this session uses %d RDMA devices already", SLOT_QP_DEVICES); return -1; }
+    __atomic_add_fetch(&e->count, 1, __ATOMIC_SEQ_CST);   // publishes the name written before
+    if (limit <= 0) return 0;
+    uint32_t used = 0;
+    for (int i = 0; i < MAX_CLIENTS; i++) {
+        const struct client_slot * slot = slot_counters(n, i);
+        if (slot != mine && !__atomic_load_n(&table_in_use(n)[i], __ATOMIC_ACQUIRE)) continue;
+        for (int k = 0; k < SLOT_QP_DEVICES; k++) {
+            uint32_t count = __atomic_load_n(&slot->qps[k].count, __ATOMIC_SEQ_CST);
+            if (count && strncmp(slot->qps[k].device, device, sizeof slot->qps[k].device) == 0) used += count;
+        }
+    }
+    if (used <= (uint32_t) limit) return 0;
+    __atomic_sub_fetch(&e->count, 1, __ATOMIC_SEQ_CST);
+    snprintf(why, why_len, "QP budget: %u of %d in use on %s", used - 1, limit, device);
+    return -1;
+}
+
+void node_give_qp(struct client_slot * mine, const char * device) {
+    for (int k = 0; k < SLOT_QP_DEVICES; k++) {
+        if (mine->qps[k].count && strncmp(mine->qps[k].device, device, sizeof mine->qps[k].device) == 0) {
+            __atomic_sub_fetch(&mine->qps[k].count, 1, __ATOMIC_SEQ_CST);
+            return;
+        }
+    }
+}
+
 struct thread_start { struct tb_node * node; int fd; int slot; };
 
 static void * conn_thread(void * arg) {
@@ -144,7 +187,8 @@ static void start_worker(struct tb_node * n, int fd, int slot) {
 #endif
     signal(SIGTERM, SIG_DFL);
     signal(SIGINT, SIG_IGN);       // Ctrl-C reaches the whole group; the parent ends its workers
-    close(n->listen_fd);
+    tb_listener_close(n->listener);
+    n->listener = NULL;
     close(n->stop_pipe[0]);
     close(n->stop_pipe[1]);
     close(n->parent_pipe[0]);
@@ -341,7 +385,7 @@ static ggml_backend_dev_t pick_device(const char * wanted, char * err, size_t er
 // directories. The caller owns n (zeroed) and frees it with tb_node_free.
 static int node_init(struct tb_node * n, const struct tb_node_config * cfg, char * err, size_t err_len) {
     n->cfg = *cfg;
-    n->listen_fd = n->status_fd = -1;
+    n->status_fd = -1;
     n->own_slot = -1;
     n->stop_pipe[0] = n->stop_pipe[1] = n->parent_pipe[0] = n->parent_pipe[1] = -1;
     for (int i = 0; i < MAX_REFUSING; i++) n->refusing[i].fd = -1;
@@ -461,9 +505,9 @@ struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, s
     }
     if (node_init(n, cfg, err, err_len) != 0 || create_slots(n, err, err_len) != 0) goto fail;
     if (n->serve_mode == SERVE_SPAWN && copy_worker_argv(n, cfg->worker_argv, err, err_len) != 0) goto fail;
-    n->listen_fd = tb_tcp_listen(cfg->host, cfg->port, err, err_len);
-    if (n->listen_fd < 0) goto fail;
-    n->port = tb_tcp_bound_port(n->listen_fd);
+    n->listener = tb_listen(cfg->host, cfg->port, err, err_len);
+    if (!n->listener) goto fail;
+    n->port = tb_listener_port(n->listener);
     if (!n->name[0]) snprintf(n->name, sizeof n->name, "%s:%d", n->host[0] ? n->host : "*", n->port);
     if (pipe(n->stop_pipe) != 0 || pipe(n->parent_pipe) != 0) { snprintf(err, err_len, "pipe: %s", strerror(errno)); goto fail; }
     fcntl(n->stop_pipe[1], F_SETFL, O_NONBLOCK);
@@ -521,7 +565,7 @@ int tb_node_port(const struct tb_node * n) { return n->port; }
 int tb_node_serve(struct tb_node * n) {
     node_log(n, "serving %s (%s) on port %d", ggml_backend_dev_name(n->dev), ggml_backend_dev_description(n->dev), n->port);
     n->has_hasher = n->model_dirs[0] && pthread_create(&n->hasher, NULL, node_hash_model_files, n) == 0;
-    struct pollfd p[2] = { { .fd = n->listen_fd, .events = POLLIN }, { .fd = n->stop_pipe[0], .events = POLLIN } };
+    struct pollfd p[2] = { { .fd = tb_listener_fd(n->listener), .events = POLLIN }, { .fd = n->stop_pipe[0], .events = POLLIN } };
     while (!n->stopping) {
         int rc = poll(p, 2, IDLE_POLL_MS);
         reap_workers(n);
@@ -529,7 +573,7 @@ int tb_node_serve(struct tb_node * n) {
         if (rc < 0 && errno == EINTR) continue;
         if (rc < 0 || (p[1].revents & POLLIN)) break;
         if (p[0].revents & POLLIN) {
-            int fd = accept(n->listen_fd, NULL, NULL);
+            int fd = tb_accept_fd(n->listener);
             if (fd >= 0) start_connection(n, fd);
         }
     }
@@ -576,7 +620,7 @@ void tb_node_get_status(struct tb_node * n, struct tb_status * s) {
 
 void tb_node_free(struct tb_node * n) {
     if (!n) return;
-    if (n->listen_fd >= 0) close(n->listen_fd);
+    tb_listener_close(n->listener);
     for (int i = 0; i < MAX_REFUSING; i++) if (n->refusing[i].fd > 0) close(n->refusing[i].fd);
     memset(n->secret, 0, sizeof n->secret);
     if (n->stop_pipe[0] >= 0) close(n->stop_pipe[0]);

@@ -16,7 +16,10 @@
 // computes layer k+1; activations then go straight from node to node and
 // the head waits only for the last node's logits. Setup (three called
 // requests) happens once per pair; a pair that cannot connect answers 0 and
-// the head keeps relaying.
+// the head keeps relaying. After the authenticated greeting the dialer
+// upgrades the link as a head upgrades its connection (transport/upgrade.c:
+// shared memory on one host, RDMA between hosts that both have it, else
+// TCP with the reason); the TCP connection stays open under it as anchor.
 
 static uint64_t random_token(void) {
     uint64_t t = 0;
@@ -40,15 +43,15 @@ static uint64_t add_peer(struct node_conn * c, struct tb_transport * tp, bool ou
 
 int handle_peer_listen(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     struct tb_peer_listen_reply rep = { 0, 0 };
-    if (c->peer_listen_fd < 0) {
+    if (!c->peer_listener) {
         char why[256];
-        c->peer_listen_fd = tb_tcp_listen(c->node->host, 0, why, sizeof why);
-        if (c->peer_listen_fd < 0) node_log(c->node, "client %s: cannot listen for peers: %s", c->tp->peer, why);
+        c->peer_listener = tb_listen(c->node->host, 0, why, sizeof why);
+        if (!c->peer_listener) node_log(c->node, "client %s: cannot listen for peers: %s", c->tp->peer, why);
         c->peer_token = random_token();
     }
-    if (c->peer_listen_fd >= 0) {
+    if (c->peer_listener) {
         rep.token = c->peer_token;
-        rep.port = (uint64_t) tb_tcp_bound_port(c->peer_listen_fd);
+        rep.port = (uint64_t) tb_listener_port(c->peer_listener);
     }
     memcpy(r->small, &rep, sizeof rep);
     r->data = r->small;
@@ -56,18 +59,45 @@ int handle_peer_listen(struct node_conn * c, const struct tb_header * h, struct 
     return 0;
 }
 
+// Where a node dials a peer from. A node given a loopback address of its own
+// (127.0.0.x: one that stands for a host in tests) dials loopback peers from
+// it, as a host with that address would; any other takes the kernel's route,
+// which on a Thunderbolt ring is the address on the cable to that peer, the
+// one whose GID finds the right RDMA device.
+static const char * dial_from(const struct tb_node * n, const char * peer_host) {
+    return strncmp(n->host, "127.", 4) == 0 && strncmp(peer_host, "127.", 4) == 0 ? n->host : NULL;
+}
+
+// The link's upgrade, decided as a head decides for its connection.
+static struct tb_transport * upgrade_link(struct node_conn * c, struct tb_transport * tp, const struct tb_peer_connect * req,
+                                          char * why, size_t why_len) {
+    const struct tb_upgrade_want want = {
+        .forced_tcp = (req->flags & TB_LINK_TCP) != 0,
+        .peer_shm = (req->caps & TB_CAP_SHM) != 0,
+        .peer_rdma = (req->caps & TB_CAP_RDMA) != 0,
+        .no_shm = no_shm_reason(c->node),
+    };
+    return tb_upgrade_dial(tp, &want, &c->qp_budget, why, why_len);
+}
+
 // Dial a peer session's listener. Nothing is sent before the listener has
 // proven it knows the link key (the cluster secret and the listener's token,
 // which only the head and that listener have): a port that is not a tbrpc
 // listener of this cluster receives not a byte, and the reply (0) does not
-// say whether anything answered. Bounded by the head's timeout.
+// say whether anything answered. Then the link's upgrade. Bounded by the
+// head's timeout. The reply says what carries the link, and why.
 int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     struct tb_peer_connect * req = (struct tb_peer_connect *) c->payload;
     req->host[sizeof req->host - 1] = '\0';
     char why[256] = "bad port";
     const int timeout_ms = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
+    struct tb_peer_connect_reply * rep = (struct tb_peer_connect_reply *) r->small;
+    _Static_assert(sizeof *rep <= sizeof r->small, "the link reply fits the small reply");
+    memset(rep, 0, sizeof *rep);
+    r->data = rep;
+    r->len = sizeof *rep;
     struct tb_transport * tp = req->port > 0 && req->port < 65536
-        ? tb_tcp_connect(req->host, (int) req->port, timeout_ms, why, sizeof why) : NULL;
+        ? tb_dial(req->host, (int) req->port, dial_from(c->node, req->host), timeout_ms, why, sizeof why) : NULL;
     uint8_t key[TB_MAC_LEN], mac[TB_MAC_LEN];
     tb_peer_key(c->node->secret, c->node->secret_len, req->token, key);
     struct tb_peer_greeting greeting;
@@ -94,16 +124,20 @@ int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct
         }
     }
     memset(key, 0, sizeof key);
+    if (ok && !(tp = upgrade_link(c, tp, req, why, sizeof why))) ok = false;   // the TCP connection failed (and is closed)
     if (!ok) {
         node_log(c->node, "client %s: cannot reach peer %s:%llu (%s); activations will go through the head",
                  c->tp->peer, req->host, (unsigned long long) req->port, why);
         tb_close(tp);
-        return reply_u64(r, 0);
+        return 0;
     }
     tp->deadline_ms = 0;
     char them[TB_NAME_LEN + 32];
     snprintf(them, sizeof them, "%s:%llu", req->host, (unsigned long long) req->port);
-    return reply_u64(r, add_peer(c, tp, true, them));
+    snprintf(rep->transport, sizeof rep->transport, "%s", tp->describe);
+    node_log(c->node, "client %s: link to peer %s: transport %s", c->tp->peer, them, tp->describe);
+    rep->peer_id = add_peer(c, tp, true, them);
+    return 0;
 }
 
 // One dialer on our listener: greet it with proof that we know the link key,
@@ -138,10 +172,10 @@ static int greet_dialer(struct node_conn * c, struct tb_transport * tp, char nam
 int handle_peer_accept(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     uint64_t token;
     memcpy(&token, c->payload, sizeof token);
-    if (c->peer_listen_fd < 0 || token != c->peer_token) return reply_u64(r, 0);
+    if (!c->peer_listener || token != c->peer_token) return reply_u64(r, 0);
     const int timeout_ms = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
     const int64_t deadline = tb_now_ms() + timeout_ms;
-    struct pollfd p = { .fd = c->peer_listen_fd, .events = POLLIN };
+    struct pollfd p = { .fd = tb_listener_fd(c->peer_listener), .events = POLLIN };
     for (int64_t left = timeout_ms; left > 0; left = deadline - tb_now_ms()) {
         // The head sends its next request only once the dialer has given up
         // (peer_link in client.c): then no one is coming, and the wait ends.
@@ -149,14 +183,19 @@ int handle_peer_accept(struct node_conn * c, const struct tb_header * h, struct 
             if (tb_poll(c->tp, 0) > 0) break;
             continue;
         }
-        int fd = accept(c->peer_listen_fd, NULL, NULL);
-        if (fd < 0) continue;
-        struct tb_transport * tp = tb_tcp_from_fd(fd, timeout_ms);
+        struct tb_transport * tp = tb_accept(c->peer_listener, timeout_ms);
         if (!tp) continue;
         tp->deadline_ms = deadline;
         char name[TB_NAME_LEN] = { 0 };
         if (greet_dialer(c, tp, name) == 0) {
+            char why[256];
+            tp = tb_upgrade_accept(tp, no_shm_reason(c->node), &c->qp_budget, why, sizeof why);
+            if (!tp) {
+                node_log(c->node, "client %s: link from peer %s failed in its upgrade: %s", c->tp->peer, name, why);
+                return reply_u64(r, 0);
+            }
             tp->deadline_ms = 0;
+            node_log(c->node, "client %s: link from peer %s: transport %s", c->tp->peer, name, tp->describe);
             return reply_u64(r, add_peer(c, tp, false, name));
         }
         node_log(c->node, "client %s: a peer link attempt from %s did not prove it knows the link key; refused",

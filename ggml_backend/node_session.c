@@ -409,35 +409,22 @@ static int handle_set(struct node_conn * c, const struct tb_header * h, char * e
 }
 
 // ---- transports ---------------------------------------------------------------
-// A head on this host may move the connection into shared memory. Only
-// workers with a process of their own offer it: the segment is shared with
-// the head, and a head that shrank it under us could crash what maps it
-// (it needs the node's own user for that, mode 0600, who could do worse).
+// What to offer, and why not, is tb_upgrade_answer's to say (transport/upgrade.c:
+// the same rules as on a node-to-node link). Shared memory only from workers
+// with a process of their own: the segment is shared with the peer, and a
+// peer that shrank it under us could crash what maps it (it needs the node's
+// own user for that, mode 0600, who could do worse).
 
 static int handle_transport_offer(struct node_conn * c, const struct tb_header * h, struct reply * r,
                                   char * err, size_t err_len) {
     const struct tb_transport_req * req = (const struct tb_transport_req *) c->payload;
     struct tb_transport_reply * rep = (struct tb_transport_reply *) r->small;
     _Static_assert(sizeof *rep <= sizeof r->small, "the transport reply fits the small reply");
-    memset(rep, 0, sizeof *rep);
     r->data = rep;
     r->len = sizeof *rep;
     tb_shm_discard(c->offered);
-    c->offered = NULL;
-    c->rdma_accepted = false;
-    if (req->kind == TB_TRANSPORT_RDMA) {   // the bring-up runs after this reply (serve_one)
-        c->rdma_accepted = tb_rdma_available(rep->declined, sizeof rep->declined);
-        if (!c->rdma_accepted && !rep->declined[0]) snprintf(rep->declined, sizeof rep->declined, "no RDMA here");
-        if (c->rdma_accepted) rep->declined[0] = '\0';
-    } else if (req->kind != TB_TRANSPORT_SHM) {
-        snprintf(rep->declined, sizeof rep->declined, "the node knows no transport of kind %u", req->kind);
-    } else if (c->node->serve_mode == SERVE_THREAD) {
-        snprintf(rep->declined, sizeof rep->declined, "the node serves clients in threads (--isolation thread)");
-    } else if (!tb_ring_geometry_ok(req->slots, req->stride)) {
-        snprintf(rep->declined, sizeof rep->declined, "no ring of %u slots of %u bytes", req->slots, req->stride);
-    } else {
-        c->offered = tb_shm_create(req->slots, req->stride, &rep->offer, rep->declined, sizeof rep->declined);
-    }
+    tb_upgrade_answer(req, no_shm_reason(c->node), rep, &c->offered);
+    c->rdma_accepted = req->kind == TB_TRANSPORT_RDMA && !rep->declined[0];   // the bring-up runs after this reply (serve_one)
     return 0;
 }
 
@@ -465,12 +452,23 @@ static int handle_transport_switch(struct node_conn * c, const struct tb_header 
 static void upgrade_to_rdma(struct node_conn * c) {
     char why[256];
     pthread_mutex_lock(&c->send_lock);
-    struct tb_transport * rdma = tb_rdma_upgrade(c->tp, NULL, why, sizeof why);
+    struct tb_transport * rdma = tb_rdma_upgrade(c->tp, NULL, &c->qp_budget, why, sizeof why);
     if (rdma) c->tp = rdma;
     else if (c->tp->error_kind == TB_IO_OK) snprintf(c->tp->describe, sizeof c->tp->describe, "tcp: %s", why);
     pthread_mutex_unlock(&c->send_lock);
     if (rdma) node_log(c->node, "client %s: transport %s", rdma->peer, rdma->describe);
     else node_log(c->node, "client %s: stays on tcp: %s", c->tp->peer, why);
+}
+
+// The session's RDMA QPs count against the node's budget per device (node.c).
+static int take_qp(void * ctx, const char * device, int limit, char * why, size_t why_len) {
+    struct node_conn * c = ctx;
+    return node_take_qp(c->node, c->slot, device, limit, why, why_len);
+}
+
+static void give_qp(void * ctx, const char * device) {
+    struct node_conn * c = ctx;
+    node_give_qp(c->slot, device);
 }
 
 static int dispatch(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
@@ -658,7 +656,7 @@ static void conn_free(struct node_conn * c) {
     while (c->n_buffers > 0) release_buffer(c, c->n_buffers - 1);
     for (size_t i = 0; i < c->n_files; i++) close(c->files[i].fd);
     for (size_t i = 0; i < c->n_peers; i++) tb_close(c->peers[i].tp);
-    if (c->peer_listen_fd >= 0) close(c->peer_listen_fd);
+    tb_listener_close(c->peer_listener);
     forget_kept_graphs(c);
     if (c->backend) ggml_backend_free(c->backend);
     free(c->buffers);
@@ -703,7 +701,7 @@ static void serve_connection(struct node_conn * c) {
 
 static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slot * slot) {
     struct node_conn * c = calloc(1, sizeof *c);
-    if (c) c->tp = tb_tcp_from_fd(fd, n->cfg.timeout_ms);
+    if (c) c->tp = tb_adopt(fd, n->cfg.timeout_ms);
     if (c && c->tp) c->backend = ggml_backend_dev_init(n->dev, NULL);
     if (!c || !c->tp || !c->backend) {
         node_log(n, "cannot serve a new client: out of memory or device init failed");
@@ -717,7 +715,7 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     c->next_handle = 1;
     c->next_fake_base = TB_FAKE_BASE;
     c->keepalive_ms = 1000;
-    c->peer_listen_fd = -1;
+    c->qp_budget = (struct tb_qp_budget) { .take = take_qp, .give = give_qp, .ctx = c };
     c->has_file_nonce = tb_random(c->file_nonce, sizeof c->file_nonce) == 0;
     pthread_mutex_init(&c->send_lock, NULL);
     pthread_mutex_init(&c->busy_lock, NULL);

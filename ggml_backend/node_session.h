@@ -55,7 +55,7 @@ struct node_conn {
     size_t    n_files;
 
     // Links to the same head's sessions on other nodes (id = index + 1).
-    int       peer_listen_fd;       // -1 until the head asks for one
+    struct tb_listener * peer_listener;   // NULL until the head asks for one
     uint64_t  peer_token;           // what a peer must present to connect
     struct { struct tb_transport * tp; bool outgoing; char name[TB_NAME_LEN]; } peers[MAX_PEERS];
     size_t    n_peers;
@@ -64,6 +64,7 @@ struct node_conn {
 
     struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
     bool      rdma_accepted;        // TRANSPORT_OFFER kind RDMA said yes: the bring-up follows its reply
+    struct tb_qp_budget qp_budget;  // the RDMA QPs of this session, counted against the node's (node.c)
     uint8_t   file_nonce[TB_FILE_NONCE_LEN];   // OPEN_FILE proofs answer this (sent at HELLO)
     bool      has_file_nonce;
 
@@ -92,6 +93,12 @@ static inline int scratch_reserve(struct node_conn * c, size_t need) {
 
 static inline void count(uint64_t * counter, int64_t delta) {
     __atomic_add_fetch(counter, (uint64_t) delta, __ATOMIC_RELAXED);
+}
+
+// Why this node may not share memory with a peer (NULL: it may): only a
+// worker with a process of its own maps a segment another process shares.
+static inline const char * no_shm_reason(const struct tb_node * n) {
+    return n->serve_mode == SERVE_THREAD ? "the node serves clients in threads (--isolation thread)" : NULL;
 }
 
 // A 1-D byte view of a buffer range: lets us use ggml's generic tensor

@@ -281,6 +281,13 @@ static int check_flash_attn(const struct ggml_tensor * t, uint32_t index, char *
     return 0;
 }
 
+// What the matrix-product kernels assume: contiguous source rows, an F32
+// result with contiguous rows and ascending strides.
+static bool product_layout_ok(const struct ggml_tensor * a, const struct ggml_tensor * b, const struct ggml_tensor * t) {
+    return rows_contiguous(a) && rows_contiguous(b) && t->nb[0] == sizeof(float) &&
+           t->nb[0] <= t->nb[1] && t->nb[1] <= t->nb[2] && t->nb[2] <= t->nb[3];
+}
+
 static int check_mul_mat(const struct ggml_tensor * t, uint32_t index, char * err, size_t err_len) {
     const struct ggml_tensor * a = t->src[0], * b = t->src[1];
     if (RULE_ON(TB_RULE_SHAPES)) {
@@ -293,9 +300,7 @@ static int check_mul_mat(const struct ggml_tensor * t, uint32_t index, char * er
         if (!(is_float(b->type) || ggml_is_quantized(b->type))) FAIL("source 1 type %s is not supported", ggml_type_name(b->type));
         if (!(is_float(a->type) || ggml_is_quantized(a->type))) FAIL("source 0 type %s is not supported", ggml_type_name(a->type));
     }
-    if (RULE_ON(TB_RULE_LAYOUT) && (!rows_contiguous(a) || !rows_contiguous(b) || t->nb[0] != sizeof(float) ||
-                                    !(t->nb[0] <= t->nb[1] && t->nb[1] <= t->nb[2] && t->nb[2] <= t->nb[3])))
-        FAIL("source and result rows must be contiguous, result strides ascending");
+    if (RULE_ON(TB_RULE_LAYOUT) && !product_layout_ok(a, b, t)) FAIL("source and result rows must be contiguous, result strides ascending");
     return 0;
 }
 
@@ -311,9 +316,7 @@ static int check_mul_mat_id(const struct ggml_tensor * t, uint32_t index, char *
         if (b->type != GGML_TYPE_F32) FAIL("input must be F32");
         if (!(is_float(as->type) || ggml_is_quantized(as->type))) FAIL("expert type %s is not supported", ggml_type_name(as->type));
     }
-    if (RULE_ON(TB_RULE_LAYOUT) && (!rows_contiguous(as) || !rows_contiguous(b) || t->nb[0] != sizeof(float) ||
-                                    !(t->nb[0] <= t->nb[1] && t->nb[1] <= t->nb[2] && t->nb[2] <= t->nb[3])))
-        FAIL("source and result rows must be contiguous, result strides ascending");
+    if (RULE_ON(TB_RULE_LAYOUT) && !product_layout_ok(as, b, t)) FAIL("source and result rows must be contiguous, result strides ascending");
     return 0;
 }
 

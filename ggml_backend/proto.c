@@ -13,6 +13,7 @@
 _Static_assert(sizeof(struct tb_header) == 24, "header is 24 bytes on the wire");
 _Static_assert(sizeof(struct tb_wire_tensor) % 8 == 0, "wire tensor keeps 8-byte alignment");
 _Static_assert(sizeof(struct tb_hello) % 8 == 0, "hello keeps 8-byte alignment");
+_Static_assert(sizeof(struct tb_abi) == 40, "the ABI block has no padding (tb_abi_fill leaves none unset)");
 
 #define EXACT(n)    TB_LEN_EXACT, (uint32_t) (n)
 #define AT_LEAST(n) TB_LEN_AT_LEAST, (uint32_t) (n)
@@ -42,7 +43,7 @@ static const struct tb_command commands[TB_CMD_COUNT_] = {
     [TB_CMD_LOAD_FROM_FILE]  = { "LOAD_FROM_FILE",   true,  EXACT(sizeof(struct tb_file_range)),   NONE },
     [TB_CMD_LOAD_FROM_FILE_2D] = { "LOAD_FROM_FILE_2D", true, EXACT(sizeof(struct tb_file_range_2d)), NONE },
     [TB_CMD_PEER_LISTEN]     = { "PEER_LISTEN",      false, NONE,                                  EXACT(sizeof(struct tb_peer_listen_reply)) },
-    [TB_CMD_PEER_CONNECT]    = { "PEER_CONNECT",     false, EXACT(sizeof(struct tb_peer_connect)), EXACT(sizeof(uint64_t)) },
+    [TB_CMD_PEER_CONNECT]    = { "PEER_CONNECT",     false, EXACT(sizeof(struct tb_peer_connect)), EXACT(sizeof(struct tb_peer_connect_reply)) },
     [TB_CMD_PEER_ACCEPT]     = { "PEER_ACCEPT",      false, EXACT(sizeof(uint64_t)),               EXACT(sizeof(uint64_t)) },
     [TB_CMD_PEER_SEND]       = { "PEER_SEND",        true,  EXACT(sizeof(struct tb_peer_range)),   NONE },
     [TB_CMD_PEER_RECV]       = { "PEER_RECV",        true,  EXACT(sizeof(struct tb_peer_range)),   NONE },
@@ -90,15 +91,11 @@ void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint
 }
 
 void tb_abi_fill(struct tb_abi * abi) {
-    memset(abi, 0, sizeof *abi);
-    abi->proto_version       = TB_PROTO_VERSION;
-    abi->backend_api_version = TBRPC_GGML_BACKEND_API_VERSION;
-    abi->ggml_op_count       = GGML_OP_COUNT;
-    abi->ggml_type_count     = GGML_TYPE_COUNT;
-    abi->max_dims            = GGML_MAX_DIMS;
-    abi->max_src             = GGML_MAX_SRC;
-    abi->max_op_params       = GGML_MAX_OP_PARAMS;
-    abi->max_name            = GGML_MAX_NAME;
+    *abi = (struct tb_abi) {
+        .proto_version = TB_PROTO_VERSION, .backend_api_version = TBRPC_GGML_BACKEND_API_VERSION,
+        .ggml_op_count = GGML_OP_COUNT, .ggml_type_count = GGML_TYPE_COUNT, .max_dims = GGML_MAX_DIMS,
+        .max_src = GGML_MAX_SRC, .max_op_params = GGML_MAX_OP_PARAMS, .max_name = GGML_MAX_NAME,
+    };
     uint64_t h = TB_FNV_OFFSET;
     for (int t = 0; t < GGML_TYPE_COUNT; t++) {
         uint64_t sizes[2] = { ggml_type_size((enum ggml_type) t), (uint64_t) ggml_blck_size((enum ggml_type) t) };

@@ -63,7 +63,7 @@ enum tb_cmd {
     TB_CMD_OPEN_FILE,        // tb_open_file        reply: u64 file id, 0 when the node has no such file
     TB_CMD_LOAD_FROM_FILE,   // tb_file_range       posted: fill a buffer range from the node's own copy
     TB_CMD_PEER_LISTEN,      // empty               reply: tb_peer_listen_reply (0 port: cannot)
-    TB_CMD_PEER_CONNECT,     // tb_peer_connect     reply: u64 peer id (0: could not reach the peer)
+    TB_CMD_PEER_CONNECT,     // tb_peer_connect     reply: tb_peer_connect_reply (peer id 0: could not reach the peer)
     TB_CMD_PEER_ACCEPT,      // u64 token           reply: u64 peer id (0: nobody came in time)
     TB_CMD_PEER_SEND,        // tb_peer_range       posted: send a buffer range to a peer (also the data frame on a peer link)
     TB_CMD_PEER_RECV,        // tb_peer_range       posted: receive the peer's next range into a buffer range
@@ -173,16 +173,10 @@ struct tb_peer_confirm  { uint8_t mac[TB_MAC_LEN]; };
 // The link key: HMAC(K, "tbrpc 4 peer link" || token).
 void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint8_t out[TB_MAC_LEN]);
 
-// TRANSPORT_OFFER: the ring the head asks for. The node may answer another
-// geometry (tb_shm_offer says which); kind 1 is shared memory, the only one yet.
-#define TB_TRANSPORT_SHM 1u
-// Kind 2: RDMA. The node answers with declined[] empty to accept; right after
-// that reply both sides run tb_rdma_upgrade over the raw TCP stream
-// (transport/rdma.h), which either switches both or leaves both on TCP.
-#define TB_TRANSPORT_RDMA 2u
-struct tb_transport_req { uint32_t kind; uint32_t slots; uint32_t stride; uint32_t reserved; };
-// The answer: a segment made for this connection, or why not (declined[0] != 0).
-struct tb_transport_reply { struct tb_shm_offer offer; char declined[160]; };
+// TRANSPORT_OFFER carries a tb_transport_req and answers a tb_transport_reply
+// (transport.h): kind 1 shared memory (then TRANSPORT_SWITCH), kind 2 RDMA
+// (declined[] empty accepts; right after that reply both sides run
+// tb_rdma_upgrade over the raw TCP stream, transport/rdma.h).
 
 // What the wire says about each command, in one table (proto.c) that head
 // and node both read: its name, whether it is posted (no reply; a failure is
@@ -253,7 +247,13 @@ struct tb_file_range_2d { uint64_t handle, offset, size, n_copies, stride, file_
 // Node-to-node links: activations go from the node that computed them
 // straight to the next node, instead of through the head.
 struct tb_peer_listen_reply { uint64_t token, port; };
-struct tb_peer_connect      { char host[256]; uint64_t port, token; };
+// PEER_CONNECT: where the listener is, its token, and what the head knows of
+// it for the link's upgrade: its HELLO caps (TB_CAP_SHM, TB_CAP_RDMA) and
+// TB_LINK_TCP when the head's transport is forced to TCP.
+#define TB_LINK_TCP 1u
+struct tb_peer_connect       { char host[256]; uint64_t port, token, caps, flags; };
+// The link's id (0: no link) and what carries it, and why ("shm 16x64K", "tcp: asked for").
+struct tb_peer_connect_reply { uint64_t peer_id; char transport[96]; };
 struct tb_peer_range        { uint64_t peer_id, handle, offset, size; };
 
 // llama.cpp's tensor split: each of `n` nodes holds a partial F32 sum in a

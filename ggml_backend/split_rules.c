@@ -3,16 +3,24 @@
 // llama.cpp cuts every layer across devices only for the architectures it
 // has rules for; it refuses deepseek2 (Kimi K2, DeepSeek V3), whose MLA
 // attention its rules cannot split. Its meta device is public, though, and
-// takes the rules as a callback. These rules cut only the feed-forward
-// weights (the dense FFN of the leading layers, the routed experts and the
-// shared expert) along their inner width, and keep every other tensor
-// (attention, norms, router, embeddings, output) whole on every node:
+// takes the rules as a callback. These rules cut the feed-forward weights
+// (the dense FFN of the leading layers, the routed experts and the shared
+// expert) along their inner width and the output head along the
+// vocabulary, and keep every other tensor (attention, norms, router) whole
+// on every node:
 //
 //   ffn_gate*, ffn_up*   [n_embd, n_ff(, n_expert)]  axis 1: a slice of rows
 //   ffn_down*            [n_ff, n_embd(, n_expert)]  axis 0: the same slice of columns
+//   output.weight        [n_embd, n_vocab]           axis 1: a slice of the vocabulary
+//   (token_embd.weight on the meta device is a tied output's copy: the input
+//   layer stays on the head's CPU)
 //
 // Each node then computes a partial sum of the FFN output, and the meta
-// backend all-reduces it once per layer (tbrpc's ALLREDUCE, client.c).
+// backend all-reduces it once per layer (tbrpc's ALLREDUCE, client.c); each
+// node computes its slice of the logits, which the head gathers. The output
+// head is a large part of a small model's work (over half of the weights
+// Gemma 3 270M reads per token), and llama.cpp's own tensor split cuts it
+// the same way.
 // Every expert is cut, not placed whole, so the load is even whatever the
 // router picks. Passed as the only device of a layer split, the meta device
 // runs every layer on all its nodes.
@@ -37,8 +45,11 @@ static struct ggml_backend_meta_split_state whole(void) {
     return s;
 }
 
-// Which axis of `name` holds the FFN's inner width, or -1 when the tensor stays whole.
-static int ffn_axis(const char * name) {
+// The axis `name` is cut along (the FFN's inner width, the vocabulary), or -1 when the tensor stays whole.
+static int cut_axis(const char * name) {
+    if (!strcmp(name, "output.weight") || !strcmp(name, "token_embd.weight")) return 1;
+    if (!strcmp(name, "output.bias")) return 0;   // follows the output's vocabulary slice
+    if (strstr(name, ".bias")) return -1;
     if (strstr(name, "ffn_gate_inp") || strstr(name, "ffn_norm") || strstr(name, "exp_probs")) return -1;   // router, norms
     if (strstr(name, "ffn_gate") || strstr(name, "ffn_up")) return 1;
     if (strstr(name, "ffn_down")) return 0;
@@ -47,9 +58,9 @@ static int ffn_axis(const char * name) {
 
 static struct ggml_backend_meta_split_state ffn_split_state(const struct ggml_tensor * t, void * userdata) {
     const struct ffn_rules * r = userdata;
-    const int axis = ffn_axis(t->name);
+    const int axis = cut_axis(t->name);
     const int64_t width = axis < 0 ? 0 : t->ne[axis];
-    if (axis < 0 || strstr(t->name, ".bias") || width % r->granularity != 0) return whole();
+    if (axis < 0 || width % r->granularity != 0) return whole();
     struct ggml_backend_meta_split_state s = whole();
     s.axis = (enum ggml_backend_meta_split_axis) axis;
     const int64_t units = width / r->granularity;

@@ -1,4 +1,4 @@
-// transport.h - moving bytes between a head and a node.
+// transport.h - moving bytes between a head and a node, or two nodes.
 //
 // The protocol (proto.h) speaks in whole messages; a transport only moves
 // bytes. It knows nothing of ggml. Every implementation offers the same
@@ -9,9 +9,34 @@
 //   recv   read exactly n bytes, failing after timeout_ms without progress
 //   poll   wait until bytes are ready, so a server can idle and still stop
 //   close  release everything; the struct is freed
-// TCP is the first implementation (transport/tcp.c). RDMA (fixed-size
-// registered frames, SEND/RECV only) and shared memory fit the same shape:
-// send copies into the current frame, flush posts it, recv consumes frames.
+//
+// The layer has three parts. Callers (client_node.c, node.c,
+// node_session.c, node_links.c) use only the names below, never those of
+// one transport:
+//
+//   connecting  tb_dial, tb_listen / tb_accept, tb_adopt. Every connection
+//               starts as TCP (transport/tcp.c): finding a peer by address
+//               and noticing that its process died (end of file) are what
+//               TCP does, and shared memory and RDMA have no way of their
+//               own to do either. So they never dial: they take over a TCP
+//               connection, which stays open under them as the anchor
+//               (doorbell for shm, liveness for both).
+//   upgrading   transport/upgrade.c: right after the authenticated
+//               handshake, the dialing side chooses what to ask for
+//               (tb_upgrade_choose), the answering side offers or declines
+//               (tb_upgrade_answer), both follow. The head carries these
+//               steps in its commands (TRANSPORT_OFFER, TRANSPORT_SWITCH);
+//               a dialing node on a fresh peer link, which has no commands
+//               yet, as raw structs (tb_upgrade_dial / tb_upgrade_accept).
+//               Either way "which transport, and why not the others" is
+//               decided by the same two functions, so a head connection and
+//               a peer link give the same reasons.
+//   moving      the five operations above: tcp.c, shm.c, rdma.c; shm and
+//               RDMA share the frame ring (transport/ring.h).
+//
+// A new transport joins as one new file: its five operations over a wire,
+// and what its side of an upgrade does (a kind below, the answer it makes,
+// the step each side follows), called from one case each in upgrade.c.
 //
 // Errors: every call returns 0 on success and -1 on failure, with a kind in
 // t->error_kind (enum tb_io_error: what a caller may act on) and a reason in
@@ -71,30 +96,37 @@ static inline int  tb_recv (struct tb_transport * t, void * d, size_t n)       {
 static inline int  tb_poll (struct tb_transport * t, int timeout_ms)        { return t->ops->poll(t, timeout_ms); }
 static inline void tb_close(struct tb_transport * t)                          { if (t) t->ops->close(t); }
 
-// --- TCP -------------------------------------------------------------------
-// Connect to host:port within timeout_ms. On failure returns NULL and writes
-// the reason into err.
-struct tb_transport * tb_tcp_connect(const char * host, int port, int timeout_ms, char * err, size_t err_len);
+// --- Connecting (transport/tcp.c) -----------------------------------------------
+// Dial host:port within timeout_ms, from the local address `from` (NULL: the
+// one the kernel's route picks). NULL on failure, with the reason in err.
+struct tb_transport * tb_dial(const char * host, int port, const char * from, int timeout_ms, char * err, size_t err_len);
 
-// A listening socket. Returns the fd, or -1 with the reason in err.
-// port 0 picks a free port; tb_tcp_bound_port() tells which.
-int tb_tcp_listen(const char * host, int port, char * err, size_t err_len);
-int tb_tcp_bound_port(int listen_fd);
+// A listening endpoint. port 0 picks a free port; tb_listener_port() tells
+// which. NULL on failure, with the reason in err.
+struct tb_listener;
+struct tb_listener * tb_listen(const char * host, int port, char * err, size_t err_len);
+int  tb_listener_port(const struct tb_listener * l);
+int  tb_listener_fd(const struct tb_listener * l);   // to poll() for a dialer together with other descriptors
+// The next connection's descriptor (-1: none waiting), for a process that
+// hands it on (node.c to a worker, which makes it a transport with tb_adopt).
+int  tb_accept_fd(struct tb_listener * l);
+struct tb_transport * tb_accept(struct tb_listener * l, int timeout_ms);   // NULL: none waiting
+void tb_listener_close(struct tb_listener * l);
 
-// Wrap an accepted connection fd. Takes ownership of fd.
-struct tb_transport * tb_tcp_from_fd(int fd, int timeout_ms);
+// A connection accepted elsewhere (a worker's client). Takes ownership of fd.
+struct tb_transport * tb_adopt(int fd, int timeout_ms);
 
-// The socket under a TCP transport (a shared-memory ring keeps it as doorbell and liveness).
+// For what rides on a TCP connection (shm, RDMA, the upgrade): its socket,
+// and whether both ends have the same address (the peer is on this host).
 int tb_tcp_fd(struct tb_transport * t);
-// 1 when both ends of the connection have the same address: the peer is on this host.
 int tb_tcp_same_host(struct tb_transport * t);
 
 // --- Shared memory (transport/shm.c) -----------------------------------------
-// A ring of frames (transport/ring.h) in a segment the node creates and the
-// head attaches to; the TCP connection they negotiated it over stays open as
-// doorbell and liveness. The offer travels in the protocol's UPGRADE reply.
+// A ring of frames (transport/ring.h) in a segment the answering side
+// creates and the dialing side attaches to; the TCP connection they
+// negotiated it over stays open as doorbell and liveness.
 #define TB_SHM_NAME_LEN 32
-#define TB_SHM_SLOTS    16            // what a head asks for: 16 frames of 64 KiB each way
+#define TB_SHM_SLOTS    16            // what a dialer asks for: 16 frames of 64 KiB each way
 #define TB_SHM_STRIDE   (64u * 1024)
 struct tb_shm_offer {
     uint32_t slots;
@@ -110,6 +142,55 @@ void tb_shm_discard(struct tb_shm * s);   // unmap (and unlink, on the creating 
 // both, or on failure (NULL) has discarded the segment and left the TCP
 // connection to the caller. The creator's name is unlinked here.
 struct tb_transport * tb_shm_transport(struct tb_shm * s, struct tb_transport * tcp, char * err, size_t err_len);
+
+// --- Upgrading (transport/upgrade.c) ----------------------------------------------
+// The kinds a connection may move to.
+#define TB_TRANSPORT_TCP  0u          // stay on TCP (a peer link's ask then says why)
+#define TB_TRANSPORT_SHM  1u          // a ring in shared memory the answering side creates
+#define TB_TRANSPORT_RDMA 2u          // a ring over verbs, after the symmetric bring-up (transport/rdma.h)
+
+// What the dialing side asks for (TRANSPORT_OFFER's request): a kind, and for
+// shared memory the ring it wants (the answer may pick another geometry).
+struct tb_transport_req { uint32_t kind; uint32_t slots; uint32_t stride; uint32_t reserved; };
+// The answer: a segment made for this connection, yes to RDMA (all zero), or why not (declined[0] != 0).
+struct tb_transport_reply { struct tb_shm_offer offer; char declined[160]; };
+
+// RDMA queue pairs a process may still open on a device (Apple: at most 10
+// per device, TN3205). take() runs before a QP is created: it counts it, or
+// says why not ("QP budget: 10 of 10 in use"); give() runs once it is gone.
+struct tb_qp_budget {
+    int  (*take)(void * ctx, const char * device, int limit, char * why, size_t why_len);
+    void (*give)(void * ctx, const char * device);
+    void * ctx;
+};
+
+// What the dialing side knows when it chooses.
+struct tb_upgrade_want {
+    int  forced_tcp;            // TBRPC_TRANSPORT=tcp, transport = "tcp": stay, "asked for"
+    int  peer_shm, peer_rdma;   // what the answering side said it offers (its HELLO caps)
+    const char * no_shm;        // why this side may not map a peer's segment (NULL: it may)
+};
+
+// The dialing side: the kind to ask for, or TB_TRANSPORT_TCP with why not.
+uint32_t tb_upgrade_choose(struct tb_transport * tcp, const struct tb_upgrade_want * want, char * why, size_t why_len);
+// The answering side: fill rep (an offer, yes, or why not). no_shm: why this
+// side may not create a segment (NULL: it may); a segment goes to *offered.
+void tb_upgrade_answer(const struct tb_transport_req * req, const char * no_shm, struct tb_transport_reply * rep,
+                       struct tb_shm ** offered);
+// The dialing side, after a shared-memory answer: the segment, or NULL with why.
+struct tb_shm * tb_upgrade_attach(const struct tb_transport_reply * rep, char * why, size_t why_len);
+
+// A whole upgrade over a TCP connection that carries nothing else yet (a
+// node-to-node link after its greeting), as raw structs: the dialer sends
+// {req, why}; the acceptor answers with a tb_transport_reply; for shared
+// memory the dialer then says whether it attached (u32); for RDMA both run
+// tb_rdma_upgrade. Both return the transport to use from now on: the
+// upgraded one (which owns tcp), or tcp itself, its describe "tcp: <why>".
+// NULL only when tcp itself failed (it is closed then), with why.
+struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb_upgrade_want * want,
+                                      const struct tb_qp_budget * budget, char * why, size_t why_len);
+struct tb_transport * tb_upgrade_accept(struct tb_transport * tcp, const char * no_shm,
+                                        const struct tb_qp_budget * budget, char * why, size_t why_len);
 
 // Split "host:port" (or "[v6]:port") into parts. Returns 0 or -1 with err.
 int tb_parse_endpoint(const char * endpoint, char * host, size_t host_len, int * port, char * err, size_t err_len);

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import gguf
 import numpy as np
@@ -69,6 +71,34 @@ class ModelWriter:
         finally:
             self._tmp.unlink(missing_ok=True)  # only left over on failure
         return self.path
+
+
+class TinyConfig(Protocol):
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    logit_std: float
+
+
+def write_model(path: Path, arch: str, seed: int, dequantized: bool, cfg: TinyConfig, pre: str,
+                types: dict[str, QT], metadata: Callable[[ModelWriter], None],
+                layer: Callable[[ModelWriter, int], None]) -> Path:
+    """Write a tiny model to `path` (atomically) and return the path: its
+    metadata, vocabulary, token embedding, each layer, output norm and head, in
+    that order from one seeded stream.
+
+    dequantized=True stores each quantised weight as the F32 values it
+    decodes to: same model, float kernels, for checking the quantised ones.
+    """
+    mw = ModelWriter(path, arch, seed, dequantized)
+    metadata(mw)
+    vocab = mw.vocab(cfg.n_vocab, pre=pre)
+    mw.normal("token_embd.weight", (cfg.n_embd, cfg.n_vocab), 1.0, types["token_embd"])
+    for il in range(cfg.n_layer):
+        layer(mw, il)
+    mw.norm("output_norm.weight", cfg.n_embd)
+    output_head(mw, vocab, cfg.n_embd, cfg.logit_std, types["output"])
+    return mw.finish()
 
 
 def output_head(mw: ModelWriter, vocab: _tokenizer.Vocab, n_embd: int, logit_std: float, qtype: QT) -> None:

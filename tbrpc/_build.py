@@ -29,7 +29,8 @@ from cffi import FFI
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "ggml_backend"
 TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "transport/shm.c",
-                     "transport/verbs_load.c", "transport/rdma.c", "transport/rdma_report.c"]
+                     "transport/verbs_load.c", "transport/rdma.c", "transport/upgrade.c",
+                     "transport/rdma_report.c"]
 # shm_open lives in librt, dlopen (of the verbs library) in libdl, on C libraries older than glibc 2.34
 SYSTEM_LIBS = ["-pthread"] + (["-lrt", "-ldl"] if sys.platform.startswith("linux") else [])
 # what needs no ggml: the transports and the shared-secret proofs (C tests build them alone)
@@ -74,7 +75,8 @@ enum tb_cmd { TB_CMD_HELLO, TB_CMD_GET_MEMORY, TB_CMD_ALLOC_BUFFER, TB_CMD_FREE_
 struct tb_auth_req { uint8_t mac[32]; };
 struct tb_auth_reply { uint8_t mac[32]; struct tb_hello hello; };
 struct tb_peer_listen_reply { uint64_t token, port; };
-struct tb_peer_connect { char host[256]; uint64_t port, token; };
+struct tb_peer_connect { char host[256]; uint64_t port, token, caps, flags; };
+struct tb_peer_connect_reply { uint64_t peer_id; char transport[96]; };
 struct tb_peer_greeting { char magic[8]; uint8_t nonce[32]; uint8_t mac[32]; };
 struct tb_peer_answer { uint8_t nonce[32]; uint8_t mac[32]; char name[64]; };
 void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint8_t out[32]);
@@ -139,15 +141,17 @@ def ggml_link(lib: Path) -> list[str]:
     return [f"-L{lib}", "-l:libggml.so.0", "-l:libggml-base.so.0"]
 
 
-def build_program(source: Path, exe: Path, with_ggml: bool = True, defines: tuple[str, ...] = ()) -> Path:
+def build_program(source: Path, exe: Path, with_ggml: bool = True, defines: tuple[str, ...] = (),
+                  compiler: tuple[str, ...] = ("cc",)) -> Path:
     """Compile a C test or benchmark program with tbrpc's C sources: all of
     them against llama-cpp-python's ggml, or (with_ggml=False) those that need
     no ggml (transports, auth). Warnings are errors. `defines` ("NAME" or "NAME=VALUE") go to every
     source: build variants for tests (the deliberately broken RDMA wires, the
-    op rules' test hooks TB_OP_RULES_TESTING)."""
+    op rules' test hooks TB_OP_RULES_TESTING). `compiler` is the command and
+    its own options: a cross compiler for another CPU, say."""
     import subprocess
 
-    cmd = ["cc", "-std=gnu11", "-O2", *WARNINGS, "-Werror", *[f"-D{d}" for d in defines], f"-I{C_DIR}", str(source)]
+    cmd = [*compiler, "-std=gnu11", "-O2", *WARNINGS, "-Werror", *[f"-D{d}" for d in defines], f"-I{C_DIR}", str(source)]
     if with_ggml:
         include, lib, _ = llama_cpp_paths()
         cmd += [f"-I{include}", *[str(C_DIR / s) for s in C_SOURCES], *ggml_link(lib), f"-Wl,-rpath,{lib}"]

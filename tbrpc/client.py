@@ -104,6 +104,7 @@ class NodeInfo:
     bytes_from_files: int     # weights the node read from its own copy of the model
     peer_copies: int = 0      # activations it sent straight to the next node
     transport: str = ""       # what carries the bytes, and why: "shm 16x64K", "tcp: the node is on another host"
+    links: str = ""           # its links to other nodes and what carries each: "127.0.0.1:5001 shm 16x64K; ..."
     allreduces: int = 0       # tensor split: all-reduces it took part in, node to node
     bytes_allocated: int = 0  # this process's buffers on the node, now
     error_kind: int = 0       # enum tbrpc_error_kind of the failure (tbrpc.h); node_error() makes its exception
@@ -229,7 +230,7 @@ class Cluster:
             mem_free=h.mem_free, mem_total=h.mem_total, failed=bool(out.failed), error=text(out.error),
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, round_trips=out.round_trips,
             messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
-            bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies, transport=text(out.transport),
+            bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies, transport=text(out.transport), links=text(out.links),
             error_kind=out.error_kind,
             allreduces=out.allreduces, bytes_allocated=out.bytes_allocated,
         )

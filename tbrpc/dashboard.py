@@ -150,7 +150,8 @@ def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | No
             "memory_used": info.bytes_allocated,   # this server's buffers on the node
             "layers": list(p.layers) if p and p.layers else None,
             "share": shares.get(info.device_name),
-            "transport": info.transport, "failed": info.failed, "error": info.error or None,
+            "transport": info.transport, "links": info.links or None,   # to the next nodes, once the first decode made them
+            "failed": info.failed, "error": info.error or None,
             "round_trips": info.round_trips, "bytes": info.bytes_sent + info.bytes_received,
             "round_trips_per_token": trips / tokens if log.tokens else None,   # since serving began
             "bytes_per_token": moved / tokens if log.tokens else None,
@@ -239,7 +240,7 @@ async function refresh() {
       const row = nodes.insertRow(); row.dataset.node = n.name;
       cell(row, n.name); cell(row, n.endpoint); cell(row, n.device + " (" + n.node_device + ")");
       cell(row, (n.layers ? n.layers[0] + "-" + n.layers[1] : "-") + (n.share ? " (" + n.share + ")" : ""));
-      cell(row, size(n.memory_used) + " / " + size(n.memory_planned) + " / " + size(n.memory_total), "num"); cell(row, n.transport);
+      cell(row, size(n.memory_used) + " / " + size(n.memory_planned) + " / " + size(n.memory_total), "num"); cell(row, n.transport + (n.links ? "; links: " + n.links : ""));
       cell(row, num(n.round_trips_per_token, 2), "num"); cell(row, size(n.bytes_per_token), "num");
       cell(row, n.failed ? "DOWN: " + n.error : "up", n.failed ? "down" : "");
     }

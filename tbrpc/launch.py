@@ -25,7 +25,7 @@ from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
-from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_tensor_mode
+from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_model_tensor_mode
 from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster, with_secret
 from tbrpc.native import TbrpcError
 from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
@@ -177,9 +177,9 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 raise TbrpcError.at("plan", f"{exc}\n  try: --gguf must be a GGUF model "
                                     "(for a split set, its first shard)") from exc
             if opts.split == "tensor" or opts.llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR:
-                try:   # an architecture llama.cpp will not tensor-split: say so before starting nodes
-                    check_tensor_mode(model.architecture)
-                except PlanError as exc:
+                try:   # a model llama.cpp will not tensor-split: say so before starting nodes
+                    check_model_tensor_mode(model)
+                except (PlanError, GGUFError) as exc:
                     raise TbrpcError.at("plan", str(exc)) from exc
             if opts.prompt is None and not opts.chat:
                 require_server()

@@ -261,9 +261,10 @@ class Llama(llama_cpp.Llama):
     for a bar on stderr, or a callable taking the loaded fraction.
     ``log_dir``: where node logs go (default: a fresh temporary directory).
     ``split``: "layer" (the default), "tensor" (llama.cpp's split_mode=3: every
-    layer cut across the nodes) or "ffn" (tbrpc's own rules: only the FFN and
-    experts cut, the rest whole on every node; for deepseek2, which llama.cpp
-    will not tensor-split).
+    layer cut across the nodes) or "ffn" (tbrpc's own rules: the FFN, experts
+    and output cut, the rest whole on every node; for deepseek2 and models
+    with one KV head such as Gemma 3 270M, which llama.cpp will not
+    tensor-split).
     ``secret_file``: the cluster secret (default: the cluster file's, else
     TBRPC_SECRET_FILE; N local nodes without one get a fresh one for the run).
     Unless given, ``n_gpu_layers`` and ``tensor_split`` come from the plan.

@@ -779,13 +779,18 @@ class _MetaSplitter:
         return axis, per_device
 
 
+# tbrpc's FFN split also cuts the output head by vocabulary rows (a tied
+# output is token_embd's copy on the meta device; the input layer is on the head).
+OUTPUT_CUT = {"output.weight": 1, "token_embd.weight": 1, "output.bias": 0}
+
+
 class _FfnSplitter:
     """tbrpc's own rules for the meta device (ggml_backend/split_rules.c,
-    ``Cluster.ffn_split_device``): only the feed-forward weights are cut --
+    ``Cluster.ffn_split_device``): the feed-forward weights are cut --
     ffn_gate*/ffn_up* by rows (axis 1), ffn_down* by columns (axis 0), dense,
     routed and shared experts alike, in multiples of ``granularity`` -- and
-    every other tensor (attention, norms, router, KV cache, output) is whole
-    on every node."""
+    the output head by vocabulary rows; every other tensor (attention, norms,
+    router, KV cache) is whole on every node."""
 
     def __init__(self, shares: Sequence[float], granularity: int) -> None:
         total = np.float32(0)
@@ -796,6 +801,8 @@ class _FfnSplitter:
 
     @staticmethod
     def axis(name: str) -> int | None:
+        if name in OUTPUT_CUT:
+            return OUTPUT_CUT[name]
         if any(k in name for k in ("ffn_gate_inp", "ffn_norm", "exp_probs")) or ".bias" in name:
             return None
         if "ffn_gate" in name or "ffn_up" in name:
@@ -820,10 +827,11 @@ class _FfnSplitter:
 
 def ffn_granularity(model: GGUFModel) -> int:
     """The cut unit for tbrpc's FFN split: the least common multiple of the
-    FFN tensors' quant block sizes (a cut by columns must not split a block)."""
+    FFN tensors' quant block sizes (a cut by columns must not split a block;
+    the output, cut by vocabulary rows, sets none)."""
     g = 1
     for t in model.tensors:
-        if _FfnSplitter.axis(t.name) is not None:
+        if t.name not in OUTPUT_CUT and _FfnSplitter.axis(t.name) is not None:
             g = math.lcm(g, GGML_QUANT_SIZES[t.ggml_type][0])
     return g
 
@@ -878,6 +886,7 @@ class TensorPlan:
     reduce_buffer_bytes: int  # per node, device memory: the meta backend's ceil(log2 N) receive buffers (one ubatch)
     scratch_bytes: list[int]  # per node, its process's heap: tbrpc's ALLREDUCE scratch (2 or 3 partials of one ubatch)
     granularity: int = 0  # ffn split: the cut unit (lcm of the FFN tensors' block sizes); 0 for llama.cpp's rules
+    output_cut: bool = True  # the output head is cut by vocabulary rows (ffn split: when n_vocab is a multiple of granularity)
 
 
 def tbrpc_copies(n: int) -> int:
@@ -966,7 +975,18 @@ def all_reduces_per_token(model: GGUFModel, p: ArchParams, ffn_only: bool = Fals
     return count
 
 
-def check_tensor_mode(arch: str) -> None:
+def check_tensor_mode(arch: str, n_head_kv: Sequence[int] = ()) -> None:
+    """Refuse what llama.cpp's tensor split refuses or aborts on. ``n_head_kv``:
+    KV heads per layer (0 where a layer has no attention), when known and not MLA.
+
+    llama.cpp cuts attention by whole KV heads, so a layer with one KV head is
+    not shared at all: one node gets the whole of it. Worse, for such a model
+    (Gemma 3 270M) the meta device of the llama.cpp in 0.3.36 aborts the
+    process at the first one-token decode: the reshape of the [head_dim] K row
+    into [head_dim, 1 head, 1 token] has one dimension by ggml_n_dims, so its
+    rule (ggml-backend-meta.cpp:622) keeps the split on axis 0, inside the
+    head, and the per-row rule of the k-norm RMS_NORM that follows asserts
+    (GGML_ASSERT(src_ss[0].axis != GGML_BACKEND_SPLIT_AXIS_0), :543)."""
     if arch in TENSOR_REFUSED_ARCHS:
         raise TensorSplitError(
             f"tensor split: llama.cpp refuses architecture '{arch}' in tensor mode (llm_arch_supports_sm_tensor is false "
@@ -979,6 +999,17 @@ def check_tensor_mode(arch: str) -> None:
     if arch in TENSOR_UNMODELLED_ARCHS:
         raise TensorSplitError(f"tensor split: architecture '{arch}' has split rules of its own in llama.cpp that the planner "
                         "does not model; use --split layer")
+    if any(n == 1 for n in n_head_kv):
+        raise PlanError(
+            f"tensor split: this {arch} model has one KV head per layer, which llama.cpp's tensor split gives whole "
+            "to one node (its meta device in llama-cpp-python 0.3.36 aborts on it at the first generated token); "
+            "use --split layer")
+
+
+def check_model_tensor_mode(model: GGUFModel) -> None:
+    """check_tensor_mode for a model file's header: its architecture and KV heads."""
+    params = arch_params(model)
+    check_tensor_mode(params.arch, () if params.is_mla else params.n_head_kv)
 
 
 # --- public API -------------------------------------------------------------------
@@ -1049,7 +1080,7 @@ def plan(
     layout = weight_layout(model, params, load_mtp=load_mtp)
     if split in ("tensor", "ffn"):
         if split == "tensor":
-            check_tensor_mode(params.arch)
+            check_model_tensor_mode(model)
         elif head_device != "none":
             raise PlanError("ffn split: tbrpc's meta device is made of TBRPC nodes only; use head_device 'none'")
         if head_device == "cpu":
@@ -1205,6 +1236,7 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
         reduce_buffer_bytes=reduce_b,
         scratch_bytes=scratch,
         granularity=ffn_granularity(model) if ffn_only else 0,
+        output_cut=not ffn_only or p.n_vocab % ffn_granularity(model) == 0,
     )
     return plans, shares, tensor
 
@@ -1284,10 +1316,9 @@ def _notes(params: ArchParams, layout: WeightLayout, c: ContextParams, head_devi
     notes: list[str] = []
     if split == "ffn":
         notes.append("ffn split (tbrpc's own rules, ggml_backend/split_rules.c): every node holds a slice of each dense "
-                     "FFN and of every routed and shared expert, and a whole copy of everything else -- attention, "
-                     "the whole KV cache, router, norms, output -- and a full-size compute buffer; one all-reduce per "
-                     "layer.  tbrpc launch and tbrpc.Llama do not load it yet (the library does: "
-                     "Cluster.ffn_split_device, passed as the only device of a layer split).")
+                     "FFN, of every routed and shared expert and of the output head (by vocabulary), and a whole copy "
+                     "of everything else -- attention, the whole KV cache, router, norms -- and a full-size compute "
+                     "buffer; one all-reduce per layer.  tbrpc launch --split ffn and tbrpc.Llama(split=\"ffn\") load it.")
     if split == "tensor":
         notes.append("tensor split: every node holds a slice of every layer's attention and FFN matrices plus a whole "
                      "copy of the rest (norms, router, shared experts"
@@ -1435,8 +1466,8 @@ def format_table(p: Plan) -> str:
                         f"{t.copies_per_all_reduce} node-to-node copies each")
                      + f", {format_size(t.node_to_node_bytes_per_token)} per token")
         lines.append(f"logits        {format_size(t.logits_bytes_per_token)} per token "
-                     + ("read from one node (the output is whole on every node)" if p.split_mode == "ffn"
-                        else "gathered from the nodes' vocab slices"))
+                     + ("gathered from the nodes' vocab slices" if t.output_cut
+                        else "read from one node (the output is whole on every node)"))
         lines.append("")
     if p.draft is not None:
         d = p.draft

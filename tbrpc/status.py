@@ -179,6 +179,13 @@ def _layers(served: dict[str, Any] | None) -> str:
     return (f"{layers[0]}-{layers[-1]}" if layers else "-") + (f" ({share})" if share else "")
 
 
+def _carriers(t: Target) -> str:
+    """What carries the launch's connection to the node, and its links to other nodes (once made)."""
+    served = t.served or {}
+    links = f"; links: {served['links']}" if served.get("links") else ""
+    return (served.get("transport") or t.transport or "-") + links
+
+
 def format_rows(rows: Sequence[Row]) -> str:
     header = ("node", "endpoint", "device", "layers", "in use", "planned", "from files", "buffers", "clients", "graphs",
               "free/total", "transport", "per token", "")
@@ -195,7 +202,7 @@ def format_rows(rows: Sequence[Row]) -> str:
         note = t.launch + (f"; its last error: {served['error']}" if served.get("error") else "")
         table.append((t.name, t.endpoint, s.device, _layers(t.served), format_size(s.bytes_allocated), planned,
                       format_size(s.bytes_from_files), str(s.buffers), str(s.clients), str(s.graphs_computed),
-                      f"{format_size(s.mem_free)}/{format_size(s.mem_total)}", t.transport or "-", _per_token(t.served),
+                      f"{format_size(s.mem_free)}/{format_size(s.mem_total)}", _carriers(t), _per_token(t.served),
                       note))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

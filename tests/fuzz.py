@@ -58,7 +58,7 @@ OPS = ("NONE", "ADD", "ADD1", "ACC", "SUB", "MUL", "DIV", "SQR", "SQRT", "SUM_RO
 REQUEST_U64S = {"ALLOC_BUFFER": 1, "FREE_BUFFER": 1, "BUFFER_CLEAR": 4, "MEMSET_TENSOR": 4, "GET_TENSOR": 3,
                 "COPY_TENSOR": 5, "LOAD_FROM_FILE": 5, "PEER_ACCEPT": 1, "PEER_SEND": 4, "PEER_RECV": 4,
                 "TRANSPORT_OFFER": 2, "SET_TENSOR_2D": 5, "LOAD_FROM_FILE_2D": 8, "ALLREDUCE": 37, "AUTH": 4,
-                "PEER_CONNECT": 34, "OPEN_FILE": 39, "TRANSPORT_SWITCH": 0}
+                "PEER_CONNECT": 36, "OPEN_FILE": 39, "TRANSPORT_SWITCH": 0}
 ENDS_STREAM = ("TRANSPORT_SWITCH", "KEEPALIVE", "HELLO", "AUTH")   # after these the fuzzer reconnects
 MODEL_FILE = ("fuzz.gguf", 1 << 20)   # what `main` puts in the node's --model-dir: OPEN_FILE names it often
 RARE = {**{name: 0.15 for name in ENDS_STREAM}, "OPEN_FILE": 0.25}   # how often they are drawn, relative to the rest

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,9 @@ from tests.reference import reference_llama  # noqa: E402  (after the path it ne
 
 
 def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None,
-             reset_stats: Any = None) -> tuple[list[int], np.ndarray]:
+             reset_stats: Any = None, forced: list[int] | None = None) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and each step's logits; with `forced`, the next input is
+    forced[step] whatever the argmax (teacher forcing: logits comparable step by step)."""
     tokens = llm.tokenize(prompt.encode(), add_bos=True)
     out: list[int] = []
     rows: list[np.ndarray] = []
@@ -42,7 +45,7 @@ def generate(llm: Any, prompt: str, n_predict: int, kill: dict[str, Any] | None,
             reset_stats()
         if kill and step == kill["after_tokens"]:
             os.killpg(kill["pid"], kill.get("signal", 9))  # the node and its worker processes
-        llm.eval([token])
+        llm.eval([forced[step] if forced else token])
     return out, np.stack(rows)
 
 
@@ -83,11 +86,16 @@ def main(spec_path: str, out_path: str) -> None:
             result["allocated_after_load"] = [tbrpc.cluster().status(i).bytes_allocated for i in range(len(nodes))]
             result["nodes_after_load"] = [vars(n) for n in tbrpc.cluster().nodes()]   # counters before the reset
         tokens, logits = generate(llm, spec["prompt"], spec["n_predict"], spec.get("kill"),
-                                  tbrpc.cluster().reset_stats if nodes else None)
+                                  tbrpc.cluster().reset_stats if nodes else None, spec.get("forced_tokens"))
         result["tokens"] = tokens
         np.save(spec["logits_path"], logits)
         if nodes:
             result["nodes"] = [vars(n) for n in tbrpc.cluster().nodes()]
+        if spec.get("then_run"):   # another program, while this head still holds its connections and links
+            run = spec["then_run"]
+            proc = subprocess.run(run["argv"], capture_output=True, text=True, timeout=300,
+                                  env={**os.environ, **run.get("env", {})})
+            result["then_run"] = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr[-3000:]}
     except Exception as e:  # the test asserts on type and message
         result["error"] = {"type": type(e).__name__, "message": str(e)}
         if nodes:  # are the nodes that did not fail still usable?

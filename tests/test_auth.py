@@ -220,7 +220,7 @@ def test_peer_connect_to_a_port_that_is_not_a_node_sends_nothing(nodes: Any, key
     payload = pack("struct tb_peer_connect", host=b"127.0.0.1", port=listener.getsockname()[1], token=0x4141414141414141)
     w.send(lib.TB_CMD_PEER_CONNECT, payload)
     status, body = w.reply()
-    assert status == 0 and struct.unpack("<Q", body)[0] == 0   # no link
+    assert status == 0 and struct.unpack_from("<Q", body)[0] == 0   # no link
     thread.join(10)
     assert received == [b""]
     assert "did not prove it is a tbrpc node" in node.log_text()
@@ -255,7 +255,7 @@ def test_a_session_cannot_link_to_itself(nodes: Any, key: Path) -> None:
     token, port = struct.unpack("<QQ", w.reply()[1])
     w.send(lib.TB_CMD_PEER_CONNECT, pack("struct tb_peer_connect", host=b"127.0.0.1", port=port, token=token))
     status, body = w.reply()
-    assert status == 0 and struct.unpack("<Q", body)[0] == 0
+    assert status == 0 and struct.unpack_from("<Q", body)[0] == 0
 
 
 # ---- bounds ------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def test_two_sessions_waiting_on_each_other_do_not_live_forever(nodes: Any) -> N
         token, port = struct.unpack("<QQ", listener.reply()[1])
         listener.send(lib.TB_CMD_PEER_ACCEPT, struct.pack("<Q", token))
         dialer.send(lib.TB_CMD_PEER_CONNECT, pack("struct tb_peer_connect", host=b"127.0.0.1", port=port, token=token))
-        out_id = struct.unpack("<Q", dialer.reply()[1])[0]
+        out_id = struct.unpack_from("<Q", dialer.reply()[1])[0]
         in_id = struct.unpack("<Q", listener.reply()[1])[0]
         assert out_id and in_id
         return out_id, in_id

@@ -194,6 +194,8 @@ def test_concurrent_requests_take_turns(tmp_path: Path) -> None:
         (a0, a1), (b0, b1) = (n["layers"] for n in status["nodes"])
         assert (a0, b0, b1) == (0, a1 + 1, 17), status["nodes"]   # Gemma 3 270M: 18 layers, in plan order
         assert all(n["transport"].startswith("shm ") and not n["failed"] for n in status["nodes"])
+        # the activations went node to node: local0's link to local1, over shared memory too
+        assert status["nodes"][0]["links"].startswith(f"{status['nodes'][1]['endpoint']} shm "), status["nodes"]
         requests = status["requests"]
         assert (requests["count"], requests["tokens"], requests["in_flight"]) == (3, 48, 0), requests
         streams = [r for r in requests["recent"] if r["first_token_s"] is not None]
@@ -366,6 +368,9 @@ def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
         shown = json.loads(subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=env,
                                           capture_output=True, text=True, timeout=60).stdout)
         page_nodes = {n["endpoint"]: n for n in page["nodes"]}
+        text = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60).stdout
+        assert re.search(r"links: 127\.0\.0\.1:\d+ (shm \d+x\d+K|tcp)", text), text   # the first node's link to the second
         for row in shown["nodes"]:
             served, on_page = row["served"], page_nodes[row["endpoint"]]
             assert served["layers"] == on_page["layers"] and served["memory_planned"] == on_page["memory_planned"]

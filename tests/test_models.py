@@ -233,7 +233,7 @@ def test_ensure_writes_once(tmp_path: Path) -> None:
 def test_cli_prints_paths(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "models", "--out-dir", str(tmp_path), "llama", "deepseek2"]
     out = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True).stdout.split()
-    assert [Path(p).name for p in out] == [tiny_llama.file_name(), tiny_deepseek2.file_name()]
+    assert [Path(p).name for p in out] == [models.file_name(tiny_llama), models.file_name(tiny_deepseek2)]
     assert all(Path(p).is_file() for p in out)
 
 

@@ -372,22 +372,26 @@ def test_launch_plans_its_draft_model(llama_f32: Path, tmp_path: Path) -> None:
     assert_gone(launch.node_pids())
 
 
-def test_launch_refuses_tensor_split_of_deepseek2_before_starting_nodes(tmp_path: Path) -> None:
-    launch = start_launch(tmp_path, "--gguf", str(models.ensure("deepseek2")), "--local", "2", "--ctx", "256",
+@pytest.mark.parametrize("model,why", [("deepseek2", "refuses architecture 'deepseek2' in tensor mode"),
+                                       ("gemma", "one KV head per layer")])
+def test_launch_refuses_tensor_split_before_starting_nodes(model: str, why: str, tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure(model)), "--local", "2", "--ctx", "256",
                           "--split", "tensor", "--prompt", "x")
     assert launch.finish(timeout=60) == 1, launch.stderr
-    assert "refuses architecture 'deepseek2' in tensor mode" in launch.stderr and "--split layer" in launch.stderr
+    assert why in launch.stderr and "--split layer" in launch.stderr
     assert "starting" not in launch.stderr, launch.stderr
 
 
 # --- tbrpc's own FFN split (ggml_backend/split_rules.c): deepseek2 -------------------
 
-FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down)(_exps|_shexp)?\.weight")
+# cut: every FFN matrix (dense, routed and shared experts) and the output head (by vocabulary)
+FFN = re.compile(r"(blk\.\d+\.ffn_(gate|up|down)(_exps|_shexp)?|output)\.weight")
 
 
 def test_ffn_split_of_deepseek2_bytes() -> None:
-    """Only the dense FFN and every routed and shared expert are cut; attention,
-    router, norms, output and the whole (MLA) KV cache are on every node."""
+    """Only the dense FFN, every routed and shared expert and the output head
+    are cut; attention, router, norms and the whole (MLA) KV cache are on
+    every node."""
     path = models.ensure("deepseek2-f32")
     model = load_gguf(path)
     ffn = sum(t.n_bytes for t in model.tensors if FFN.fullmatch(t.name))
@@ -448,3 +452,18 @@ def test_the_page_shows_each_nodes_share_of_a_tensor_split(llama_f32: Path, tmp_
         assert [n["share"] for n in status["nodes"]] == ["50% of each layer"] * 2, status["nodes"]
         launch.proc.send_signal(signal.SIGINT)
         assert launch.finish() == 0, launch.stderr
+
+
+def test_one_kv_head_refused_in_tensor_mode() -> None:
+    """Gemma 3 270M has one KV head per layer: llama.cpp's tensor split cuts
+    attention by whole KV heads, so one node would get all of it, and its meta
+    device aborts the process on such a model at the first generated token.
+    The planner refuses it with that reason instead, before anything loads."""
+    path = models.ensure("gemma")
+    with pytest.raises(PlanError, match=r"one KV head per layer.*aborts.*--split layer"):
+        plan(path, _cpu_nodes(2), ctx=256, split="tensor", head_device="none")
+    result = CliRunner().invoke(cli_main, ["plan", "--gguf", str(path), "--nodes", "2x4GiB", "--split", "tensor"])
+    assert result.exit_code != 0 and "one KV head" in result.output
+    assert plan(path, _cpu_nodes(2), ctx=256, head_device="none").fits   # the layer split is unchanged
+    # two KV heads (the tiny llama) are cut, one whole head per node
+    assert plan(models.ensure("llama-f32"), _cpu_nodes(2), ctx=256, split="tensor", head_device="none").fits

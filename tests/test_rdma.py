@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,7 +157,7 @@ def test_builds_without_verbs_headers(tmp_path) -> None:
     """-DTB_NO_VERBS stands for a machine without the headers: rdma.c is a stub that says so."""
     src = tmp_path / "stub.c"
     src.write_text('#include "transport/rdma.h"\n#include <stdio.h>\n#include <string.h>\n'
-                   'int main(void) { char why[200]; struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", why, sizeof why);\n'
+                   'int main(void) { char why[200]; struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", NULL, why, sizeof why);\n'
                    '  printf("%s\\n", why); return t != NULL || strstr(why, "built without verbs headers") == NULL; }\n')
     exe = build_program(src, tmp_path / "stub", with_ggml=False, defines=("TB_NO_VERBS",))
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)
@@ -165,13 +166,13 @@ def test_builds_without_verbs_headers(tmp_path) -> None:
 
 # --- head and nodes: TRANSPORT_OFFER kind RDMA ---------------------------------------------
 
-def start_sim_node(tmp_path: Path, sim_env: dict[str, str], host_id: str) -> "NodeProcess":
-    """`tbrpc node` on 127.0.0.3, a second "host": its own host id and the stand-in's GID ::ffff:127.0.0.3."""
+def start_sim_node(tmp_path: Path, sim_env: dict[str, str], host_id: str, address: str = "127.0.0.3") -> "NodeProcess":
+    """`tbrpc node` on `address`, another "host": its own host id and the stand-in's GID ::ffff:<address>."""
     from helpers import start_node
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TBVSIM_", "TBRPC_"))}
-    env.update(sim_env, TBVSIM_ADDR="127.0.0.3", TBRPC_HOST_ID=host_id)
-    return start_node(tmp_path, "--host", "127.0.0.3", env=env)
+    env.update(sim_env, TBVSIM_ADDR=address, TBRPC_HOST_ID=host_id)
+    return start_node(tmp_path, "--host", address, env=env)
 
 
 @pytest.fixture
@@ -180,11 +181,12 @@ def sim_nodes(built, tmp_path):
 
     started: list = []
 
-    def factory(n: int, profile: str, **extra: str) -> list:
+    def factory(n: int, profile: str, addresses: list[str] | None = None, **extra: str) -> list:
         sim_env = dict(TBRPC_VERBS_LIB=str(built["sim"]), TBVSIM_DIR=str(tmp_path / "sim"), TBVSIM_PROFILE=profile,
                        TBRPC_RDMA_PROFILE=profile)
         sim_env.update(extra)
-        new = [start_sim_node(tmp_path, sim_env, f"node-{len(started) + i}") for i in range(n)]
+        new = [start_sim_node(tmp_path, sim_env, f"node-{len(started) + i}", *([addresses[i]] if addresses else []))
+               for i in range(n)]
         started.extend(new)
         return new
 
@@ -249,20 +251,25 @@ def one_process(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("model_name", ["deepseek2", "gemma"])
 def test_split_over_rdma_matches_one_process(built, sim_nodes, one_process, monkeypatch, model_name, n_nodes, profile,
                                              tmp_path) -> None:
-    """tests/test_split.py's check over the stand-in's RDMA: every head connection really on RDMA, and the
-    same tokens and bitwise the same logits as one process."""
+    """tests/test_split.py's check over the stand-in's RDMA: every head connection and every node-to-node
+    link really on RDMA (each node its own "host": address, GID, host id), and the same tokens and bitwise
+    the same logits as one process."""
     import numpy as np
 
     import models
     from helpers import run_head
 
     base, base_logits = one_process(model_name)
-    started = sim_nodes(n_nodes, profile)
+    addresses = [f"127.0.0.{3 + i}" for i in range(n_nodes)]
+    started = sim_nodes(n_nodes, profile, addresses=addresses)
     head_env(monkeypatch, built, tmp_path, profile)
+    endpoints = [f"{address}:{n.port}" for address, n in zip(addresses, started)]
     result, logits = run_head(tmp_path, model=str(models.ensure(model_name)), prompt="The capital of France is",
-                              n_predict=8, nodes=[f"127.0.0.3:{n.port}" for n in started])
+                              n_predict=8, nodes=endpoints)
     assert result["error"] is None, result["error"]
     assert all(n["transport"].startswith("rdma ") for n in result["nodes"]), result["nodes"]
+    for node, following in zip(result["nodes"], endpoints[1:]):
+        assert f"{following} rdma " in node["links"], node["links"]   # activations node to node over RDMA
     assert result["tokens"] == base["tokens"]
     assert np.array_equal(logits, base_logits), f"max |diff| {np.max(np.abs(logits - base_logits))}"
 
@@ -323,3 +330,99 @@ def test_stalled_node_times_out_over_rdma(built, sim_nodes, monkeypatch, tmp_pat
         assert time.time() - started < 60
     finally:
         os.killpg(b.proc.pid, signal.SIGCONT)
+
+
+# --- node-to-node links over RDMA, and the QP budget --------------------------------------
+
+APPLE = "rdma simbolt0 UC 128Kx16"
+OPEN_CONNECTIONS = Path(__file__).parent / "open_connections.py"
+# A second head on the head's "host": the budget under test is the node's, so its own stand-in
+# device may hold more QPs than Apple's 10 (which a head with 4 nodes and 9 more would pass).
+SECOND_HEAD = {"TBVSIM_MAX_QPS": "64", "TBRPC_HOST_ID": "head-2"}
+
+
+def test_ring_of_four_over_rdma_links_and_the_qp_budget(built, sim_nodes, monkeypatch, tmp_path) -> None:
+    """A 4-node layer split on the Apple profile, each node its own "host" (address, GID, host id):
+    head connections and node-to-node links all RDMA, the same tokens and logits as over TCP, and
+    every node's QPs (head, link in, link out) within Apple's 10. While that head still holds them,
+    a second head opens more connections to node 1: they fit up to 10 QPs on its device, counting
+    the ring's, and the next is refused by the node with the reason. Each session is a worker
+    process of its own, so the count is the node's table, not one process's."""
+    import numpy as np
+
+    import models
+    from helpers import run_head
+
+    addresses = ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
+    started = sim_nodes(4, "apple-uc", addresses=addresses)
+    head_env(monkeypatch, built, tmp_path, "apple-uc")
+    endpoints = [f"{address}:{n.port}" for address, n in zip(addresses, started)]
+    spec = dict(model=str(models.ensure("llama")), prompt="The capital of France is", n_predict=8, nodes=endpoints)
+    over_tcp, tcp_logits = run_head(tmp_path, transport="tcp", **spec)
+    assert over_tcp["error"] is None, over_tcp["error"]
+    for node, following in zip(over_tcp["nodes"], endpoints[1:]):
+        assert f"{following} tcp: asked for" in node["links"], node["links"]   # TCP forced for links too
+
+    more = {"argv": [sys.executable, str(OPEN_CONNECTIONS), endpoints[1], "9"], "env": SECOND_HEAD}
+    over_rdma, rdma_logits = run_head(tmp_path, then_run=more, **spec)
+    assert over_rdma["error"] is None, over_rdma["error"]
+    assert [n["transport"] for n in over_rdma["nodes"]] == [APPLE] * 4, over_rdma["nodes"]
+    for node, following in zip(over_rdma["nodes"], endpoints[1:]):
+        assert f"{following} {APPLE}" in node["links"], node["links"]
+    assert over_rdma["tokens"] == over_tcp["tokens"]
+    assert np.array_equal(rdma_logits, tcp_logits)
+    assert sum(n["peer_copies"] for n in over_rdma["nodes"]) >= 3 * (8 - 1)   # activations node to node
+    alone, alone_logits = run_head(tmp_path, model=spec["model"], prompt=spec["prompt"], n_predict=8)   # one process
+    assert alone["error"] is None and over_rdma["tokens"] == alone["tokens"]
+    assert np.array_equal(rdma_logits, alone_logits)
+
+    # node 1's QPs while the first head holds them: its head connection and every link to or from it
+    links_of = [[part for part in n["links"].split("; ") if part] for n in over_rdma["nodes"]]
+    held = 1 + len(links_of[1]) + sum(1 for parts in links_of for part in parts if part.startswith(endpoints[1] + " "))
+    assert 3 <= held <= 10, links_of
+    lines = over_rdma["then_run"]["stdout"].splitlines()
+    assert len(lines) == 9, over_rdma["then_run"]
+    assert lines[:10 - held] == [f"transport: {APPLE}"] * (10 - held), lines
+    assert lines[10 - held:] == ["transport: tcp: peer: QP budget: 10 of 10 in use on simbolt0"] * (held - 1), lines
+    assert "stays on tcp: QP budget: 10 of 10 in use on simbolt0" in started[1].log_text()
+
+
+@pytest.mark.parametrize("budget,eleventh", [
+    ("", "tcp: peer: QP budget: 10 of 10 in use on simbolt0"),                         # the node's own count
+    ("11", "tcp: peer: RDMA ibv_create_qp on simbolt0 failed: Cannot allocate memory"),  # a budget too large
+])
+def test_the_eleventh_qp_of_a_device(built, sim_nodes, monkeypatch, budget, eleventh, tmp_path) -> None:
+    """Eleven heads on one Apple-profile node, each served by a worker process of its own: ten get
+    RDMA, the eleventh stays on TCP with the node's reason. A node whose budget is wrong (11) gets its
+    eleventh QP refused by the stand-in itself, which counts a device's QPs over every process: a
+    budget counted per process would fail this way on hardware too."""
+    node = sim_nodes(1, "apple-uc", **({"TBRPC_RDMA_MAX_QPS": budget} if budget else {}))[0]
+    head_env(monkeypatch, built, tmp_path, "apple-uc")
+    for key, value in SECOND_HEAD.items():
+        monkeypatch.setenv(key, value)
+    proc = subprocess.run([sys.executable, str(OPEN_CONNECTIONS), f"127.0.0.3:{node.port}", "11"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines == [f"transport: {APPLE}"] * 10 + [f"transport: {eleventh}"], lines
+
+
+@pytest.mark.parametrize("profile", ["apple-uc", "linux-rc"])
+def test_node_killed_across_an_rdma_link_is_named_at_once(built, sim_nodes, monkeypatch, profile, tmp_path) -> None:
+    """As tests/test_links.py over shm and TCP: the upstream node dies while the downstream one waits for its
+    activations over an RDMA link (a dead UC peer gives no completion error); the link's TCP anchor ends
+    the wait, so the error names the dead node without waiting out the head's 30 s timeout."""
+    import models
+    from helpers import run_head
+
+    addresses = ["127.0.0.3", "127.0.0.4"]
+    a, b = sim_nodes(2, profile, addresses=addresses)
+    head_env(monkeypatch, built, tmp_path, profile)
+    endpoints = [f"{address}:{n.port}" for address, n in zip(addresses, (a, b))]
+    result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is", n_predict=12,
+                         nodes=endpoints, timeout=30.0, kill={"pid": a.proc.pid, "after_tokens": 3})
+    assert f"link from peer {endpoints[0]}: transport rdma simbolt0" in b.log_text(), b.log_text()[-2000:]
+    assert result["error"] is not None and result["error"]["type"] == "NodeFailed", result["error"]
+    message = result["error"]["message"]
+    assert endpoints[0] in message and "no answer within" not in message, message
+    assert a.proc.wait(timeout=10) == -9

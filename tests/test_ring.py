@@ -1,4 +1,5 @@
 """The frame ring over shared memory (ggml_backend/transport/ring.c, shm.c),
+and the upgrade a node-to-node link runs onto it (transport/upgrade.c),
 between two real processes: tests/c/ring_tests.c, one process per case."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 
 from tbrpc._build import build_program
 
-CASES = ["stream", "one_way", "peer_killed", "peer_closes", "silence_times_out_idle", "forged_frames", "attach_rules"]
+CASES = ["stream", "one_way", "peer_killed", "peer_closes", "silence_times_out_idle", "forged_frames", "attach_rules", "upgrade"]
 
 
 @pytest.fixture(scope="module")

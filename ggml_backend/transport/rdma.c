@@ -37,6 +37,12 @@ const char * tb_rdma_profile_name(int profile) {
     }
 }
 
+int tb_rdma_qp_limit(int profile) {
+    const char * e = getenv("TBRPC_RDMA_MAX_QPS");
+    if (e && *e) return atoi(e) > 0 ? atoi(e) : 0;
+    return profile == TB_RDMA_APPLE_UC ? 10 : 0;
+}
+
 int tb_rdma_profile_default(void) {
     const char * p = getenv("TBRPC_RDMA_PROFILE");
     if (p && strcmp(p, "apple-uc") == 0) return TB_RDMA_APPLE_UC;
@@ -53,8 +59,8 @@ int tb_rdma_profile_default(void) {
 
 #define NO_VERBS "built without verbs headers (install libibverbs-dev, or the macOS SDK, and rebuild)"
 
-struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * mine) {
-    (void) local_host;
+struct tb_rdma * tb_rdma_prepare(const char * local_host, const struct tb_qp_budget * budget, struct tb_rdma_info * mine) {
+    (void) local_host; (void) budget;
     memset(mine, 0, sizeof *mine);
     mine->magic = TB_RDMA_INFO_MAGIC;
     mine->version = TB_RDMA_INFO_VERSION;
@@ -76,8 +82,9 @@ int tb_rdma_available(char * why, size_t why_len) {
     snprintf(why, why_len, "%s", NO_VERBS);
     return 0;
 }
-struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len) {
-    (void) tcp; (void) local_host;
+struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, const struct tb_qp_budget * budget,
+                                      char * reason, size_t reason_len) {
+    (void) tcp; (void) local_host; (void) budget;
     snprintf(reason, reason_len, "%s", NO_VERBS);
     return NULL;
 }
@@ -130,6 +137,7 @@ struct tb_rdma {
     uint32_t psn;
     int access;
     char device[32];
+    const struct tb_qp_budget * budget;   // holds one QP of `device` while set
 };
 
 struct rdma_transport {
@@ -213,6 +221,7 @@ static void close_endpoint(struct tb_rdma * d) {
     if (d->pd) v->dealloc_pd(d->pd);
     if (d->ctx) v->close_device(d->ctx);
     if (d->mem) munmap(d->mem, d->mem_len);
+    if (d->budget) d->budget->give(d->budget->ctx, d->device);
     free(d);
 }
 
@@ -312,7 +321,7 @@ static int post_receives(struct tb_rdma * d, uint32_t seq, uint32_t count) {
     return 0;
 }
 
-struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * mine) {
+struct tb_rdma * tb_rdma_prepare(const char * local_host, const struct tb_qp_budget * budget, struct tb_rdma_info * mine) {
     memset(mine, 0, sizeof *mine);
     mine->magic = TB_RDMA_INFO_MAGIC;
     mine->version = TB_RDMA_INFO_VERSION;
@@ -335,6 +344,13 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     }
     const char * step = "device";
     if (pick_device(d, local_host, mine->reason, sizeof mine->reason) != 0) { free(d); return NULL; }
+    // A device takes so many QPs (Apple: 10) over every process that uses it: ask before creating one.
+    if (budget && budget->take(budget->ctx, d->device, tb_rdma_qp_limit(d->profile), mine->reason, sizeof mine->reason) != 0) {
+        v->close_device(d->ctx);
+        free(d);
+        return NULL;
+    }
+    d->budget = budget;
     d->access = apple ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE
                       : IBV_ACCESS_LOCAL_WRITE;
     d->mem_len = 2 * (size_t) d->slots * d->stride;
@@ -780,11 +796,12 @@ static int local_address(struct tb_transport * tcp, char * out, size_t out_len) 
     return inet_ntop(AF_INET6, six, out, (socklen_t) out_len) ? 0 : -1;
 }
 
-struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len) {
+struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, const struct tb_qp_budget * budget,
+                                      char * reason, size_t reason_len) {
     struct tb_rdma_info mine, peer;
     char here[64] = "";
     if (!local_host && local_address(tcp, here, sizeof here) == 0) local_host = here;
-    struct tb_rdma * d = tb_rdma_prepare(local_host, &mine);
+    struct tb_rdma * d = tb_rdma_prepare(local_host, budget, &mine);
     char why[200];
     if (tb_send(tcp, &mine, sizeof mine) != 0 || tb_flush(tcp) != 0 || tb_recv(tcp, &peer, sizeof peer) != 0) {
         snprintf(reason, reason_len, "RDMA bring-up: %s", tcp->error);

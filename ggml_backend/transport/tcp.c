@@ -1,4 +1,6 @@
-// transport/tcp.c - the TCP transport: buffered writes, timed reads.
+// transport/tcp.c - the TCP transport: buffered writes, timed reads; and
+// connecting (dial, listen, accept), since every connection starts as TCP
+// (transport.h).
 //
 // Small messages (set-input, graph, get-output) are coalesced in a write
 // buffer and leave in one segment at flush, so a token costs one round trip
@@ -19,7 +21,7 @@
 #include <unistd.h>
 
 #ifndef MSG_NOSIGNAL
-#define MSG_NOSIGNAL 0   // macOS: SO_NOSIGPIPE on the socket does the same (tb_tcp_from_fd)
+#define MSG_NOSIGNAL 0   // macOS: SO_NOSIGPIPE on the socket does the same (tb_adopt)
 #endif
 
 #define TCP_WBUF_SIZE (256 * 1024)
@@ -169,7 +171,7 @@ int tb_tcp_fd(struct tb_transport * base) {
     return ((struct tcp_transport *) base)->fd;
 }
 
-struct tb_transport * tb_tcp_from_fd(int fd, int timeout_ms) {
+struct tb_transport * tb_adopt(int fd, int timeout_ms) {
     struct tcp_transport * t = calloc(1, sizeof *t);
     if (!t) { close(fd); return NULL; }
     t->base.ops = &tcp_ops;
@@ -202,7 +204,16 @@ static int cloexec_socket(const struct addrinfo * ai) {
     return fd;
 }
 
-struct tb_transport * tb_tcp_connect(const char * host, int port, int timeout_ms, char * err, size_t err_len) {
+// Bind fd to the local address `from` (any port) before connecting.
+static int bind_from(int fd, int family, const char * from) {
+    struct addrinfo hints = { .ai_family = family, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICHOST }, * res = NULL;
+    if (getaddrinfo(from, "0", &hints, &res) != 0) { errno = EADDRNOTAVAIL; return -1; }
+    int rc = bind(fd, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    return rc;
+}
+
+struct tb_transport * tb_dial(const char * host, int port, const char * from, int timeout_ms, char * err, size_t err_len) {
     char port_str[16];
     snprintf(port_str, sizeof port_str, "%d", port);
     struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM }, * res = NULL;
@@ -216,10 +227,11 @@ struct tb_transport * tb_tcp_connect(const char * host, int port, int timeout_ms
     for (struct addrinfo * ai = res; ai; ai = ai->ai_next) {
         int fd = cloexec_socket(ai);
         if (fd < 0) { last_errno = errno; continue; }
+        if (from && *from && bind_from(fd, ai->ai_family, from) != 0) { last_errno = errno; close(fd); continue; }
         int left = (int) (deadline - tb_now_ms());
         if (connect_with_timeout(fd, ai->ai_addr, ai->ai_addrlen, left > 0 ? left : 1) == 0) {
             freeaddrinfo(res);
-            struct tb_transport * t = tb_tcp_from_fd(fd, timeout_ms);
+            struct tb_transport * t = tb_adopt(fd, timeout_ms);
             if (t) snprintf(t->peer, sizeof t->peer, "%s:%d", host, port);
             else snprintf(err, err_len, "%s:%d: out of memory", host, port);
             return t;
@@ -233,14 +245,28 @@ struct tb_transport * tb_tcp_connect(const char * host, int port, int timeout_ms
     return NULL;
 }
 
-int tb_tcp_listen(const char * host, int port, char * err, size_t err_len) {
+struct tb_listener {
+    int fd;
+    int port;
+};
+
+static int bound_port(int fd) {
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    if (getsockname(fd, (struct sockaddr *) &ss, &sl) != 0) return -1;
+    if (ss.ss_family == AF_INET)  return ntohs(((struct sockaddr_in *)  &ss)->sin_port);
+    if (ss.ss_family == AF_INET6) return ntohs(((struct sockaddr_in6 *) &ss)->sin6_port);
+    return -1;
+}
+
+struct tb_listener * tb_listen(const char * host, int port, char * err, size_t err_len) {
     char port_str[16];
     snprintf(port_str, sizeof port_str, "%d", port);
     struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE }, * res = NULL;
     int gai = getaddrinfo(host && *host ? host : NULL, port_str, &hints, &res);
     if (gai != 0) {
         snprintf(err, err_len, "%s:%d: cannot resolve: %s", host, port, gai_strerror(gai));
-        return -1;
+        return NULL;
     }
     int fd = -1, last_errno = 0;
     for (struct addrinfo * ai = res; ai && fd < 0; ai = ai->ai_next) {
@@ -255,17 +281,34 @@ int tb_tcp_listen(const char * host, int port, char * err, size_t err_len) {
         }
     }
     freeaddrinfo(res);
-    if (fd < 0) snprintf(err, err_len, "%s:%d: cannot listen: %s", host, port, strerror(last_errno));
+    if (fd < 0) { snprintf(err, err_len, "%s:%d: cannot listen: %s", host, port, strerror(last_errno)); return NULL; }
+    struct tb_listener * l = malloc(sizeof *l);
+    if (!l) { close(fd); snprintf(err, err_len, "out of memory"); return NULL; }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);   // accept never blocks: poll() says when
+    l->fd = fd;
+    l->port = bound_port(fd);
+    return l;
+}
+
+int tb_listener_port(const struct tb_listener * l) { return l->port; }
+int tb_listener_fd(const struct tb_listener * l) { return l->fd; }
+
+int tb_accept_fd(struct tb_listener * l) {
+    int fd;
+    do { fd = accept(l->fd, NULL, NULL); } while (fd < 0 && errno == EINTR);
+    if (fd >= 0) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);   // BSDs pass the listener's on: not ours to hand on
     return fd;
 }
 
-int tb_tcp_bound_port(int listen_fd) {
-    struct sockaddr_storage ss;
-    socklen_t sl = sizeof ss;
-    if (getsockname(listen_fd, (struct sockaddr *) &ss, &sl) != 0) return -1;
-    if (ss.ss_family == AF_INET)  return ntohs(((struct sockaddr_in *)  &ss)->sin_port);
-    if (ss.ss_family == AF_INET6) return ntohs(((struct sockaddr_in6 *) &ss)->sin6_port);
-    return -1;
+struct tb_transport * tb_accept(struct tb_listener * l, int timeout_ms) {
+    int fd = tb_accept_fd(l);
+    return fd >= 0 ? tb_adopt(fd, timeout_ms) : NULL;
+}
+
+void tb_listener_close(struct tb_listener * l) {
+    if (!l) return;
+    close(l->fd);
+    free(l);
 }
 
 int tb_parse_endpoint(const char * endpoint, char * host, size_t host_len, int * port, char * err, size_t err_len) {

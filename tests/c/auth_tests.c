@@ -1,7 +1,8 @@
-// auth_tests.c - SHA-256 against FIPS 180-4's examples, HMAC-SHA256 against
+// auth_tests.c - SHA-256 against FIPS 180-4's and NIST's examples, HMAC-SHA256 against
 // all seven test cases of RFC 4231 (case 5 compares the first 128 bits, as
 // the RFC does), the constant-time comparison, roles and nonces. Prints
-// "PASS", or every failure and exits 1.
+// which SHA-256 compression ran, then "PASS", or every failure and exits 1.
+// With the argument "digests", the SHA-256 of messages on stdin instead.
 #include "auth.h"
 
 #include <stdio.h>
@@ -28,16 +29,42 @@ static void expect(const char * what, const uint8_t * got, const char * want_hex
     }
 }
 
-static void sha(const char * what, const void * data, size_t len, const char * want) {
+// SHA-256 of data fed in uneven pieces (the block boundary logic must not
+// care), or in one call (whole blocks go to the compression in one run).
+static void digest(const void * data, size_t len, int in_pieces, uint8_t out[TB_SHA256_LEN]) {
     struct tb_sha256 s;
-    uint8_t out[TB_SHA256_LEN];
     tb_sha256_init(&s);
-    // feed in uneven pieces: the block boundary logic must not care
     const uint8_t * p = data;
-    for (size_t done = 0, step = 1; done < len; done += step, step = step * 3 % 67 + 1)
+    if (!in_pieces) tb_sha256_update(&s, p, len);
+    for (size_t done = 0, step = 1; in_pieces && done < len; done += step, step = step * 3 % 67 + 1)
         tb_sha256_update(&s, p + done, done + step > len ? len - done : step);
     tb_sha256_final(&s, out);
-    expect(what, out, want);
+}
+
+static void sha(const char * what, const void * data, size_t len, const char * want) {
+    uint8_t out[TB_SHA256_LEN];
+    for (int in_pieces = 0; in_pieces < 2; in_pieces++) {
+        digest(data, len, in_pieces, out);
+        expect(what, out, want);
+    }
+}
+
+// "digests": messages on stdin, each a u32 little-endian length and its bytes;
+// for each, a line with its SHA-256 in hex, fed in one call and in pieces.
+static int digests(void) {
+    uint8_t len_le[4], out[TB_SHA256_LEN];
+    while (fread(len_le, 1, 4, stdin) == 4) {
+        size_t len = (size_t) len_le[0] | (size_t) len_le[1] << 8 | (size_t) len_le[2] << 16 | (size_t) len_le[3] << 24;
+        uint8_t * data = malloc(len ? len : 1);
+        if (!data || fread(data, 1, len, stdin) != len) { fprintf(stderr, "short message on stdin\n"); free(data); return 1; }
+        for (int in_pieces = 0; in_pieces < 2; in_pieces++) {
+            digest(data, len, in_pieces, out);
+            for (int i = 0; i < TB_SHA256_LEN; i++) printf("%02x", out[i]);
+            printf(in_pieces ? "\n" : " ");
+        }
+        free(data);
+    }
+    return 0;
 }
 
 static void hmac(const char * what, const uint8_t * key, size_t key_len, const void * data, size_t len, const char * want) {
@@ -51,11 +78,16 @@ static void hmac(const char * what, const uint8_t * key, size_t key_len, const v
     expect(what, out, want);
 }
 
-int main(void) {
+int main(int argc, char ** argv) {
+    printf("sha256: %s\n", tb_sha256_impl());
+    if (argc == 2 && strcmp(argv[1], "digests") == 0) return digests();
     sha("sha256 abc", "abc", 3, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
     sha("sha256 empty", "", 0, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
     const char * two = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
     sha("sha256 448 bits", two, strlen(two), "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+    const char * four = "abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmnoijklmnopjklmnopqklmnopqrlmnopqrs"
+                        "mnopqrstnopqrstu";
+    sha("sha256 896 bits", four, strlen(four), "cf5b16a778af8380036ce59e7b0492370b249b11e8f07a51afac45037afee9d1");
     char * million = malloc(1000000);
     memset(million, 'a', 1000000);
     sha("sha256 million a", million, 1000000, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");

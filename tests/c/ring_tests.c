@@ -38,7 +38,7 @@ static struct pair make_pair(uint32_t slots, uint32_t stride, int timeout_ms, in
         struct tb_shm * mine = tb_shm_attach(&offer, err, sizeof err);
         CHECK(mine, "attach: %s", err);
         CHECK(write(sv[1], "a", 1) == 1, "confirm");   // as the head confirms over TCP
-        struct tb_transport * t = tb_shm_transport(mine, tb_tcp_from_fd(sv[1], timeout_ms), err, sizeof err);
+        struct tb_transport * t = tb_shm_transport(mine, tb_adopt(sv[1], timeout_ms), err, sizeof err);
         CHECK(t, "child transport: %s", err);
         snprintf(t->peer, sizeof t->peer, "parent");
         int rc = child_fn(t);
@@ -48,7 +48,7 @@ static struct pair make_pair(uint32_t slots, uint32_t stride, int timeout_ms, in
     close(sv[1]);
     char confirm;   // the creator keeps the name until the attacher confirms
     CHECK(read(sv[0], &confirm, 1) == 1, "no confirmation");
-    struct tb_transport * t = tb_shm_transport(seg, tb_tcp_from_fd(sv[0], timeout_ms), err, sizeof err);
+    struct tb_transport * t = tb_shm_transport(seg, tb_adopt(sv[0], timeout_ms), err, sizeof err);
     CHECK(t, "parent transport: %s", err);
     snprintf(t->peer, sizeof t->peer, "child");
     return (struct pair) { t, pid };
@@ -241,11 +241,74 @@ static void case_attach_rules(void) {
     CHECK(!tb_shm_attach(&offer, err, sizeof err) && strstr(err, "another host"), "after unlink: %s", err);
 }
 
+// --- the upgrade on a link (transport/upgrade.c: tb_upgrade_dial / tb_upgrade_accept) ---
+// The parent dials, the child accepts; each checks what carries its end and
+// that bytes still flow both ways over it.
+
+struct upgrade_case { struct tb_upgrade_want want; const char * no_shm; const char * dialer, * acceptor; int garbage; };
+
+static int roundtrip(struct tb_transport * t, int first) {
+    char out[5] = "ping", in[5] = "";
+    if (first && (tb_send(t, out, 4) != 0 || tb_flush(t) != 0)) return -1;
+    if (tb_recv(t, in, 4) != 0 || strcmp(in, "ping") != 0) return -1;
+    if (!first && (tb_send(t, out, 4) != 0 || tb_flush(t) != 0)) return -1;
+    return 0;
+}
+
+static void run_upgrade(const struct upgrade_case * u) {
+    int sv[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair: %s", strerror(errno));
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    char why[256] = "";
+    if (pid == 0) {
+        close(sv[0]);
+        struct tb_transport * t = tb_upgrade_accept(tb_adopt(sv[1], 5000), u->no_shm, NULL, why, sizeof why);
+        if (u->garbage) {
+            CHECK(!t && strstr(why, "no transport upgrade where one was due"), "garbage accepted: %s", why);
+            _exit(0);
+        }
+        CHECK(t, "accept: %s", why);
+        CHECK(strcmp(t->describe, u->acceptor) == 0, "acceptor on '%s', expected '%s'", t->describe, u->acceptor);
+        CHECK(roundtrip(t, 0) == 0, "acceptor roundtrip: %s", t->error);
+        tb_close(t);
+        _exit(0);
+    }
+    close(sv[1]);
+    struct tb_transport * tcp = tb_adopt(sv[0], 5000);
+    if (u->garbage) {   // a peer that sends anything but an upgrade
+        uint8_t junk[sizeof(struct tb_transport_req) + 164];
+        memset(junk, 0x5a, sizeof junk);
+        CHECK(tb_send(tcp, junk, sizeof junk) == 0 && tb_flush(tcp) == 0, "send junk");
+        CHECK(child_status(pid) == 0, "acceptor");
+        tb_close(tcp);
+        return;
+    }
+    struct tb_transport * t = tb_upgrade_dial(tcp, &u->want, NULL, why, sizeof why);
+    CHECK(t, "dial: %s", why);
+    CHECK(strcmp(t->describe, u->dialer) == 0, "dialer on '%s', expected '%s'", t->describe, u->dialer);
+    CHECK(roundtrip(t, 1) == 0, "dialer roundtrip: %s", t->error);
+    CHECK(child_status(pid) == 0, "acceptor");
+    tb_close(t);
+}
+
+static void case_upgrade(void) {
+    const struct upgrade_case cases[] = {
+        { { .peer_shm = 1 }, NULL, "shm 16x64K", "shm 16x64K", 0 },
+        { { .peer_shm = 1, .forced_tcp = 1 }, NULL, "tcp: asked for", "tcp: peer: asked for", 0 },
+        { { .peer_shm = 0 }, NULL, "tcp: the node offers no shared memory", "tcp: peer: the node offers no shared memory", 0 },
+        { { .peer_shm = 1, .no_shm = "threads here" }, NULL, "tcp: threads here", "tcp: peer: threads here", 0 },
+        { { .peer_shm = 1 }, "threads there", "tcp: threads there", "tcp: threads there", 0 },
+        { { .peer_shm = 1 }, NULL, "", "", 1 },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_upgrade(&cases[i]);
+}
+
 int main(int argc, char ** argv) {
     static const struct { const char * name; void (*fn)(void); } cases[] = {
         { "stream", case_stream }, { "one_way", case_one_way }, { "peer_killed", case_peer_killed },
         { "peer_closes", case_peer_closes }, { "silence_times_out_idle", case_silence_times_out_idle },
-        { "forged_frames", case_forged_frames }, { "attach_rules", case_attach_rules },
+        { "forged_frames", case_forged_frames }, { "attach_rules", case_attach_rules }, { "upgrade", case_upgrade },
     };
     signal(SIGPIPE, SIG_IGN);
     for (size_t i = 0; argc == 2 && i < sizeof cases / sizeof cases[0]; i++) {

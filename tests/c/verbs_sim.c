@@ -15,7 +15,8 @@
 // only through poll_cq.
 //
 // Rules per profile (TBVSIM_PROFILE):
-//   apple-uc  UC QPs only (RC: EINVAL); at most TBVSIM_MAX_QPS (10) per device;
+//   apple-uc  UC QPs only (RC: EINVAL); at most TBVSIM_MAX_QPS (10) per device,
+//             counted over every process that uses the device (its address);
 //             only IBV_WR_SEND, one SGE; queues counted in 4 KiB frames (at most
 //             4095); messages up to 16,773,120 B; sender and receiver must use
 //             the same number of frames, else the receive completes with
@@ -38,8 +39,8 @@
 // IPv4 address whose ::ffff: GID is index 1, default 127.0.0.1; "none": the
 // interface has no IPv4 address, so that GID is empty, as on a Mac whose enN
 // has none yet), TBVSIM_PORT=down|init|armed (port 1's state, default
-// active), TBVSIM_MAX_QPS (per device), TBVSIM_QPS_USED=N (QPs other
-// processes hold on the device: this process gets MAX_QPS - N),
+// active), TBVSIM_MAX_QPS (per device), TBVSIM_QPS_USED=N (QPs held on
+// the device outside this TBVSIM_DIR: its processes share MAX_QPS - N),
 // TBVSIM_OPEN_ERRNO=N (ibv_open_device fails with errno N, as it does with
 // EACCES when /dev/infiniband/uverbs* is not accessible), TBVSIM_FAIL_RTR=1,
 // TBVSIM_FAULT=drop:N | corrupt:N[:OFFSET] (the Nth message this process
@@ -126,6 +127,7 @@ struct sim_qp {
     struct ibv_qp qp;
     int dead;
     int listen_fd, in_fd, out_fd;
+    int budget_fd;                     // holds one of the device's QP places (claim_qp_place)
     union ibv_gid dgid;
     uint32_t max_send, max_recv;       // in frames (apple) or WRs
     uint32_t send_used, recv_used;
@@ -171,6 +173,25 @@ static void my_gid(union ibv_gid * g, int index) {
         g->raw[10] = g->raw[11] = 0xff;
         memcpy(g->raw + 12, &cfg.addr, 4);
     }
+}
+
+// A device's QPs are counted over every process that uses it, as hardware
+// counts them: each live QP holds one of max_qps places, an abstract Unix
+// socket name per device and index, which the kernel frees when the QP's
+// process dies. The descriptor holding the place, or -1 when all are taken.
+static int claim_qp_place(const union ibv_gid * gid) {
+    for (int k = 0; k < cfg.max_qps - cfg.qps_used; k++) {   // TBVSIM_QPS_USED: held outside this fabric
+        struct sockaddr_un a;
+        memset(&a, 0, sizeof a);
+        a.sun_family = AF_UNIX;
+        int n = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "tbvsim-%016llx-%08x-qp-place-%d",
+                         (unsigned long long) hash_bytes(cfg.dir, strlen(cfg.dir)), (unsigned) hash_bytes(gid->raw, 16), k);
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) return -1;
+        if (bind(fd, (struct sockaddr *) &a, (socklen_t) (offsetof(struct sockaddr_un, sun_path) + 1 + n)) == 0) return fd;
+        close(fd);
+    }
+    return -1;
 }
 
 static void sock_name(struct sockaddr_un * a, socklen_t * len, const union ibv_gid * gid, uint32_t qpn) {
@@ -543,6 +564,7 @@ EXPORT int ibv_close_device(struct ibv_context * ctx) {
         if (q->listen_fd >= 0) close(q->listen_fd);
         if (q->in_fd >= 0) close(q->in_fd);
         if (q->out_fd >= 0) close(q->out_fd);
+        if (q->budget_fd >= 0) close(q->budget_fd);
         free(q);
     }
     close(c->wake[0]);
@@ -689,8 +711,12 @@ EXPORT struct ibv_qp * ibv_create_qp(struct ibv_pd * pd, struct ibv_qp_init_attr
         return NULL;
     }
     pthread_mutex_lock(&c->lock);
-    if (c->live_qps + cfg.qps_used >= cfg.max_qps) { pthread_mutex_unlock(&c->lock); errno = ENOMEM; return NULL; }
+    union ibv_gid g;
+    my_gid(&g, 1);
+    int place = claim_qp_place(&g);
+    if (place < 0) { pthread_mutex_unlock(&c->lock); errno = ENOMEM; return NULL; }
     struct sim_qp * q = calloc(1, sizeof *q);
+    q->budget_fd = place;
     q->qp.context = pd->context;
     q->qp.pd = pd;
     q->qp.send_cq = a->send_cq;
@@ -704,12 +730,11 @@ EXPORT struct ibv_qp * ibv_create_qp(struct ibv_pd * pd, struct ibv_qp_init_attr
     q->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_un sa;
     socklen_t sl;
-    union ibv_gid g;
-    my_gid(&g, 1);
     sock_name(&sa, &sl, &g, q->qp.qp_num);
     if (q->listen_fd < 0 || bind(q->listen_fd, (struct sockaddr *) &sa, sl) != 0 || listen(q->listen_fd, 4) != 0) {
         int e = errno;
         if (q->listen_fd >= 0) close(q->listen_fd);
+        close(q->budget_fd);
         free(q);
         pthread_mutex_unlock(&c->lock);
         errno = e;
@@ -792,6 +817,8 @@ EXPORT int ibv_destroy_qp(struct ibv_qp * qp) {
     pthread_mutex_lock(&c->lock);
     q->dead = 1;
     c->live_qps--;
+    close(q->budget_fd);   // the device's place is free again
+    q->budget_fd = -1;
     for (struct sim_wr * w = q->rq_head, * n; w; w = n) { n = w->next; free(w); }
     q->rq_head = q->rq_tail = NULL;
     for (struct sim_msg * m = q->held_head, * n; m; m = n) { n = m->next; free(m->data); free(m); }
