@@ -667,13 +667,16 @@ static struct client_node * node_at(struct tbrpc_client * c, size_t i) {
 int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out) {
     struct client_node * n = node_at(c, i);
     if (!n) return -1;
-    memset(out, 0, sizeof *out);
     pthread_mutex_lock(&n->lock);
+    *out = (struct tbrpc_node_info) {
+        .hello = n->info, .failed = n->failed, .error_kind = n->failed ? n->error_kind : 0,
+        .bytes_sent = n->tp->bytes_sent, .bytes_received = n->tp->bytes_received, .round_trips = n->round_trips,
+        .messages = n->messages, .graphs_sent = n->graphs_sent, .graphs_reused = n->graphs_reused,
+        .bytes_from_files = n->bytes_from_files, .peer_copies = n->peer_copies, .allreduces = n->allreduces,
+        .bytes_allocated = __atomic_load_n(&n->live_bytes, __ATOMIC_RELAXED),
+    };
     snprintf(out->endpoint, sizeof out->endpoint, "%s", n->endpoint);
     snprintf(out->device_name, sizeof out->device_name, "%s", n->name);
-    out->hello = n->info;
-    out->failed = n->failed;
-    out->error_kind = n->failed ? n->error_kind : 0;
     snprintf(out->error, sizeof out->error, "%s", n->error);
     snprintf(out->transport, sizeof out->transport, "%s", n->tp->describe);
     size_t used = 0;
@@ -683,16 +686,6 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
                          n->links[k].transport);
         if (w > 0) used += (size_t) w;
     }
-    out->bytes_sent = n->tp->bytes_sent;
-    out->bytes_received = n->tp->bytes_received;
-    out->round_trips = n->round_trips;
-    out->messages = n->messages;
-    out->graphs_sent = n->graphs_sent;
-    out->graphs_reused = n->graphs_reused;
-    out->bytes_from_files = n->bytes_from_files;
-    out->peer_copies = n->peer_copies;
-    out->bytes_allocated = __atomic_load_n(&n->live_bytes, __ATOMIC_RELAXED);
-    out->allreduces = n->allreduces;
     pthread_mutex_unlock(&n->lock);
     return 0;
 }

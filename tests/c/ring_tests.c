@@ -60,14 +60,19 @@ static struct pair make_pair(uint32_t slots, uint32_t stride, int timeout_ms, in
 
 struct stream { struct tb_transport * t; uint32_t salt; int rc; };
 
+// The size of a stream's next chunk: odd sizes up to `cap` from a prime's
+// multiples, never past STREAM_BYTES (0 once `done` reaches it).
+static uint32_t chunk(uint32_t step, uint32_t prime, uint64_t done, size_t cap) {
+    const uint64_t n = (uint64_t) step * prime % cap + 1;
+    return (uint32_t) (n < STREAM_BYTES - done ? n : STREAM_BYTES - done);
+}
+
 // Send STREAM_BYTES in odd chunk sizes, flushing after each.
 static void * stream_out(void * arg) {
     struct stream * s = arg;
     static _Thread_local uint8_t buf[70000];
-    uint32_t step = 1;
-    for (uint64_t sent = 0; sent < STREAM_BYTES; step++) {
-        uint32_t n = (step * 7919u) % sizeof buf + 1;
-        if (n > STREAM_BYTES - sent) n = (uint32_t) (STREAM_BYTES - sent);
+    uint64_t sent = 0;
+    for (uint32_t step = 1, n; (n = chunk(step, 7919u, sent, sizeof buf)) > 0; step++) {
         for (uint32_t i = 0; i < n; i++) buf[i] = pattern(sent + i, s->salt);
         if (tb_send(s->t, buf, n) != 0 || tb_flush(s->t) != 0) { fprintf(stderr, "send: %s\n", s->t->error); s->rc = 2; return NULL; }
         sent += n;
@@ -79,10 +84,8 @@ static void * stream_out(void * arg) {
 static void * stream_in(void * arg) {
     struct stream * s = arg;
     static _Thread_local uint8_t buf[70000];
-    uint32_t step = 1;
-    for (uint64_t got = 0; got < STREAM_BYTES; step++) {
-        uint32_t n = (step * 104729u) % sizeof buf + 1;
-        if (n > STREAM_BYTES - got) n = (uint32_t) (STREAM_BYTES - got);
+    uint64_t got = 0;
+    for (uint32_t step = 1, n; (n = chunk(step, 104729u, got, sizeof buf)) > 0; step++) {
         if (tb_recv(s->t, buf, n) != 0) { fprintf(stderr, "recv: %s\n", s->t->error); s->rc = 3; return NULL; }
         for (uint32_t i = 0; i < n; i++) {
             if (buf[i] != pattern(got + i, s->salt)) { fprintf(stderr, "byte %llu differs\n", (unsigned long long) (got + i)); s->rc = 4; return NULL; }
