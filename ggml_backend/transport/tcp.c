@@ -91,6 +91,16 @@ static int tcp_recv(struct tb_transport * base, void * data, size_t len) {
     struct tcp_transport * t = (struct tcp_transport *) base;
     uint8_t * p = data;
     while (len > 0) {
+        // The bytes are usually here already (the rest of a message, a reply
+        // that came while we sent): take them without a poll() first, and
+        // poll() only when nothing is waiting. Measured: about a third less
+        // kernel time per node added to a split (docs/benchmarks.md).
+        ssize_t k = recv(t->fd, p, len, MSG_DONTWAIT);
+        if (k > 0) { p += k; len -= (size_t) k; base->bytes_received += (uint64_t) k; continue; }
+        if (k == 0 || (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)) {
+            int kind = k == 0 || errno == ECONNRESET ? TB_IO_CLOSED : TB_IO_BROKEN;
+            return tb_fail(base, kind, "%s: %s", base->peer, k == 0 ? "connection closed by peer" : strerror(errno));
+        }
         int wait = base->timeout_ms;
         if (base->deadline_ms > 0) {
             const int64_t left = base->deadline_ms - tb_now_ms();
@@ -101,11 +111,6 @@ static int tcp_recv(struct tb_transport * base, void * data, size_t len) {
         if (w == 0 && base->deadline_ms > 0 && tb_now_ms() >= base->deadline_ms) continue;   // said above
         if (w == 0) return tb_fail(base, TB_IO_TIMEOUT, "%s: no answer within %d ms", base->peer, base->timeout_ms);
         if (w < 0) return tb_fail(base, TB_IO_BROKEN, "%s: poll failed: %s", base->peer, strerror(errno));
-        ssize_t k = recv(t->fd, p, len, 0);
-        if (k > 0) { p += k; len -= (size_t) k; base->bytes_received += (uint64_t) k; continue; }
-        if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-        int kind = k == 0 || errno == ECONNRESET ? TB_IO_CLOSED : TB_IO_BROKEN;
-        return tb_fail(base, kind, "%s: %s", base->peer, k == 0 ? "connection closed by peer" : strerror(errno));
     }
     return 0;
 }
