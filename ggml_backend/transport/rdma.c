@@ -644,6 +644,9 @@ static int rdma_post(struct tb_ring * r, uint32_t seq) {
     int rc = ibv_post_send(d->qp, &wr, &bad);
     if (rc != 0) {
         t->tx_busy[idx] = 0;
+        // A QP that an error completion put in the error state refuses posts:
+        // take that completion first, so the failure names its cause.
+        progress_locked(t);
         set_broken(t, TB_IO_BROKEN, "%s: RDMA post_send of frame %u failed: %s", r->base.peer, seq, strerror(rc));
     }
     pthread_mutex_unlock(&t->cq_lock);
