@@ -38,8 +38,8 @@ struct tbrpc_node_info {
     int      failed;
     int      error_kind;             // enum tbrpc_error_kind of the failure (0 while it works)
     char     error[512];
-    char     transport[96];          // what carries the bytes and why: "shm 16x64K", "tcp: the node is on another host"
-    char     links[512];             // its links to other nodes and what carries each: "127.0.0.1:5001 shm 16x64K; ..."
+    char     transport[96];          // what carries the bytes and why: "shm 16x256K", "tcp: the node is on another host"
+    char     links[512];             // its links to other nodes and what carries each: "127.0.0.1:5001 shm 16x256K; ..."
     uint64_t bytes_sent;
     uint64_t bytes_received;
     uint64_t round_trips;            // requests that waited for an answer

@@ -5,7 +5,7 @@ launches running on this machine: ``tbrpc launch`` records its nodes in a
 small JSON file for as long as it runs (``launch-<pid>.json`` in
 ``runtime_dir()``), so ``tbrpc status`` alone finds nodes on free ports too.
 Once its model is loaded a launch adds what carries each of its connections
-("shm 16x64K", "tcp: the node is on another host"), and once it serves, where
+("shm 16x256K", "tcp: the node is on another host"), and once it serves, where
 its ``/tbrpc/status.json`` is: status then shows what the launch's page shows
 (layers and planned bytes per node, round trips and bytes per token, the last
 error, recent requests' speed), asking the launch, never the nodes.
