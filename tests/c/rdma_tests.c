@@ -61,7 +61,7 @@ static struct pair make_pair(int timeout_ms, int expect_rdma, int (*child_fn)(st
     snprintf(tcp->peer, sizeof tcp->peer, "%s", child ? "parent" : "child");
     char reason[256] = "";
     const char * local = getenv("RDMA_TEST_LOCAL") ? getenv("RDMA_TEST_LOCAL") : getenv("TBVSIM_ADDR");
-    struct tb_transport * t = tb_rdma_upgrade(tcp, local, NULL, reason, sizeof reason);
+    struct tb_transport * t = tb_rdma_upgrade(tcp, local, reason, sizeof reason);
     if (expect_rdma) {
         CHECK(t, "%s: upgrade failed: %s", child ? "child" : "parent", reason);
     } else {
