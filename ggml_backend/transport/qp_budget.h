@@ -22,6 +22,9 @@
 //     exactly as two processes do;
 //   - a head and a node have no memory in common (a node's workers share its
 //     status table, a head shares nothing), but they share a file system.
+// Places are opened close-on-exec; a child forked (not exec'd) while its
+// parent holds one shares the lock until it exits: the place is then counted
+// longer than its QP lives, never shorter.
 // The places live in a per-user directory (TBRPC_QP_DIR; else
 // $XDG_RUNTIME_DIR/tbrpc-qp; else tbrpc-qp-<uid> in $TMPDIR or /tmp), made
 // 0700 and refused unless this user owns it and no one else may write in it,

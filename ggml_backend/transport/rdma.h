@@ -18,6 +18,8 @@
 //              unmatched SEND is lost, which the ring's credits rule out.
 // TBRPC_RDMA_STRIDE / TBRPC_RDMA_SLOTS override the geometry (tests),
 // TBRPC_RDMA_DEVICE names the device, TBRPC_HOST_ID overrides the host id.
+// Every QP first takes a place of its device's budget, counted per host over
+// every tbrpc process (qp_budget.h: TBRPC_RDMA_MAX_QPS, TBRPC_QP_DIR).
 #pragma once
 
 #include "../transport.h"
