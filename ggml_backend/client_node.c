@@ -625,7 +625,7 @@ static int upgrade_to_rdma(struct client_node * n, char * why, size_t why_len) {
     }
     rep.declined[sizeof rep.declined - 1] = '\0';
     if (rep.declined[0]) { snprintf(why, why_len, "peer: %s", rep.declined); return -1; }
-    struct tb_transport * rdma = tb_rdma_upgrade(n->tp, NULL, NULL, why, why_len);
+    struct tb_transport * rdma = tb_rdma_upgrade(n->tp, NULL, why, why_len);
     if (!rdma) {
         if (n->tp->error_kind != TB_IO_OK) node_fail(n, "TRANSPORT_OFFER", why);   // TCP itself failed
         return -1;

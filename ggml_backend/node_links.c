@@ -77,7 +77,7 @@ static struct tb_transport * upgrade_link(struct node_conn * c, struct tb_transp
         .peer_rdma = (req->caps & TB_CAP_RDMA) != 0,
         .no_shm = no_shm_reason(c->node),
     };
-    return tb_upgrade_dial(tp, &want, &c->qp_budget, why, why_len);
+    return tb_upgrade_dial(tp, &want, why, why_len);
 }
 
 // Dial a peer session's listener. Nothing is sent before the listener has
@@ -203,7 +203,7 @@ static int await_dialer(struct node_conn * c, struct reply * r) {
         char name[TB_NAME_LEN] = { 0 };
         if (greet_dialer(c, tp, name) == 0) {
             char why[256];
-            tp = tb_upgrade_accept(tp, no_shm_reason(c->node), &c->qp_budget, why, sizeof why);
+            tp = tb_upgrade_accept(tp, no_shm_reason(c->node), why, sizeof why);
             if (!tp) {
                 node_log(c->node, "client %s: link from peer %s failed in its upgrade: %s", c->tp->peer, name, why);
                 return reply_u64(r, 0);

@@ -470,23 +470,12 @@ static int handle_transport_switch(struct node_conn * c, const struct tb_header 
 static void upgrade_to_rdma(struct node_conn * c) {
     char why[256];
     pthread_mutex_lock(&c->send_lock);
-    struct tb_transport * rdma = tb_rdma_upgrade(c->tp, NULL, &c->qp_budget, why, sizeof why);
+    struct tb_transport * rdma = tb_rdma_upgrade(c->tp, NULL, why, sizeof why);
     if (rdma) c->tp = rdma;
     else if (c->tp->error_kind == TB_IO_OK) snprintf(c->tp->describe, sizeof c->tp->describe, "tcp: %s", why);
     pthread_mutex_unlock(&c->send_lock);
     if (rdma) node_log(c->node, "client %s: transport %s", rdma->peer, rdma->describe);
     else node_log(c->node, "client %s: stays on tcp: %s", c->tp->peer, why);
-}
-
-// The session's RDMA QPs count against the node's budget per device (node.c).
-static int take_qp(void * ctx, const char * device, int limit, char * why, size_t why_len) {
-    struct node_conn * c = ctx;
-    return node_take_qp(c->node, c->slot, device, limit, why, why_len);
-}
-
-static void give_qp(void * ctx, const char * device) {
-    struct node_conn * c = ctx;
-    node_give_qp(c->slot, device);
 }
 
 static int dispatch(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
@@ -733,7 +722,6 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     c->next_handle = 1;
     c->next_fake_base = TB_FAKE_BASE;
     c->keepalive_ms = 1000;
-    c->qp_budget = (struct tb_qp_budget) { .take = take_qp, .give = give_qp, .ctx = c };
     c->has_file_nonce = tb_random(c->file_nonce, sizeof c->file_nonce) == 0;
     pthread_mutex_init(&c->send_lock, NULL);
     pthread_mutex_init(&c->busy_lock, NULL);

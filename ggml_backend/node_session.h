@@ -65,7 +65,6 @@ struct node_conn {
 
     struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
     bool      rdma_accepted;        // TRANSPORT_OFFER kind RDMA said yes: the bring-up follows its reply
-    struct tb_qp_budget qp_budget;  // the RDMA QPs of this session, counted against the node's (node.c)
     uint8_t   file_nonce[TB_FILE_NONCE_LEN];   // OPEN_FILE proofs answer this (sent at HELLO)
     bool      has_file_nonce;
 

@@ -160,15 +160,6 @@ struct tb_transport_req { uint32_t kind; uint32_t slots; uint32_t stride; uint32
 // The answer: a segment made for this connection, yes to RDMA (all zero), or why not (declined[0] != 0).
 struct tb_transport_reply { struct tb_shm_offer offer; char declined[160]; };
 
-// RDMA queue pairs a process may still open on a device (Apple: at most 10
-// per device, TN3205). take() runs before a QP is created: it counts it, or
-// says why not ("QP budget: 10 of 10 in use"); give() runs once it is gone.
-struct tb_qp_budget {
-    int  (*take)(void * ctx, const char * device, int limit, char * why, size_t why_len);
-    void (*give)(void * ctx, const char * device);
-    void * ctx;
-};
-
 // What the dialing side knows when it chooses.
 struct tb_upgrade_want {
     int  forced_tcp;            // TBRPC_TRANSPORT=tcp, transport = "tcp": stay, "asked for"
@@ -192,10 +183,9 @@ struct tb_shm * tb_upgrade_attach(const struct tb_transport_reply * rep, char * 
 // tb_rdma_upgrade. Both return the transport to use from now on: the
 // upgraded one (which owns tcp), or tcp itself, its describe "tcp: <why>".
 // NULL only when tcp itself failed (it is closed then), with why.
-struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb_upgrade_want * want,
-                                      const struct tb_qp_budget * budget, char * why, size_t why_len);
-struct tb_transport * tb_upgrade_accept(struct tb_transport * tcp, const char * no_shm,
-                                        const struct tb_qp_budget * budget, char * why, size_t why_len);
+struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb_upgrade_want * want, char * why,
+                                      size_t why_len);
+struct tb_transport * tb_upgrade_accept(struct tb_transport * tcp, const char * no_shm, char * why, size_t why_len);
 
 // Split "host:port" (or "[v6]:port") into parts. Returns 0 or -1 with err.
 int tb_parse_endpoint(const char * endpoint, char * host, size_t host_len, int * port, char * err, size_t err_len);

@@ -300,7 +300,7 @@ static void run_upgrade(const struct upgrade_case * u) {
     char why[256] = "";
     if (pid == 0) {
         close(sv[0]);
-        struct tb_transport * t = tb_upgrade_accept(tb_adopt(sv[1], 5000), u->no_shm, NULL, why, sizeof why);
+        struct tb_transport * t = tb_upgrade_accept(tb_adopt(sv[1], 5000), u->no_shm, why, sizeof why);
         if (u->garbage) {
             CHECK(!t && strstr(why, "no transport upgrade where one was due"), "garbage accepted: %s", why);
             _exit(0);
@@ -321,7 +321,7 @@ static void run_upgrade(const struct upgrade_case * u) {
         tb_close(tcp);
         return;
     }
-    struct tb_transport * t = tb_upgrade_dial(tcp, &u->want, NULL, why, sizeof why);
+    struct tb_transport * t = tb_upgrade_dial(tcp, &u->want, why, sizeof why);
     CHECK(t, "dial: %s", why);
     CHECK(strcmp(t->describe, u->dialer) == 0, "dialer on '%s', expected '%s'", t->describe, u->dialer);
     CHECK(roundtrip(t, 1) == 0, "dialer roundtrip: %s", t->error);
