@@ -505,7 +505,7 @@ def assert_one_budget_on_the_heads_host(run: dict, base: tuple) -> None:
 
     result, endpoints = run["result"], run["endpoints"]
     assert result["error"] is None, result["error"]
-    assert [n["transport"] for n in result["nodes"]] == ["shm 16x64K", APPLE], result["nodes"]
+    assert [n["transport"] for n in result["nodes"]] == ["shm 16x256K", APPLE], result["nodes"]
     refused = "QP budget: 1 of 1 in use on simbolt0"
     assert result["nodes"][0]["links"] == f"{endpoints[1]} tcp: {refused}", result["nodes"][0]["links"]
     assert f"link from peer {endpoints[0]}: transport tcp: peer: {refused}" in run["downstream_log"]
