@@ -15,8 +15,9 @@ round:
 For each: prompt and decode tokens/s (greedy, fixed prompt), and for the
 tensor modes all-reduces per decoded token, bytes per all-reduce (n_embd
 floats per token) and the time the nodes spent in ALLREDUCE per token
-(from their STATUS counters, averaged over the nodes). Checks that every
-mode decoded the same tokens.
+(from their STATUS counters, averaged over the nodes), and the CPU time
+per decoded token of the head and of the nodes (each node's process group,
+summed over the nodes). Checks that every mode decoded the same tokens.
 
 --model llama-f32 (the default) runs every mode; --model gemma (Gemma 3
 270M, Q4_K_M) runs single, layer and ffn: llama.cpp's tensor split aborts
