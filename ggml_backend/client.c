@@ -737,7 +737,7 @@ void tbrpc_client_ask_node(struct tbrpc_client * c, size_t i, int always) {
 int tbrpc_probe(const char * endpoint, int timeout_ms, const uint8_t * secret, size_t secret_len,
                 struct tb_hello * hello, struct tb_status * status, char * err, size_t err_len) {
     int kind = TBRPC_ERR_OTHER;
-    // one question: no upgrade to shared memory
+    // one question: never upgraded (no shared-memory segment, no RDMA queue pair for it)
     struct client_node * n = node_open(endpoint, "probe", timeout_ms, "tcp", secret, secret_len, &kind, err, err_len);
     if (!n) return -kind;
     *hello = n->info;

@@ -684,10 +684,15 @@ struct client_node * node_open(const char * endpoint, const char * name, int tim
     snprintf(n->endpoint, sizeof n->endpoint, "%s", endpoint);
     snprintf(n->name, sizeof n->name, "%s", name);
     char why[256];
-    n->tp = tb_dial(host, port, NULL, timeout_ms, why, sizeof why);
+    int dial_kind = TB_IO_OK;
+    n->tp = tb_dial(host, port, NULL, timeout_ms, &dial_kind, why, sizeof why);
     if (!n->tp) {
-        snprintf(err, err_len, "tbrpc node %s: unreachable: %s", endpoint, why);
-        *kind = TBRPC_ERR_UNREACHABLE;
+        // Refused and no answer in time are one kind to the head (tbrpc.h): the
+        // remedy is the same, and the text says which. Out of descriptors or
+        // memory here says nothing about the node.
+        bool unreachable = dial_kind == TB_IO_REFUSED || dial_kind == TB_IO_TIMEOUT;
+        snprintf(err, err_len, "tbrpc node %s: %s: %s", endpoint, unreachable ? "unreachable" : "cannot dial", why);
+        *kind = unreachable ? TBRPC_ERR_UNREACHABLE : TBRPC_ERR_OTHER;
         node_destroy(n);
         return NULL;
     }

@@ -100,8 +100,10 @@ int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct
     // than the head's timeout (an RDMA bring-up, a loaded host): the head
     // hears keepalives meanwhile, as while a graph computes.
     set_busy(c, WAITING_FOR_PEER);
+    int dial_kind = TB_IO_OK;   // the link falls back to the head whatever the kind: why says which
     struct tb_transport * tp = req->port > 0 && req->port < 65536
-        ? tb_dial(req->host, (int) req->port, dial_from(c->node, req->host), timeout_ms, why, sizeof why) : NULL;
+        ? tb_dial(req->host, (int) req->port, dial_from(c->node, req->host), timeout_ms, &dial_kind, why, sizeof why)
+        : NULL;
     uint8_t key[TB_MAC_LEN], mac[TB_MAC_LEN];
     tb_peer_key(c->node->secret, c->node->secret_len, req->token, key);
     struct tb_peer_greeting greeting;

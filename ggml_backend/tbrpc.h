@@ -21,7 +21,8 @@ struct tbrpc_client;
 // below that can fail return -kind (tbrpc_client_failed: +kind).
 enum tbrpc_error_kind {
     TBRPC_OK = 0,
-    TBRPC_ERR_UNREACHABLE = 1,   // nothing to connect to: refused, unknown host, no answer to connect
+    TBRPC_ERR_UNREACHABLE = 1,   // nothing to connect to: refused, unknown host, no answer to connect (one
+                                 // kind: the remedy is the same; the text says which, from tb_dial's kind)
     TBRPC_ERR_HANDSHAKE   = 2,   // connected, but the handshake did not complete (not a tbrpc node, closed, silent)
     TBRPC_ERR_VERSION     = 3,   // protocol, ggml ABI or ggml build mismatch
     TBRPC_ERR_FAILED      = 4,   // the node failed after the handshake: closed, timed out, broken, error reply

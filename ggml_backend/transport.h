@@ -103,8 +103,13 @@ static inline void tb_close(struct tb_transport * t)                          { 
 
 // --- Connecting (transport/tcp.c) -----------------------------------------------
 // Dial host:port within timeout_ms, from the local address `from` (NULL: the
-// one the kernel's route picks). NULL on failure, with the reason in err.
-struct tb_transport * tb_dial(const char * host, int port, const char * from, int timeout_ms, char * err, size_t err_len);
+// one the kernel's route picks). NULL on failure, with the reason in err and
+// its kind (enum tb_io_error) in *kind: TB_IO_REFUSED when there is nothing to
+// connect to (refused, unreachable network or host, unknown host, `from` not
+// an address of this host), TB_IO_TIMEOUT when nothing answered within
+// timeout_ms, TB_IO_BROKEN when this process ran out of descriptors or memory.
+struct tb_transport * tb_dial(const char * host, int port, const char * from, int timeout_ms, int * kind, char * err,
+                              size_t err_len);
 
 // A listening endpoint. port 0 picks a free port; tb_listener_port() tells
 // which. NULL on failure, with the reason in err.

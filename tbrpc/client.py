@@ -37,7 +37,9 @@ class NodeError(TbrpcError):
 
 
 class NodeUnreachable(NodeError):
-    """Nothing answers at the node's address: refused, unknown host, no answer to connect."""
+    """Nothing answers at the node's address: refused, unknown host, no answer to connect.
+
+    One class for all three (the remedy is the same); the message says which."""
 
     kind = "unreachable"
 

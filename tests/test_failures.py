@@ -22,6 +22,7 @@ import pytest
 import models
 import tbrpc
 from helpers import ROOT, free_port, run_head
+from tbrpc._build import build_program
 from tbrpc.native import load
 
 PROMPT = "Once upon a time"
@@ -35,6 +36,48 @@ def test_unreachable_node_is_named(tmp_path: Path) -> None:
     assert time.time() - started < 5
     with pytest.raises(tbrpc.NodeUnreachable):
         tbrpc.probe(endpoint, timeout=2)
+
+
+def test_an_unknown_host_is_unreachable() -> None:
+    with pytest.raises(tbrpc.NodeUnreachable, match="no-such-host.invalid:50052: cannot resolve host"):
+        tbrpc.connect(["no-such-host.invalid:50052"], timeout=2)
+
+
+def test_a_node_that_never_answers_the_connect_is_unreachable_too() -> None:
+    """No answer in time is the same kind as refused (tbrpc.h): the text tells them apart.
+    A listener whose accept queue is full drops further requests unanswered (Linux, BSD)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+        held: list[socket.socket] = []
+        try:
+            for _ in range(64):   # fill the queue until a request goes unanswered
+                try:
+                    held.append(socket.create_connection(listener.getsockname(), timeout=0.4))
+                except TimeoutError:
+                    break
+            else:
+                pytest.fail("64 connections into a listener with backlog 0 all connected")
+            with pytest.raises(tbrpc.NodeUnreachable, match=f"{endpoint}: unreachable: .*cannot connect: timed out"):
+                tbrpc.connect([endpoint], timeout=0.5)
+        finally:
+            for s in held:
+                s.close()
+
+
+@pytest.fixture(scope="module")
+def dial_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_program(ROOT / "tests" / "c" / "dial_tests.c", tmp_path_factory.mktemp("c") / "dial_tests",
+                         with_ggml=False)
+
+
+@pytest.mark.parametrize("case", ["answered", "refused", "unknown_host", "not_from_here", "no_answer"])
+def test_a_failed_dial_has_a_kind(dial_tests: Path, case: str) -> None:
+    """tb_dial's kind (enum tb_io_error) for each way a connect fails: tests/c/dial_tests.c."""
+    proc = subprocess.run([str(dial_tests), case], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"PASS {case}" in proc.stdout
 
 
 def test_malformed_endpoint_is_a_clear_error() -> None:

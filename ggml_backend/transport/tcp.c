@@ -229,12 +229,24 @@ static int bind_from(int fd, int family, const char * from) {
     return rc;
 }
 
-struct tb_transport * tb_dial(const char * host, int port, const char * from, int timeout_ms, char * err, size_t err_len) {
+// What a failed connect means to a caller (transport.h): no answer in time,
+// nothing to connect to there, or a failure of this process's own resources.
+static int dial_error_kind(int e) {
+    switch (e) {
+        case ETIMEDOUT: return TB_IO_TIMEOUT;
+        case EMFILE: case ENFILE: case ENOMEM: case ENOBUFS: return TB_IO_BROKEN;
+        default: return TB_IO_REFUSED;   // refused, unreachable network or host, address not here, firewall
+    }
+}
+
+struct tb_transport * tb_dial(const char * host, int port, const char * from, int timeout_ms, int * kind, char * err,
+                              size_t err_len) {
     char port_str[16];
     snprintf(port_str, sizeof port_str, "%d", port);
     struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM }, * res = NULL;
     int gai = getaddrinfo(host, port_str, &hints, &res);
     if (gai != 0) {
+        *kind = gai == EAI_MEMORY ? TB_IO_BROKEN : TB_IO_REFUSED;
         snprintf(err, err_len, "%s:%d: cannot resolve host: %s", host, port, gai_strerror(gai));
         return NULL;
     }
@@ -248,6 +260,7 @@ struct tb_transport * tb_dial(const char * host, int port, const char * from, in
         if (connect_with_timeout(fd, ai->ai_addr, ai->ai_addrlen, left > 0 ? left : 1) == 0) {
             freeaddrinfo(res);
             struct tb_transport * t = tb_adopt(fd, timeout_ms);
+            *kind = t ? TB_IO_OK : TB_IO_BROKEN;
             if (t) snprintf(t->peer, sizeof t->peer, "%s:%d", host, port);
             else snprintf(err, err_len, "%s:%d: out of memory", host, port);
             return t;
@@ -256,6 +269,7 @@ struct tb_transport * tb_dial(const char * host, int port, const char * from, in
         close(fd);
     }
     freeaddrinfo(res);
+    *kind = dial_error_kind(last_errno);
     snprintf(err, err_len, "%s:%d: cannot connect: %s", host, port,
              last_errno == ETIMEDOUT ? "timed out" : strerror(last_errno));
     return NULL;
