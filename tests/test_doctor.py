@@ -5,12 +5,14 @@ this machine is not a Mac."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,11 @@ from typing import Any
 import pytest
 
 import models
+import tbrpc
 from helpers import ENV, free_port
 
 from tbrpc.doctor import FAIL, OK, WARN, Check, _check_linux, _check_macos, _Node, diagnose, failed, format_checks
-from tbrpc.facts import file_fingerprint, linux_facts, model_identity, sampled_ranges
+from tbrpc.facts import file_fingerprint, linux_facts, macos_facts, model_identity, sampled_ranges
 from tbrpc.cluster_file import load_specs
 from tbrpc.spec import NodeSpec
 from tbrpc.units import format_size
@@ -321,6 +324,61 @@ def test_macos_rows_from_recorded_facts(tmp_path: Path) -> None:
                                            "thunderbolt": False}})
     rows = {c.name: c for c in n.checks}
     assert rows["thunderbolt"].status == OK and "cables in `links`" in rows["thunderbolt"].detail
+
+
+def test_macos_too_old_row_from_recorded_facts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mac before 26.2 has no rdma_ctl: the facts record rc 127 (tbrpc/facts.py), and doctor says to
+    update macOS, not to enable RDMA. Recorded here with PATH holding only a stand-in for the tools
+    a Mac has; the same facts with an rdma_ctl that says "disabled" give the other row."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    monkeypatch.setenv("PATH", str(tools))
+    (spec,) = load_specs(write_cluster(tmp_path / "c.toml", [{"name": "mac2", "host": "10.0.12.2", "port": 50052,
+                                                              "memory": "512GiB"}]))
+    rows = {}
+    for rdma_ctl in (None, "#!/bin/sh\necho 'RDMA is disabled'\n"):
+        if rdma_ctl:
+            (tools / "rdma_ctl").write_text(rdma_ctl)
+            (tools / "rdma_ctl").chmod(0o755)
+        facts = macos_facts(None)
+        n = _Node(spec)
+        _check_macos(n, facts)
+        rows[rdma_ctl is None] = (facts["rdma_ctl"], {c.name: c for c in n.checks}["rdma"])
+    recorded, row = rows[True]
+    assert recorded == {"rc": 127, "output": "rdma_ctl: not found"}
+    assert row.status == WARN and "needs macOS 26.2 or later" in row.detail and row.fix.startswith("update macOS")
+    assert "rdma_ctl enable" not in row.fix
+    recorded, row = rows[False]
+    assert recorded == {"rc": 0, "output": "RDMA is disabled"}
+    assert row.status == WARN and "rdma_ctl enable" in row.fix and "macOS 26.2" not in row.detail
+
+
+def test_probe_and_doctor_connections_are_never_upgraded(nodes: Any, tmp_path: Path) -> None:
+    """A probe asks one question: no shared-memory segment, no RDMA queue pair (a Mac has ten) for it.
+    The node logs every switch of a connection; a probe and a doctor run leave none, while a head's
+    connection to the same node, which offers shared memory, does switch."""
+    (a,) = nodes(1)
+    info, _ = tbrpc.probe(a.endpoint, timeout=5)
+    assert info.transport == "tcp: a probe connection"
+    checks = diagnose(load_specs(write_cluster(tmp_path / "c.toml", [node_table("a", a.port)])))
+    assert by(checks, "a", "handshake").status == OK, format_checks(checks)
+
+    def log_when(pattern: str, count: int) -> str:
+        deadline = time.monotonic() + 20
+        while len(re.findall(pattern, a.log_text())) < count and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return a.log_text()
+
+    log = log_when(r"client \S+ disconnected", 2)   # the probe's and doctor's, at least
+    assert len(re.findall(r"client \S+ disconnected", log)) >= 2, log[-3000:]
+    assert ": transport " not in log and "stays on tcp" not in log, log[-3000:]
+    head = subprocess.run([sys.executable, "-c", f"import tbrpc; tbrpc.connect([{a.endpoint!r}]); "
+                           "print(tbrpc.cluster().nodes()[0].transport)"],
+                          env={k: v for k, v in ENV.items() if k != "TBRPC_TRANSPORT"}, capture_output=True, text=True,
+                          timeout=60)
+    assert head.returncode == 0 and head.stdout.startswith("shm "), head.stdout + head.stderr
+    log = log_when(r"client \S+: transport shm ", 1)
+    assert re.search(r"client \S+: transport shm ", log), log[-3000:]
 
 
 def test_huge_pages_row(tmp_path: Path) -> None:
