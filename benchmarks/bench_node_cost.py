@@ -150,6 +150,7 @@ class Head:
 
     def __init__(self, endpoints: list[str], gguf: str, transport: str, n_ctx: int, log: Path) -> None:
         env = {**os.environ, "TBRPC_TRANSPORT": transport}
+        self.log = log
         with log.open("wb") as err:
             self.proc = subprocess.Popen([sys.executable, str(HERE / "bench_paired.py"), "head", "--mode", "tbrpc",
                                           "--endpoints", ",".join(endpoints), "--gguf", gguf, "--n-ctx", str(n_ctx)],
@@ -164,7 +165,10 @@ class Head:
         for _ in range(n):
             self.proc.stdin.write("\n")
             self.proc.stdin.flush()
-            ms.append(float(self.proc.stdout.readline().split()[0]))
+            line = self.proc.stdout.readline()
+            if not line:
+                raise SystemExit(f"the head stopped: {self.log.read_text()[-2000:]}")
+            ms.append(float(line.split()[0]))
         return ms
 
     def close(self) -> None:

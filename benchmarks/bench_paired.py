@@ -1,4 +1,4 @@
-"""Benchmark: tbrpc against llama.cpp's RPC, token by token, side by side.
+"""Benchmark: tbrpc against llama.cpp's RPC (or any contenders), token by token, side by side.
 
 bench_split.py runs each configuration in its own processes, one after the
 other. On a shared VM that mixes two effects into every ratio: drift of the
@@ -18,10 +18,19 @@ both, the speed ratio tbrpc / llama.cpp RPC per round and overall, and the
 ratio split by load order. Decoding is greedy from bench_split's prompt; the
 script checks that both heads generate the same tokens.
 
+``--contenders`` takes any number of clusters, the first being the reference
+of every ratio: ``tbrpc`` (the default transport: shared memory on one
+host), ``tbrpc-tcp``, ``rpc``, each optionally ``@NAME`` for a tree given by
+``--tree NAME=PATH`` (a checkout whose ``tbrpc`` and built extension go first
+on PYTHONPATH for that cluster's head and nodes): a change measured against
+the tree it changes, or shared memory against TCP, at the same moments.
+
 Usage (from the repo root, with the dev venv; benchmarks/rpc_venv.sh once):
 
     PYTHONPATH=. /work/venv/bin/python benchmarks/bench_paired.py
     PYTHONPATH=. /work/venv/bin/python benchmarks/bench_paired.py --models gemma --nodes 1 --rounds 4 --steps 300
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_paired.py --contenders tbrpc-tcp,tbrpc \
+        --contenders-also tbrpc-tcp@old,tbrpc@old --tree old=/path/to/checkout
 
 This is a benchmark, not a test: nothing here asserts on timings.
 """
@@ -42,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_split as split  # (after the path: the servers, the RPC venv and the prompt are shared)
 
-MODES = ("tbrpc", "rpc")
+MODES = ("tbrpc", "tbrpc-tcp", "rpc")
 READY = "READY"
 
 
@@ -56,10 +65,10 @@ def run_stepping_head(mode: str, endpoints: Sequence[str], gguf: str, n_ctx: int
     import llama_cpp
     import numpy as np
 
-    if mode == "tbrpc":
+    if mode in ("tbrpc", "tbrpc-tcp"):
         import tbrpc
 
-        tbrpc.connect(list(endpoints))
+        tbrpc.connect(list(endpoints), transport="tcp" if mode == "tbrpc-tcp" else "auto")
     else:
         split._register_rpc_servers(endpoints)
     llm = llama_cpp.Llama(model_path=gguf, n_gpu_layers=-1, tensor_split=[1.0] * len(endpoints), n_ctx=n_ctx,
@@ -87,15 +96,40 @@ def run_stepping_head(mode: str, endpoints: Sequence[str], gguf: str, n_ctx: int
 # Orchestrator
 # ---------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Contender:
+    name: str                       # "tbrpc-tcp@old"
+    mode: str                       # one of MODES
+    tree: Path | None               # a checkout put first on PYTHONPATH, or None for this one
+
+    @staticmethod
+    def parse(text: str, trees: dict[str, Path]) -> Contender:
+        mode, _, tree = text.partition("@")
+        if mode not in MODES:
+            raise SystemExit(f"contender {text}: the mode must be one of {', '.join(MODES)}")
+        if tree and tree not in trees:
+            raise SystemExit(f"contender {text}: no --tree {tree}=PATH")
+        return Contender(text, mode, trees[tree] if tree else None)
+
+
 @dataclass
 class Round:
-    first: str                      # the mode whose cluster loaded first
-    ms: dict[str, list[float]]      # per mode, per step
+    first: str                      # the contender whose cluster loaded first
+    ms: dict[str, list[float]]      # per contender, per step
     same_tokens: bool
 
-    def ratio(self) -> float:
-        """Generation speed of tbrpc over llama.cpp RPC (> 1: tbrpc is faster)."""
-        return statistics.mean(self.ms["rpc"]) / statistics.mean(self.ms["tbrpc"])
+    def ratio(self, a: str, b: str) -> float:
+        """Generation speed of b over a (> 1: b is faster)."""
+        return statistics.mean(self.ms[a]) / statistics.mean(self.ms[b])
+
+
+def runner_for(base: split.Runner, contender: Contender) -> split.Runner:
+    """The runner whose heads and nodes import the contender's tree."""
+    if contender.tree is None:
+        return base
+    runner = split.Runner(base.python, base.rpc_python, base.log_dir, base.n_gen, base.n_ctx, base.repeats)
+    runner.env["PYTHONPATH"] = str(contender.tree)   # its logs' names carry the contender's
+    return runner
 
 
 class Head:
@@ -136,33 +170,42 @@ class Head:
             self.proc.wait()
 
 
-def run_round(runner: split.Runner, model: str, gguf: str, n_nodes: int, first: str, steps: int,
-              n_ctx: int) -> Round:
-    order = [first] + [m for m in MODES if m != first]
+def run_round(runner: split.Runner, contenders: list[Contender], model: str, gguf: str, n_nodes: int, first: int,
+              steps: int, n_ctx: int) -> Round:
+    """Every contender's cluster up at once (loaded from contenders[first] on, in turn), then one decode
+    step each in turns, the order rotated by one every step: every contender takes every place equally
+    often (reversing the order instead would leave the middle places to the same contenders, and the
+    end places run twice in a row, with warm caches)."""
+    order = contenders[first:] + contenders[:first]
     with contextlib.ExitStack() as stack:
         heads: dict[str, Head] = {}
-        for mode in order:
-            config = split.Config(model, gguf, mode, n_nodes)
-            endpoints = stack.enter_context(runner.servers(config))
-            heads[mode] = Head(runner, mode, endpoints, gguf, n_ctx, runner.new_log(f"{model}-{mode}{n_nodes}-head"))
-            stack.callback(heads[mode].close)
-        ms: dict[str, list[float]] = {m: [] for m in MODES}
-        tokens: dict[str, list[int]] = {m: [] for m in MODES}
+        for c in order:
+            run = runner_for(runner, c)
+            endpoints = stack.enter_context(run.servers(split.Config(model, gguf, c.mode, n_nodes)))
+            heads[c.name] = Head(run, c.mode, endpoints, gguf, n_ctx, run.new_log(f"{model}-{c.name}{n_nodes}-head"))
+            stack.callback(heads[c.name].close)
+        names = [c.name for c in contenders]
+        ms: dict[str, list[float]] = {n: [] for n in names}
+        tokens: dict[str, list[int]] = {n: [] for n in names}
         for s in range(steps):
-            for mode in (MODES if s % 2 == 0 else MODES[::-1]):
-                t, token = heads[mode].step()
-                ms[mode].append(t)
-                tokens[mode].append(token)
-    return Round(first, ms, tokens["tbrpc"] == tokens["rpc"])
+            for name in names[s % len(names):] + names[:s % len(names)]:
+                t, token = heads[name].step()
+                ms[name].append(t)
+                tokens[name].append(token)
+    return Round(order[0].name, ms, all(tokens[n] == tokens[names[0]] for n in names))
 
 
-def report(model: str, n_nodes: int, rounds: list[Round]) -> str:
-    ms = {m: statistics.mean(x for r in rounds for x in r.ms[m]) for m in MODES}
-    ratios = [r.ratio() for r in rounds]
-    by_first = {f: [r.ratio() for r in rounds if r.first == f] for f in MODES}
-    order_note = ", ".join(f"{f} loaded first {statistics.mean(v):.3f}" for f, v in by_first.items() if v)
-    return (f"| {model} | {n_nodes} | {ms['tbrpc']:.2f} | {ms['rpc']:.2f} | **{statistics.mean(ratios):.3f}** | "
-            f"{', '.join(f'{x:.3f}' for x in ratios)} | {order_note} |")
+def report(model: str, n_nodes: int, names: list[str], rounds: list[Round]) -> str:
+    """One table row: ms per token of each contender, then each one's speed over the first's (mean over
+    rounds, and per round), and the ratio by which contender loaded first."""
+    ms = {n: statistics.mean(x for r in rounds for x in r.ms[n]) for n in names}
+    cells = [f"{ms[n]:.3f}" for n in names]
+    for n in names[1:]:
+        ratios = [r.ratio(names[0], n) for r in rounds]
+        by_first = {f: [r.ratio(names[0], n) for r in rounds if r.first == f] for f in names}
+        order_note = ", ".join(f"{f} first {statistics.mean(v):.3f}" for f, v in by_first.items() if v)
+        cells.append(f"**{statistics.mean(ratios):.3f}** ({', '.join(f'{x:.3f}' for x in ratios)}; {order_note})")
+    return f"| {model} | {n_nodes} | " + " | ".join(cells) + " |"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,13 +224,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n-ctx", type=int, default=512)
     parser.add_argument("--rpc-venv", default=str(split.DEFAULT_RPC_VENV))
     parser.add_argument("--log-dir", type=Path)
+    parser.add_argument("--contenders", default="tbrpc,rpc",
+                        help="clusters stepping in turns, the first the reference: MODE or MODE@TREE, MODE one of "
+                             + ", ".join(MODES))
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                        help="a checkout (with its extension built) that MODE@NAME runs")
     args = parser.parse_args(argv)
     if args.command == "head":
         run_stepping_head(args.mode, args.endpoints.split(","), args.gguf, args.n_ctx)
         return 0
 
+    trees = {name: Path(path).resolve() for name, _, path in (t.partition("=") for t in args.tree)}
+    contenders = [Contender.parse(c, trees) for c in split._csv(args.contenders)]
+    names = [c.name for c in contenders]
+    if len(set(names)) != len(names) or len(names) < 2:
+        parser.error("--contenders: two or more, each once")
     rpc_python = Path(args.rpc_venv) / "bin" / "python"
-    if not rpc_python.exists():
+    if any(c.mode == "rpc" for c in contenders) and not rpc_python.exists():
         parser.error(f"{rpc_python} is missing: run benchmarks/rpc_venv.sh first")
     if args.steps + 128 > args.n_ctx:
         parser.error("--steps must leave room for the prompt in --n-ctx")
@@ -204,19 +257,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             for n_nodes in (int(n) for n in split._csv(args.nodes)):
                 rounds = []
                 for r in range(args.rounds):
-                    first = MODES[r % 2]
-                    print(f"  {model} x{n_nodes} round {r + 1}/{args.rounds} ({first} loads first) ...", end=" ",
-                          flush=True)
-                    rounds.append(run_round(runner, model, gguf, n_nodes, first, args.steps, args.n_ctx))
+                    first = r % len(contenders)
+                    print(f"  {model} x{n_nodes} round {r + 1}/{args.rounds} ({names[first]} loads first) ...",
+                          end=" ", flush=True)
+                    rounds.append(run_round(runner, contenders, model, gguf, n_nodes, first, args.steps, args.n_ctx))
                     all_same &= rounds[-1].same_tokens
-                    print(f"tbrpc/rpc speed {rounds[-1].ratio():.3f}"
+                    print(", ".join(f"{n}/{names[0]} speed {rounds[-1].ratio(names[0], n):.3f}" for n in names[1:])
                           + ("" if rounds[-1].same_tokens else "  TOKENS DIFFER"), flush=True)
-                lines.append(report(model, n_nodes, rounds))
+                lines.append(report(model, n_nodes, names, rounds))
     print(f"\n{args.steps} decode steps per head per round, heads alternating step by step, 1 thread per process")
-    print("| model | nodes | tbrpc ms/token | llama.cpp RPC ms/token | speed tbrpc / RPC | per round | by load order |")
-    print("|---|---:|---:|---:|---:|---|---|")
+    print("| model | nodes | " + " | ".join(f"{n} ms/token" for n in names) + " | "
+          + " | ".join(f"speed {n} / {names[0]} (per round; by load order)" for n in names[1:]) + " |")
+    print("|---|---:|" + "---:|" * len(names) + "---|" * (len(names) - 1))
     print("\n".join(lines))
-    print("\nboth heads generated the same tokens in every round" if all_same else "\nTOKENS DIFFERED in some round")
+    print("\nall heads generated the same tokens in every round" if all_same else "\nTOKENS DIFFERED in some round")
     return 0 if all_same else 1
 
 

@@ -15,8 +15,9 @@ round:
 For each: prompt and decode tokens/s (greedy, fixed prompt), and for the
 tensor modes all-reduces per decoded token, bytes per all-reduce (n_embd
 floats per token) and the time the nodes spent in ALLREDUCE per token
-(from their STATUS counters, averaged over the nodes). Checks that every
-mode decoded the same tokens.
+(from their STATUS counters, averaged over the nodes), and the CPU time
+per decoded token of the head and of the nodes (each node's process group,
+summed over the nodes). Checks that every mode decoded the same tokens.
 
 --model llama-f32 (the default) runs every mode; --model gemma (Gemma 3
 270M, Q4_K_M) runs single, layer and ffn: llama.cpp's tensor split aborts
@@ -74,9 +75,24 @@ with model_params_patch(devices):
 prompt = llm.tokenize(spec["prompt"].encode())
 def status():
     return [tbrpc.cluster().status(i) for i in range(len(spec["nodes"]))]
+def group_cpu_s(pgid):
+    # on-CPU seconds of every thread of every process in a node's group (the node and its session workers)
+    total = 0
+    for proc in os.listdir("/proc"):
+        if not proc.isdigit():
+            continue
+        try:
+            if int(open(f"/proc/{proc}/stat").read().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for task in os.listdir(f"/proc/{proc}/task"):
+                total += int(open(f"/proc/{proc}/task/{task}/schedstat").read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
 t = time.perf_counter(); llm.eval(prompt); prompt_s = time.perf_counter() - t
 token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
 before = status()
+cpu_before = [time.process_time()] + [group_cpu_s(g) for g in spec["node_pgids"]]
 tokens = []
 t = time.perf_counter()
 for _ in range(spec["n"]):
@@ -84,12 +100,13 @@ for _ in range(spec["n"]):
     llm.eval([token])
     token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
 decode_s = time.perf_counter() - t
+cpu_after = [time.process_time()] + [group_cpu_s(g) for g in spec["node_pgids"]]
 after = status()
 print(json.dumps({
     "prompt_tps": len(prompt) / prompt_s, "decode_tps": spec["n"] / decode_s, "tokens": tokens,
     "allreduces": [a.allreduces - b.allreduces for a, b in zip(after, before)],
     "allreduce_s": [a.allreduce_s - b.allreduce_s for a, b in zip(after, before)],
-    "n_embd": llm.n_embd()}))
+    "cpu_s": [a - b for a, b in zip(cpu_after, cpu_before)], "n_embd": llm.n_embd()}))
 """
 
 
@@ -107,8 +124,11 @@ def start_node(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError(f"node did not start: {log.read_text()}")
 
 
-def run(mode: str, model: str, endpoints: list[str], n: int, granularity: int) -> dict[str, Any]:
-    spec = {"model": model, "prompt": PROMPT, "n": n, "nodes": [] if mode == "single" else endpoints,
+def run(mode: str, model: str, nodes: list[tuple[subprocess.Popen[bytes], str]], n: int,
+        granularity: int) -> dict[str, Any]:
+    remote = mode != "single"
+    spec = {"model": model, "prompt": PROMPT, "n": n, "nodes": [e for _, e in nodes] if remote else [],
+            "node_pgids": [p.pid for p, _ in nodes] if remote else [],
             "split_mode": 3 if mode.startswith("tensor") else 1, "ffn_granularity": granularity if mode == "ffn" else 0,
             "env": {"TBRPC_NO_ALLREDUCE": "1"} if mode == "tensor-butterfly" else {}}
     proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(spec)], capture_output=True, text=True, cwd=REPO,
@@ -136,13 +156,12 @@ def main() -> None:
     granularity = ffn_granularity(load_gguf(model))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-tensor-"))
     nodes = [start_node(log_dir) for _ in range(args.nodes)]
-    endpoints = [e for _, e in nodes]
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
         for r in range(args.rounds):
             order = modes if r % 2 == 0 else tuple(reversed(modes))
             for mode in order:
-                results[mode].append(run(mode, model, endpoints, args.tokens, granularity))
+                results[mode].append(run(mode, model, nodes, args.tokens, granularity))
     finally:
         for proc, _ in nodes:
             proc.terminate()
@@ -151,7 +170,7 @@ def main() -> None:
           f"{args.rounds} rounds (medians); {os.cpu_count()} cores, load average "
           + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"{'mode':18} {'prompt t/s':>10} {'decode t/s':>10} {'vs single':>9} {'AR/token':>8} {'B/AR':>6} "
-          f"{'AR ms/token':>11}")
+          f"{'AR ms/token':>11} {'CPU ms/token: head':>18} {'nodes':>6}")
     for mode in modes:
         rows = results[mode]
         decode = statistics.median(x["decode_tps"] for x in rows)
@@ -159,7 +178,10 @@ def main() -> None:
         per_token = statistics.median(statistics.mean(x["allreduces"]) / args.tokens for x in rows) if rows[0]["allreduces"] else 0
         ar_ms = statistics.median(statistics.mean(x["allreduce_s"]) / args.tokens * 1e3 for x in rows) if rows[0]["allreduces"] else 0
         bytes_per = rows[0]["n_embd"] * 4 if per_token else 0
-        print(f"{mode:18} {prompt:10.1f} {decode:10.1f} {decode / single:9.2f} {per_token:8.1f} {bytes_per:6d} {ar_ms:11.3f}")
+        head_ms = statistics.median(x["cpu_s"][0] / args.tokens * 1e3 for x in rows)
+        nodes_ms = statistics.median(sum(x["cpu_s"][1:]) / args.tokens * 1e3 for x in rows)
+        print(f"{mode:18} {prompt:10.1f} {decode:10.1f} {decode / single:9.2f} {per_token:8.1f} {bytes_per:6d} {ar_ms:11.3f}"
+              f" {head_ms:18.2f} {nodes_ms:6.2f}")
     texts = {mode: {tuple(x["tokens"]) for x in rows} for mode, rows in results.items()}
     same = len({t for ts in texts.values() for t in ts}) == 1
     print("same tokens in every mode and round" if same else f"TOKENS DIFFER: {texts}")

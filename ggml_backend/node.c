@@ -80,49 +80,6 @@ static void slot_release(struct tb_node * n, int i) {
     pthread_mutex_unlock(&n->lock);
 }
 
-// ---- RDMA queue pairs per device, across every client ------------------------------
-// A device takes so many QPs (Apple: 10, TN3205), however many processes use
-// them: here one per head connection and one per node-to-node link, each
-// session in a worker process of its own. Each session counts the QPs it
-// holds per device in its own counters page (only it writes there); a new
-// one is counted first and the whole table summed after, and given back if
-// the sum is over the limit. Two sessions racing for the last QP may then
-// both be refused, but the device never has more than its limit in use.
-int node_take_qp(struct tb_node * n, struct client_slot * mine, const char * device, int limit, char * why, size_t why_len) {
-    struct slot_qps * e = NULL;
-    for (int k = 0; k < SLOT_QP_DEVICES && !e; k++) {
-        if (mine->qps[k].count && strncmp(mine->qps[k].device, device, sizeof mine->qps[k].device) == 0) e = &mine->qps[k];
-    }
-    for (int k = 0; k < SLOT_QP_DEVICES && !e; k++) {
-        if (!mine->qps[k].count) { e = &mine->qps[k]; snprintf(e->device, sizeof e->device, "%s", device); }
-    }
-    if (!e) { snprintf(why, why_len, "QP budget: this session uses %d RDMA devices already", SLOT_QP_DEVICES); return -1; }
-    __atomic_add_fetch(&e->count, 1, __ATOMIC_SEQ_CST);   // publishes the name written before
-    if (limit <= 0) return 0;
-    uint32_t used = 0;
-    for (int i = 0; i < MAX_CLIENTS; i++) {
-        const struct client_slot * slot = slot_counters(n, i);
-        if (slot != mine && !__atomic_load_n(&table_in_use(n)[i], __ATOMIC_ACQUIRE)) continue;
-        for (int k = 0; k < SLOT_QP_DEVICES; k++) {
-            uint32_t count = __atomic_load_n(&slot->qps[k].count, __ATOMIC_SEQ_CST);
-            if (count && strncmp(slot->qps[k].device, device, sizeof slot->qps[k].device) == 0) used += count;
-        }
-    }
-    if (used <= (uint32_t) limit) return 0;
-    __atomic_sub_fetch(&e->count, 1, __ATOMIC_SEQ_CST);
-    snprintf(why, why_len, "QP budget: %u of %d in use on %s", used - 1, limit, device);
-    return -1;
-}
-
-void node_give_qp(struct client_slot * mine, const char * device) {
-    for (int k = 0; k < SLOT_QP_DEVICES; k++) {
-        if (mine->qps[k].count && strncmp(mine->qps[k].device, device, sizeof mine->qps[k].device) == 0) {
-            __atomic_sub_fetch(&mine->qps[k].count, 1, __ATOMIC_SEQ_CST);
-            return;
-        }
-    }
-}
-
 struct thread_start { struct tb_node * node; int fd; int slot; };
 
 static void * conn_thread(void * arg) {

@@ -20,12 +20,9 @@
 // an isolated process. Each slot has a page of its own: a worker process
 // maps only its own page writable, every other page of the table (the
 // other clients' counters and the parent's in_use flags) read-only.
-#define SLOT_QP_DEVICES 8
-struct slot_qps { char device[32]; uint32_t count; };
 struct client_slot {
     uint64_t buffers, bytes_allocated, graphs_computed, bytes_received, bytes_from_files;
     uint64_t allreduces, allreduce_ns;   // tensor split: all-reduces done, and the time they took
-    struct slot_qps qps[SLOT_QP_DEVICES];   // RDMA QPs this session holds, per device (node_take_qp)
 };
 
 // What only the parent knows and writes about a slot: in its private memory,
@@ -75,12 +72,6 @@ struct tb_node {
 void * node_hash_model_files(void * node);
 
 void node_log(struct tb_node * node, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
-
-// An RDMA QP of `device` for the session counting in `mine`, within `limit`
-// (0: none) over all of the node's sessions: 0, or -1 with why ("QP budget:
-// 10 of 10 in use on rdma_en3"). node_give_qp when the QP is gone.
-int  node_take_qp(struct tb_node * node, struct client_slot * mine, const char * device, int limit, char * why, size_t why_len);
-void node_give_qp(struct client_slot * mine, const char * device);
 
 // Serve the client on `fd` (owned) until it leaves or the node stops; then
 // free everything it had. Counters go to `slot`.

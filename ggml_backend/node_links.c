@@ -77,7 +77,7 @@ static struct tb_transport * upgrade_link(struct node_conn * c, struct tb_transp
         .peer_rdma = (req->caps & TB_CAP_RDMA) != 0,
         .no_shm = no_shm_reason(c->node),
     };
-    return tb_upgrade_dial(tp, &want, &c->qp_budget, why, why_len);
+    return tb_upgrade_dial(tp, &want, why, why_len);
 }
 
 // Dial a peer session's listener. Nothing is sent before the listener has
@@ -96,6 +96,10 @@ int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct
     memset(rep, 0, sizeof *rep);
     r->data = rep;
     r->len = sizeof *rep;
+    // Reaching the peer, proving the link key and upgrading may take longer
+    // than the head's timeout (an RDMA bring-up, a loaded host): the head
+    // hears keepalives meanwhile, as while a graph computes.
+    set_busy(c, WAITING_FOR_PEER);
     struct tb_transport * tp = req->port > 0 && req->port < 65536
         ? tb_dial(req->host, (int) req->port, dial_from(c->node, req->host), timeout_ms, why, sizeof why) : NULL;
     uint8_t key[TB_MAC_LEN], mac[TB_MAC_LEN];
@@ -125,6 +129,7 @@ int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct
     }
     memset(key, 0, sizeof key);
     if (ok && !(tp = upgrade_link(c, tp, req, why, sizeof why))) ok = false;   // the TCP connection failed (and is closed)
+    set_busy(c, IDLE);
     if (!ok) {
         node_log(c->node, "client %s: cannot reach peer %s:%llu (%s); activations will go through the head",
                  c->tp->peer, req->host, (unsigned long long) req->port, why);
@@ -173,10 +178,19 @@ static int greet_dialer(struct node_conn * c, struct tb_transport * tp, char nam
 
 // Wait (the head's timeout) for the dialer the head sent our way; anyone
 // else who connects meanwhile is refused and the wait goes on.
+static int await_dialer(struct node_conn * c, struct reply * r);
+
 int handle_peer_accept(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     uint64_t token;
     memcpy(&token, c->payload, sizeof token);
     if (!c->peer_listener || token != c->peer_token) return reply_u64(r, 0);
+    set_busy(c, WAITING_FOR_PEER);   // the head hears keepalives while the dialer takes its time
+    const int rc = await_dialer(c, r);
+    set_busy(c, IDLE);
+    return rc;
+}
+
+static int await_dialer(struct node_conn * c, struct reply * r) {
     const int timeout_ms = c->node->cfg.timeout_ms > 0 ? c->node->cfg.timeout_ms : 10000;
     const int64_t deadline = tb_now_ms() + timeout_ms;
     struct pollfd p = { .fd = tb_listener_fd(c->peer_listener), .events = POLLIN };
@@ -193,7 +207,7 @@ int handle_peer_accept(struct node_conn * c, const struct tb_header * h, struct 
         char name[TB_NAME_LEN] = { 0 };
         if (greet_dialer(c, tp, name) == 0) {
             char why[256];
-            tp = tb_upgrade_accept(tp, no_shm_reason(c->node), &c->qp_budget, why, sizeof why);
+            tp = tb_upgrade_accept(tp, no_shm_reason(c->node), why, sizeof why);
             if (!tp) {
                 node_log(c->node, "client %s: link from peer %s failed in its upgrade: %s", c->tp->peer, name, why);
                 return reply_u64(r, 0);

@@ -315,26 +315,44 @@ static int handle_copy(struct node_conn * c, const struct tb_header * h, char * 
 
 // ---- the watchdog ------------------------------------------------------------
 
+// It wakes every half keepalive period, nothing else wakes it (but
+// closing), and speaks when the session has been busy for a whole half
+// period by then: from the moment work begins, the first KEEPALIVE comes
+// within one keepalive period and the next ones every half period, so the
+// client, whose timeout is three periods, never times out a node that
+// works; a decode step's short busy spells send none. A tick that finds the
+// session idle costs a wake-up and nothing more (a few per second), where
+// waking the watchdog on every state change cost a context switch per
+// change on the token's path. A KEEPALIVE goes only where it fits without
+// waiting (tb_room): a head or peer that is not reading this connection is
+// not timing it either, and a watchdog blocked on a full ring would hold
+// send_lock against the session's own next message.
 static void * watchdog_thread(void * arg) {
     struct node_conn * c = arg;
     pthread_mutex_lock(&c->busy_lock);
     while (!c->closing) {
-        if (c->busy == IDLE) { pthread_cond_wait(&c->busy_changed, &c->busy_lock); continue; }
+        const uint32_t half = c->keepalive_ms / 2;
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
-        const uint64_t ns = (uint64_t) until.tv_nsec + (uint64_t) c->keepalive_ms * 1000000u;
+        const uint64_t ns = (uint64_t) until.tv_nsec + (uint64_t) half * 1000000u;
         until.tv_sec += (time_t) (ns / 1000000000u);
         until.tv_nsec = (long) (ns % 1000000000u);
-        if (pthread_cond_timedwait(&c->busy_changed, &c->busy_lock, &until) == 0 || c->busy == IDLE || c->closing) continue;
+        pthread_cond_timedwait(&c->busy_changed, &c->busy_lock, &until);
+        const int busy = __atomic_load_n(&c->busy, __ATOMIC_ACQUIRE);
+        const int64_t since = __atomic_load_n(&c->busy_since_ms, __ATOMIC_RELAXED);
+        if (c->closing || busy == IDLE || tb_now_ms() - since < (int64_t) half) continue;
+        const size_t keepalive = sizeof(struct tb_header);
         pthread_mutex_lock(&c->send_lock);
-        if (tb_msg_send(c->tp, TB_CMD_KEEPALIVE, TB_FLAG_REPLY, 0, NULL, 0, NULL, 0) == 0) tb_flush(c->tp);
+        if (tb_room(c->tp, keepalive) && tb_msg_send(c->tp, TB_CMD_KEEPALIVE, TB_FLAG_REPLY, 0, NULL, 0, NULL, 0) == 0)
+            tb_flush(c->tp);
         // A peer waiting for our output must not give up on us either, but
         // only while we compute: a session that merely waits for a peer must
         // not keep alive a peer that waits for it (two sessions, or one
         // linked to itself, would otherwise wait on each other forever).
-        for (size_t i = 0; c->busy == COMPUTING && i < c->n_peers; i++) {
-            if (c->peers[i].outgoing && tb_msg_send(c->peers[i].tp, TB_CMD_KEEPALIVE, 0, 0, NULL, 0, NULL, 0) == 0)
-                tb_flush(c->peers[i].tp);
+        for (size_t i = 0; busy == COMPUTING && i < c->n_peers; i++) {
+            struct tb_transport * tp = c->peers[i].tp;
+            if (c->peers[i].outgoing && tb_room(tp, keepalive) && tb_msg_send(tp, TB_CMD_KEEPALIVE, 0, 0, NULL, 0, NULL, 0) == 0)
+                tb_flush(tp);
         }
         pthread_mutex_unlock(&c->send_lock);
     }
@@ -452,23 +470,12 @@ static int handle_transport_switch(struct node_conn * c, const struct tb_header 
 static void upgrade_to_rdma(struct node_conn * c) {
     char why[256];
     pthread_mutex_lock(&c->send_lock);
-    struct tb_transport * rdma = tb_rdma_upgrade(c->tp, NULL, &c->qp_budget, why, sizeof why);
+    struct tb_transport * rdma = tb_rdma_upgrade(c->tp, NULL, why, sizeof why);
     if (rdma) c->tp = rdma;
     else if (c->tp->error_kind == TB_IO_OK) snprintf(c->tp->describe, sizeof c->tp->describe, "tcp: %s", why);
     pthread_mutex_unlock(&c->send_lock);
     if (rdma) node_log(c->node, "client %s: transport %s", rdma->peer, rdma->describe);
     else node_log(c->node, "client %s: stays on tcp: %s", c->tp->peer, why);
-}
-
-// The session's RDMA QPs count against the node's budget per device (node.c).
-static int take_qp(void * ctx, const char * device, int limit, char * why, size_t why_len) {
-    struct node_conn * c = ctx;
-    return node_take_qp(c->node, c->slot, device, limit, why, why_len);
-}
-
-static void give_qp(void * ctx, const char * device) {
-    struct node_conn * c = ctx;
-    node_give_qp(c->slot, device);
 }
 
 static int dispatch(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
@@ -715,7 +722,6 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     c->next_handle = 1;
     c->next_fake_base = TB_FAKE_BASE;
     c->keepalive_ms = 1000;
-    c->qp_budget = (struct tb_qp_budget) { .take = take_qp, .give = give_qp, .ctx = c };
     c->has_file_nonce = tb_random(c->file_nonce, sizeof c->file_nonce) == 0;
     pthread_mutex_init(&c->send_lock, NULL);
     pthread_mutex_init(&c->busy_lock, NULL);

@@ -42,9 +42,10 @@ struct node_conn {
     // While a graph computes, the watchdog thread sends KEEPALIVE so the
     // client can tell a long computation from a dead node.
     pthread_mutex_t send_lock;      // replies and keepalives share the transport
-    pthread_mutex_t busy_lock;
+    pthread_mutex_t busy_lock;      // guards closing; busy_changed wakes the watchdog to end it
     pthread_cond_t  busy_changed;
-    enum { IDLE, COMPUTING, WAITING_FOR_PEER } busy;   // what the watchdog tells whom (watchdog_thread)
+    int       busy;                 // IDLE, COMPUTING or WAITING_FOR_PEER: what the watchdog tells whom (atomic)
+    int64_t   busy_since_ms;        // tb_now_ms() when it last left IDLE (atomic)
     bool      closing;
     uint32_t  keepalive_ms;         // asked for by the client at HELLO
     enum { NO_HELLO, WANT_AUTH, READY } stage;   // the handshake: HELLO, then AUTH when the node has a secret
@@ -64,7 +65,6 @@ struct node_conn {
 
     struct tb_shm * offered;        // a shared-memory segment offered, until TRANSPORT_SWITCH
     bool      rdma_accepted;        // TRANSPORT_OFFER kind RDMA said yes: the bring-up follows its reply
-    struct tb_qp_budget qp_budget;  // the RDMA QPs of this session, counted against the node's (node.c)
     uint8_t   file_nonce[TB_FILE_NONCE_LEN];   // OPEN_FILE proofs answer this (sent at HELLO)
     bool      has_file_nonce;
 
@@ -121,12 +121,15 @@ static inline int reply_u64(struct reply * r, uint64_t v) {
     return 0;
 }
 
+enum { IDLE, COMPUTING, WAITING_FOR_PEER };
+
 // What the watchdog tells whom (see watchdog_thread in node_session.c).
+// Plain stores: the watchdog looks at its own pace, so a state change (six
+// or more per decoded token) wakes no thread.
 static inline void set_busy(struct node_conn * c, int busy) {
-    pthread_mutex_lock(&c->busy_lock);
-    c->busy = busy;
-    pthread_cond_signal(&c->busy_changed);
-    pthread_mutex_unlock(&c->busy_lock);
+    if (busy != IDLE && __atomic_load_n(&c->busy, __ATOMIC_RELAXED) == IDLE)
+        __atomic_store_n(&c->busy_since_ms, tb_now_ms(), __ATOMIC_RELAXED);
+    __atomic_store_n(&c->busy, busy, __ATOMIC_RELEASE);
 }
 
 // ---- buffers (node_session.c) ---------------------------------------------------

@@ -2,12 +2,14 @@
 //
 // The protocol (proto.h) speaks in whole messages; a transport only moves
 // bytes. It knows nothing of ggml. Every implementation offers the same
-// five operations:
+// six operations:
 //   send   queue bytes (may buffer; a message is complete only after flush)
 //   flush  push everything queued so far to the peer (called at message
 //          boundaries where the sender is about to wait for an answer)
 //   recv   read exactly n bytes, failing after timeout_ms without progress
 //   poll   wait until bytes are ready, so a server can idle and still stop
+//   room   whether len bytes could be sent and flushed now without waiting
+//          (a keepalive to a reader that is not reading must not block)
 //   close  release everything; the struct is freed
 //
 // The layer has three parts. Callers (client_node.c, node.c,
@@ -31,10 +33,10 @@
 //               Either way "which transport, and why not the others" is
 //               decided by the same two functions, so a head connection and
 //               a peer link give the same reasons.
-//   moving      the five operations above: tcp.c, shm.c, rdma.c; shm and
+//   moving      the six operations above: tcp.c, shm.c, rdma.c; shm and
 //               RDMA share the frame ring (transport/ring.h).
 //
-// A new transport joins as one new file: its five operations over a wire,
+// A new transport joins as one new file: its six operations over a wire,
 // and what its side of an upgrade does (a kind below, the answer it makes,
 // the step each side follows), called from one case each in upgrade.c.
 //
@@ -84,6 +86,8 @@ struct tb_transport_ops {
     int  (*recv) (struct tb_transport * t, void * data, size_t len);
     // 1 when bytes are ready to read, 0 after timeout_ms without, -1 on error
     int  (*poll) (struct tb_transport * t, int timeout_ms);
+    // 1 when len bytes (one small message) can be sent and flushed without waiting, else 0
+    int  (*room) (struct tb_transport * t, size_t len);
     void (*close)(struct tb_transport * t);
 };
 
@@ -95,7 +99,7 @@ struct tb_transport {
     char     peer[96];        // "host:port" of the other side, for messages
     char     error[256];      // reason of the last failure
     int      error_kind;      // enum tb_io_error of the last failure
-    char     describe[96];    // what carries the bytes, and why: "tcp", "shm 16x64K", "tcp: asked for"
+    char     describe[96];    // what carries the bytes, and why: "tcp", "shm 16x256K", "tcp: asked for"
     int      why;             // enum tb_why: the kind of the reason in describe (TB_WHY_NONE when it moved)
     uint64_t bytes_sent;
     uint64_t bytes_received;
@@ -112,6 +116,7 @@ static inline int  tb_send (struct tb_transport * t, const void * d, size_t n) {
 static inline int  tb_flush(struct tb_transport * t)                          { return t->ops->flush(t); }
 static inline int  tb_recv (struct tb_transport * t, void * d, size_t n)       { return t->ops->recv(t, d, n); }
 static inline int  tb_poll (struct tb_transport * t, int timeout_ms)        { return t->ops->poll(t, timeout_ms); }
+static inline int  tb_room (struct tb_transport * t, size_t n)              { return t->ops->room(t, n); }
 static inline void tb_close(struct tb_transport * t)                          { if (t) t->ops->close(t); }
 
 // --- Connecting (transport/tcp.c) -----------------------------------------------
@@ -144,8 +149,8 @@ int tb_tcp_same_host(struct tb_transport * t);
 // creates and the dialing side attaches to; the TCP connection they
 // negotiated it over stays open as doorbell and liveness.
 #define TB_SHM_NAME_LEN 32
-#define TB_SHM_SLOTS    16            // what a dialer asks for: 16 frames of 64 KiB each way
-#define TB_SHM_STRIDE   (64u * 1024)
+#define TB_SHM_SLOTS    16            // what a dialer asks for: 16 frames of 256 KiB each way
+#define TB_SHM_STRIDE   (256u * 1024)
 struct tb_shm_offer {
     uint32_t slots;
     uint32_t stride;
@@ -174,15 +179,6 @@ struct tb_transport_req { uint32_t kind; uint32_t slots; uint32_t stride; uint32
 // why_kind: enum tb_why of a refusal, as the dialing side will report it.
 struct tb_transport_reply { struct tb_shm_offer offer; char declined[160]; uint32_t why_kind; uint32_t reserved; };
 
-// RDMA queue pairs a process may still open on a device (Apple: at most 10
-// per device, TN3205). take() runs before a QP is created: it counts it, or
-// says why not ("QP budget: 10 of 10 in use"); give() runs once it is gone.
-struct tb_qp_budget {
-    int  (*take)(void * ctx, const char * device, int limit, char * why, size_t why_len);
-    void (*give)(void * ctx, const char * device);
-    void * ctx;
-};
-
 // What the dialing side knows when it chooses.
 struct tb_upgrade_want {
     int  forced_tcp;            // TBRPC_TRANSPORT=tcp, transport = "tcp": stay, "asked for"
@@ -210,10 +206,9 @@ int tb_upgrade_rdma_declined(const struct tb_transport_reply * rep);
 // upgraded one (which owns tcp), or tcp itself, its describe "tcp: <why>"
 // and its why the kind of that reason (the acceptor's: the dialer's kind).
 // NULL only when tcp itself failed (it is closed then), with why.
-struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb_upgrade_want * want,
-                                      const struct tb_qp_budget * budget, char * why, size_t why_len);
-struct tb_transport * tb_upgrade_accept(struct tb_transport * tcp, const char * no_shm,
-                                        const struct tb_qp_budget * budget, char * why, size_t why_len);
+struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb_upgrade_want * want, char * why,
+                                      size_t why_len);
+struct tb_transport * tb_upgrade_accept(struct tb_transport * tcp, const char * no_shm, char * why, size_t why_len);
 
 // Split "host:port" (or "[v6]:port") into parts. Returns 0 or -1 with err.
 int tb_parse_endpoint(const char * endpoint, char * host, size_t host_len, int * port, char * err, size_t err_len);

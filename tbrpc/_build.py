@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "ggml_backend"
 TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "transport/shm.c",
                      "transport/verbs_load.c", "transport/rdma.c", "transport/upgrade.c",
-                     "transport/rdma_report.c"]
+                     "transport/rdma_report.c", "transport/qp_budget.c"]
 # shm_open lives in librt, dlopen (of the verbs library) in libdl, on C libraries older than glibc 2.34
 SYSTEM_LIBS = ["-pthread"] + (["-lrt", "-ldl"] if sys.platform.startswith("linux") else [])
 # what needs no ggml: the transports and the shared-secret proofs (C tests build them alone)

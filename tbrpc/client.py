@@ -104,7 +104,7 @@ class PeerLink:
     """A node-to-node link the head asked a node to make (the activations of a layer split, an all-reduce)."""
     to: str              # the endpoint of the node it reaches
     usable: bool         # False: there is none, and activations to `to` go through the head
-    transport: str       # what carries it, and why: "shm 16x64K", "tcp: asked for", "none: cannot reach ..."
+    transport: str       # what carries it, and why: "shm 16x256K", "tcp: asked for", "none: cannot reach ..."
     why: str = ""        # the kind of the reason (WHY_NAMES) when it is on TCP or missing; "" when it moved
 
 
@@ -127,8 +127,8 @@ class NodeInfo:
     graphs_reused: int
     bytes_from_files: int     # weights the node read from its own copy of the model
     peer_copies: int = 0      # activations it sent straight to the next node
-    transport: str = ""       # what carries the bytes, and why: "shm 16x64K", "tcp: the node is on another host"
-    links: str = ""           # its links to other nodes and what carries each: "127.0.0.1:5001 shm 16x64K; ..."
+    transport: str = ""       # what carries the bytes, and why: "shm 16x256K", "tcp: the node is on another host"
+    links: str = ""           # its links to other nodes and what carries each: "127.0.0.1:5001 shm 16x256K; ..."
     allreduces: int = 0       # tensor split: all-reduces it took part in, node to node
     bytes_allocated: int = 0  # this process's buffers on the node, now
     error_kind: int = 0       # enum tbrpc_error_kind of the failure (tbrpc.h); node_error() makes its exception

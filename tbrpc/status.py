@@ -5,7 +5,7 @@ launches running on this machine: ``tbrpc launch`` records its nodes in a
 small JSON file for as long as it runs (``launch-<pid>.json`` in
 ``runtime_dir()``), so ``tbrpc status`` alone finds nodes on free ports too.
 Once its model is loaded a launch adds what carries each of its connections
-and each node-to-node link, and why when it is TCP ("shm 16x64K", "tcp: peer
+and each node-to-node link, and why when it is TCP ("shm 16x256K", "tcp: peer
 has no RDMA device", with the reason's kind), and once it serves, where
 its ``/tbrpc/status.json`` is: status then shows what the launch's page shows
 (layers and planned bytes per node, round trips and bytes per token, the last
@@ -104,7 +104,7 @@ def note_connections(record: Path, infos: Sequence[NodeInfo]) -> None:
 
 def connection_lines(nodes: Sequence[dict[str, Any]], fixes: bool = False) -> list[str]:
     """One line per connection (head to node) and per link (node to node) of launch record `nodes`:
-    "connection head -> a: shm 16x64K", "link a -> b: tcp: asked for"; with `fixes`, only those on
+    "connection head -> a: shm 16x256K", "link a -> b: tcp: asked for"; with `fixes`, only those on
     TCP or missing, each followed by the fix a user types (tbrpc.doctor.transport_fix)."""
     lines = []
     for node in nodes:

@@ -26,7 +26,7 @@ def test_env_forces_tcp_for_links_too(nodes: Any, tmp_path: Path) -> None:
     spec = dict(model=str(models.ensure("llama")), prompt=PROMPT, n_predict=6, nodes=endpoints)
     over_shm, _ = run_head(tmp_path, **spec)
     over_tcp, _ = run_head(tmp_path, env={"TBRPC_TRANSPORT": "tcp"}, **spec)
-    for result, kind, why in ((over_shm, "shm 16x64K", ""), (over_tcp, "tcp: asked for", "asked")):
+    for result, kind, why in ((over_shm, "shm 16x256K", ""), (over_tcp, "tcp: asked for", "asked")):
         assert result["error"] is None, result["error"]
         assert [n["transport"] for n in result["nodes"]] == [kind] * 3
         assert [n["transport_why"] for n in result["nodes"]] == [why] * 3   # the reason's kind, beside its words
@@ -36,13 +36,13 @@ def test_env_forces_tcp_for_links_too(nodes: Any, tmp_path: Path) -> None:
         assert result["nodes"][-1]["peer_links"] == []
     assert over_shm["tokens"] == over_tcp["tokens"]
     # both ends of a link log what carries it (the dialer names the listener's link port)
-    assert re.search(r"link to peer 127\.0\.0\.1:\d+: transport shm 16x64K", a.log_text()), a.log_text()[-2000:]
+    assert re.search(r"link to peer 127\.0\.0\.1:\d+: transport shm 16x256K", a.log_text()), a.log_text()[-2000:]
     assert re.search(r"link to peer 127\.0\.0\.1:\d+: transport tcp: asked for", a.log_text()), a.log_text()[-2000:]
-    assert f"link from peer {a.endpoint}: transport shm 16x64K" in b.log_text(), b.log_text()[-2000:]
+    assert f"link from peer {a.endpoint}: transport shm 16x256K" in b.log_text(), b.log_text()[-2000:]
     assert f"link from peer {a.endpoint}: transport tcp: peer: asked for" in b.log_text(), b.log_text()[-2000:]
 
 
-@pytest.mark.parametrize("transport,link", [("auto", "shm 16x64K"), ("tcp", "tcp: peer: asked for")])
+@pytest.mark.parametrize("transport,link", [("auto", "shm 16x256K"), ("tcp", "tcp: peer: asked for")])
 def test_node_killed_across_a_link_is_named_at_once(transport: str, link: str, nodes: Any, tmp_path: Path) -> None:
     """The upstream node dies while the downstream one waits for its activations over the link:
     the wait ends at the link's end of file (its TCP anchor under shared memory), so the error names

@@ -65,7 +65,7 @@ def test_local_nodes_started_and_stopped(tmp_path: Path) -> None:
                           "usable2": usable2, "reported2": reported2, "links": links, "endpoints": endpoints,
                           "kept": kept}}))
     """)
-    assert out["links"] == [[[out["endpoints"][1], True, "shm 16x64K", ""]], []], out["links"]
+    assert out["links"] == [[[out["endpoints"][1], True, "shm 16x256K", ""]], []], out["links"]
     assert out["kept"] == -1   # no position of the warm-up token left in the KV cache
     assert out["reported"][0] == out["reported"][1]   # one machine
     assert out["usable"] == [out["reported"][0] // 2] * 2 and out["usable2"] == [out["reported2"]]

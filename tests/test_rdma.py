@@ -33,6 +33,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for broken in ("NO_CREDITS", "SHORT_APPLE_SEND", "POST_RECV_BEFORE_RTS", "REUSE_SLOT"):
         progs[broken] = build_program(C_TEST, out / f"rdma_tests_{broken.lower()}", with_ggml=False,
                                       defines=(f"TB_RDMA_BROKEN_{broken}",))
+    progs["QP_PROCESS_LOCKS"] = build_program(C_TEST, out / "rdma_tests_qp_process_locks", with_ggml=False,
+                                              defines=("TB_QP_BROKEN_PROCESS_LOCKS",))
     progs["sim"] = build_verbs_sim(out / "libtbverbs_sim.so")
     return progs
 
@@ -41,7 +43,7 @@ def run(built: dict[str, Path], case: str, profile: str, tmp_path: Path, prog: s
         **env: str) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith(("TBVSIM_", "TBRPC_", "CHILD_", "RDMA_TEST_"))}
     full.update(TBRPC_VERBS_LIB=str(built["sim"]), TBVSIM_DIR=str(tmp_path), TBVSIM_PROFILE=profile,
-                TBRPC_RDMA_PROFILE=profile)
+                TBRPC_RDMA_PROFILE=profile, TBRPC_QP_DIR=str(tmp_path / "qp"))
     full.update(env)
     return subprocess.run([str(built[prog]), case], capture_output=True, text=True, timeout=120, env=full)
 
@@ -157,7 +159,7 @@ def test_builds_without_verbs_headers(tmp_path) -> None:
     """-DTB_NO_VERBS stands for a machine without the headers: rdma.c is a stub that says so."""
     src = tmp_path / "stub.c"
     src.write_text('#include "transport/rdma.h"\n#include <stdio.h>\n#include <string.h>\n'
-                   'int main(void) { char why[200]; struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", NULL, why, sizeof why);\n'
+                   'int main(void) { char why[200]; struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", why, sizeof why);\n'
                    '  printf("%s\\n", why); return t != NULL || strstr(why, "built without verbs headers") == NULL; }\n')
     exe = build_program(src, tmp_path / "stub", with_ggml=False, defines=("TB_NO_VERBS",))
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)
@@ -181,11 +183,13 @@ def sim_nodes(built, tmp_path):
 
     started: list = []
 
-    def factory(n: int, profile: str, addresses: list[str] | None = None, **extra: str) -> list:
+    def factory(n: int, profile: str, addresses: list[str] | None = None, host_ids: list[str] | None = None,
+                **extra: str) -> list:
         sim_env = dict(TBRPC_VERBS_LIB=str(built["sim"]), TBVSIM_DIR=str(tmp_path / "sim"), TBVSIM_PROFILE=profile,
-                       TBRPC_RDMA_PROFILE=profile)
+                       TBRPC_RDMA_PROFILE=profile, TBRPC_QP_DIR=str(tmp_path / "qp"))
         sim_env.update(extra)
-        new = [start_sim_node(tmp_path, sim_env, f"node-{len(started) + i}", *([addresses[i]] if addresses else []))
+        new = [start_sim_node(tmp_path, sim_env, host_ids[i] if host_ids else f"node-{len(started) + i}",
+                              *([addresses[i]] if addresses else []))
                for i in range(n)]
         started.extend(new)
         return new
@@ -198,7 +202,8 @@ def head_env(monkeypatch: pytest.MonkeyPatch, built: dict[str, Path], tmp_path: 
     for key in [k for k in os.environ if k.startswith(("TBVSIM_", "TBRPC_"))]:
         monkeypatch.delenv(key)
     for key, value in dict(TBRPC_VERBS_LIB=str(built["sim"]), TBVSIM_DIR=str(tmp_path / "sim"), TBVSIM_PROFILE=profile,
-                           TBRPC_RDMA_PROFILE=profile, TBVSIM_ADDR="127.0.0.1", TBRPC_HOST_ID="head").items():
+                           TBRPC_RDMA_PROFILE=profile, TBVSIM_ADDR="127.0.0.1", TBRPC_HOST_ID="head",
+                           TBRPC_QP_DIR=str(tmp_path / "qp")).items():
         monkeypatch.setenv(key, value)
 
 
@@ -416,9 +421,10 @@ def test_stalled_node_times_out_over_rdma(built, sim_nodes, monkeypatch, tmp_pat
 
 APPLE = "rdma simbolt0 UC 128Kx16"
 OPEN_CONNECTIONS = Path(__file__).parent / "open_connections.py"
-# A second head on the head's "host": the budget under test is the node's, so its own stand-in
-# device may hold more QPs than Apple's 10 (which a head with 4 nodes and 9 more would pass).
-SECOND_HEAD = {"TBVSIM_MAX_QPS": "64", "TBRPC_HOST_ID": "head-2"}
+# A second head: the budget under test is the node's, so the second head's own budget and its
+# stand-in device (the one of the head's address, which the first head's QPs hold too) may hold
+# more QPs than Apple's 10.
+SECOND_HEAD = {"TBVSIM_MAX_QPS": "64", "TBRPC_RDMA_MAX_QPS": "64", "TBRPC_HOST_ID": "head-2"}
 
 
 def test_ring_of_four_over_rdma_links_and_the_qp_budget(built, sim_nodes, monkeypatch, tmp_path) -> None:
@@ -485,6 +491,166 @@ def test_the_eleventh_qp_of_a_device(built, sim_nodes, monkeypatch, budget, elev
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines == [f"transport: {APPLE}"] * 10 + [f"transport: {eleventh}"], lines
+
+
+# --- the QP budget per host and device, over every tbrpc process of the host ------------------
+
+QP_PLACES = Path(__file__).parent / "qp_places.py"
+
+
+def count_places(tmp_path: Path, hosts: dict[str, str]) -> dict:
+    """then_run for run_head: tests/qp_places.py while the head holds its connections and links."""
+    return {"argv": [sys.executable, str(QP_PLACES), str(tmp_path / "qp"), str(tmp_path / "sim"),
+                     *[f"{host}={address}" for host, address in hosts.items()]]}
+
+
+def places_counted(result: dict) -> dict:
+    assert result["then_run"]["returncode"] == 0, result["then_run"]
+    import json
+
+    return json.loads(result["then_run"]["stdout"])
+
+
+def test_qp_places_are_held_once_per_place(built, tmp_path) -> None:
+    """The budget's places (transport/qp_budget.c) within one process (sessions on threads of a node) and
+    across processes: a 4th of 3 is refused with the reason, a dead process's place is free at once, other
+    hosts and devices count apart, a directory others may write in is refused."""
+    proc = run(built, "qp_places", "apple-uc", tmp_path)
+    passed(proc, "qp_places")
+    names = sorted(p.name for p in (tmp_path / "qp").iterdir())
+    assert names == sorted([f"qp-{0xa:016x}-dev0.{k}" for k in range(3)] + [f"qp-{0xb:016x}-dev0.0",
+                                                                            f"qp-{0xa:016x}-dev_1.0"]), names
+
+
+def test_places_held_per_process_fail_the_places_test(built, tmp_path) -> None:
+    """Negative: record locks (fcntl), which a process holds once however often it asks, would let two
+    sessions on threads of one node hold one place: the test above fails on them."""
+    proc = run(built, "qp_places", "apple-uc", tmp_path, prog="QP_PROCESS_LOCKS")
+    assert proc.returncode != 0
+    assert "a 4th place of 3 in one process" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_heads_connection_beyond_its_budget_stays_on_tcp(built, sim_nodes, one_process, monkeypatch,
+                                                         tmp_path) -> None:
+    """The head counts its own QPs: with a budget of one, its second node stays on TCP with the reason on
+    both ends, the links between the nodes (QPs of the nodes' hosts) stay on RDMA, and the split still
+    gives one process's tokens and logits."""
+    import numpy as np
+
+    import models
+    from helpers import run_head
+
+    addresses = ["127.0.0.3", "127.0.0.4"]
+    started = sim_nodes(2, "apple-uc", addresses=addresses)
+    head_env(monkeypatch, built, tmp_path, "apple-uc")
+    monkeypatch.setenv("TBRPC_RDMA_MAX_QPS", "1")
+    endpoints = [f"{address}:{n.port}" for address, n in zip(addresses, started)]
+    result, logits = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is",
+                              n_predict=8, nodes=endpoints,
+                              then_run=count_places(tmp_path, {"head": "127.0.0.1", "node-0": addresses[0]}))
+    assert result["error"] is None, result["error"]
+    refused = "QP budget: 1 of 1 in use on simbolt0"
+    assert [n["transport"] for n in result["nodes"]] == [APPLE, f"tcp: {refused}"], result["nodes"]
+    assert f"stays on tcp: peer: {refused}" in started[1].log_text(), started[1].log_text()[-2000:]
+    assert result["nodes"][0]["links"] == f"{endpoints[1]} {APPLE}"
+    counted = places_counted(result)
+    assert counted["budget"]["head"] == {"simbolt0": 1} and counted["stand_in"]["head"] == 1, counted
+    base, base_logits = one_process("llama")
+    assert result["tokens"] == base["tokens"]
+    assert np.array_equal(logits, base_logits)
+
+
+def run_beside_a_node_on_the_heads_host(built, sim_nodes, monkeypatch, tmp_path: Path, node_qp_dir: Path) -> dict:
+    """A head and node 0 on one "host" (address 127.0.0.1, host id "head", one stand-in device), node 1 on
+    another, a budget of one QP on the head's host. The head's connection to node 1 takes that QP (the
+    connection to node 0 is shared memory); node 0's link to node 1 would be the second on the host.
+    node_qp_dir: where node 0 keeps its places (the head's own: one budget for the host)."""
+    import models
+    from helpers import run_head
+
+    a = sim_nodes(1, "apple-uc", addresses=["127.0.0.1"], host_ids=["head"], TBRPC_RDMA_MAX_QPS="1",
+                  TBRPC_QP_DIR=str(node_qp_dir))[0]
+    b = sim_nodes(1, "apple-uc", addresses=["127.0.0.3"], host_ids=["node-1"])[0]
+    head_env(monkeypatch, built, tmp_path, "apple-uc")
+    monkeypatch.setenv("TBRPC_RDMA_MAX_QPS", "1")
+    endpoints = [f"127.0.0.1:{a.port}", f"127.0.0.3:{b.port}"]
+    result, logits = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is",
+                              n_predict=8, nodes=endpoints,
+                              then_run=count_places(tmp_path, {"head": "127.0.0.1", "node-1": "127.0.0.3"}))
+    return dict(result=result, logits=logits, endpoints=endpoints, downstream_log=b.log_text())
+
+
+def assert_one_budget_on_the_heads_host(run: dict, base: tuple) -> None:
+    import numpy as np
+
+    result, endpoints = run["result"], run["endpoints"]
+    assert result["error"] is None, result["error"]
+    assert [n["transport"] for n in result["nodes"]] == ["shm 16x256K", APPLE], result["nodes"]
+    refused = "QP budget: 1 of 1 in use on simbolt0"
+    assert result["nodes"][0]["links"] == f"{endpoints[1]} tcp: {refused}", result["nodes"][0]["links"]
+    assert f"link from peer {endpoints[0]}: transport tcp: peer: {refused}" in run["downstream_log"]
+    counted = places_counted(result)
+    assert counted["stand_in"]["head"] == 1, counted   # the device itself: head and node 0 hold one QP together
+    assert counted["budget"]["head"] == {"simbolt0": 1}, counted
+    assert result["tokens"] == base[0]["tokens"]
+    assert np.array_equal(run["logits"], base[1])
+
+
+def test_head_and_node_on_one_host_share_one_budget(built, sim_nodes, one_process, monkeypatch, tmp_path) -> None:
+    """The budget is the host's, not a process's: each of the head and node 0 alone would fit in one QP,
+    together they do not, so node 0's link stays on TCP with the reason on both ends."""
+    run = run_beside_a_node_on_the_heads_host(built, sim_nodes, monkeypatch, tmp_path, tmp_path / "qp")
+    assert_one_budget_on_the_heads_host(run, one_process("llama"))
+
+
+def test_a_budget_blind_to_the_head_fails_the_shared_budget_test(built, sim_nodes, one_process, monkeypatch,
+                                                                 tmp_path) -> None:
+    """Negative: node 0 counts its places apart from the head's (a directory of its own), so its budget
+    ignores the head's QP, as a node-only count would. The host then holds two QPs on a budget of one,
+    and the test above fails on it."""
+    run = run_beside_a_node_on_the_heads_host(built, sim_nodes, monkeypatch, tmp_path, tmp_path / "qp-node-alone")
+    assert run["result"]["error"] is None, run["result"]["error"]
+    assert run["result"]["nodes"][0]["links"] == f"{run['endpoints'][1]} {APPLE}", run["result"]["nodes"]
+    assert places_counted(run["result"])["stand_in"]["head"] == 2
+    with pytest.raises(AssertionError):
+        assert_one_budget_on_the_heads_host(run, one_process("llama"))
+
+
+def test_ring_of_four_qps_per_host_and_device(built, sim_nodes, one_process, monkeypatch, tmp_path) -> None:
+    """A 4-node layer split on the Apple profile, each node its own host: while the head holds its
+    connections and the links, the QPs per (host, device) counted twice, by tbrpc's budget (its places)
+    and by the stand-in (the device's own count), are equal, are what the head's connections and the
+    links say they are carried by, and are within Apple's 10 on every device."""
+    import numpy as np
+
+    import models
+    from helpers import run_head
+
+    addresses = ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
+    hosts = [f"node-{i}" for i in range(4)]
+    started = sim_nodes(4, "apple-uc", addresses=addresses, host_ids=hosts)
+    head_env(monkeypatch, built, tmp_path, "apple-uc")
+    endpoints = [f"{address}:{n.port}" for address, n in zip(addresses, started)]
+    result, logits = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is",
+                              n_predict=8, nodes=endpoints,
+                              then_run=count_places(tmp_path, {"head": "127.0.0.1", **dict(zip(hosts, addresses))}))
+    assert result["error"] is None, result["error"]
+    assert [n["transport"] for n in result["nodes"]] == [APPLE] * 4, result["nodes"]
+    links = [[part for part in n["links"].split("; ") if part] for n in result["nodes"]]
+    assert [len(parts) for parts in links] == [1, 1, 1, 0], links   # head -> node0 -> node1 -> node2 -> node3
+    held = {"head": 4}
+    for i, host in enumerate(hosts):
+        out = sum(1 for part in links[i] if f" {APPLE}" in part)
+        into = sum(1 for parts in links for part in parts if part == f"{endpoints[i]} {APPLE}")
+        held[host] = 1 + out + into
+    assert held == {"head": 4, "node-0": 2, "node-1": 3, "node-2": 3, "node-3": 2}, held
+    counted = places_counted(result)
+    assert counted["budget"] == {host: {"simbolt0": n} for host, n in held.items()}, counted
+    assert counted["stand_in"] == held, counted
+    assert all(n <= 10 for n in held.values())
+    base, base_logits = one_process("llama")
+    assert result["tokens"] == base["tokens"]
+    assert np.array_equal(logits, base_logits)
 
 
 @pytest.mark.parametrize("profile", ["apple-uc", "linux-rc"])

@@ -11,7 +11,8 @@ import pytest
 
 from tbrpc._build import build_program
 
-CASES = ["stream", "one_way", "peer_killed", "peer_closes", "silence_times_out_idle", "forged_frames", "attach_rules", "upgrade"]
+CASES = ["stream", "one_way", "peer_killed", "peer_closes", "silence_times_out_idle", "forged_frames", "attach_rules", "upgrade",
+         "room"]
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_split_matches_single_process(model_name: str, n_nodes: int, transport: 
     assert logits is not None and logits.shape == base_logits.shape
     assert np.array_equal(logits, base_logits), f"max |diff| {np.max(np.abs(logits - base_logits))}"
     # Activations went node to node over links of the same transport (not silently TCP).
-    link_kind = {"shm": "shm 16x64K", "tcp": "tcp: asked for"}[transport]
+    link_kind = {"shm": "shm 16x256K", "tcp": "tcp: asked for"}[transport]
     for node, following in zip(result["nodes"], started[1:]):
         assert f"{following.endpoint} {link_kind}" in node["links"], node["links"]
 

@@ -21,6 +21,7 @@
 // no channel). Either way the TCP socket's end of file ends the wait: the
 // peer process is gone.
 #include "rdma.h"
+#include "qp_budget.h"
 #include "ring.h"
 #include "verbs_load.h"
 
@@ -59,8 +60,8 @@ int tb_rdma_profile_default(void) {
 
 #define NO_VERBS "built without verbs headers (install libibverbs-dev, or the macOS SDK, and rebuild)"
 
-struct tb_rdma * tb_rdma_prepare(const char * local_host, const struct tb_qp_budget * budget, struct tb_rdma_info * mine) {
-    (void) local_host; (void) budget;
+struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * mine) {
+    (void) local_host;
     memset(mine, 0, sizeof *mine);
     mine->magic = TB_RDMA_INFO_MAGIC;
     mine->version = TB_RDMA_INFO_VERSION;
@@ -82,9 +83,8 @@ int tb_rdma_available(char * why, size_t why_len) {
     snprintf(why, why_len, "%s", NO_VERBS);
     return 0;
 }
-struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, const struct tb_qp_budget * budget,
-                                      char * reason, size_t reason_len) {
-    (void) tcp; (void) local_host; (void) budget;
+struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len) {
+    (void) tcp; (void) local_host;
     snprintf(reason, reason_len, "%s", NO_VERBS);
     return NULL;
 }
@@ -137,7 +137,7 @@ struct tb_rdma {
     uint32_t psn;
     int access;
     char device[32];
-    const struct tb_qp_budget * budget;   // holds one QP of `device` while set
+    int qp_place;                // one of the device's QP places (qp_budget.h) while the QP lives; -1 none
 };
 
 struct rdma_transport {
@@ -221,7 +221,7 @@ static void close_endpoint(struct tb_rdma * d) {
     if (d->pd) v->dealloc_pd(d->pd);
     if (d->ctx) v->close_device(d->ctx);
     if (d->mem) munmap(d->mem, d->mem_len);
-    if (d->budget) d->budget->give(d->budget->ctx, d->device);
+    tb_qp_give(d->qp_place);   // after the QP is gone
     free(d);
 }
 
@@ -321,7 +321,7 @@ static int post_receives(struct tb_rdma * d, uint32_t seq, uint32_t count) {
     return 0;
 }
 
-struct tb_rdma * tb_rdma_prepare(const char * local_host, const struct tb_qp_budget * budget, struct tb_rdma_info * mine) {
+struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * mine) {
     memset(mine, 0, sizeof *mine);
     mine->magic = TB_RDMA_INFO_MAGIC;
     mine->version = TB_RDMA_INFO_VERSION;
@@ -332,6 +332,7 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, const struct tb_qp_bud
     struct tb_rdma * d = calloc(1, sizeof *d);
     if (!d) { snprintf(mine->reason, sizeof mine->reason, "out of memory"); return NULL; }
     d->v = v;
+    d->qp_place = -1;
     d->profile = tb_rdma_profile_default();
     mine->profile = (uint16_t) d->profile;
     int apple = d->profile == TB_RDMA_APPLE_UC;
@@ -344,13 +345,13 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, const struct tb_qp_bud
     }
     const char * step = "device";
     if (pick_device(d, local_host, mine->reason, sizeof mine->reason) != 0) { free(d); return NULL; }
-    // A device takes so many QPs (Apple: 10) over every process that uses it: ask before creating one.
-    if (budget && budget->take(budget->ctx, d->device, tb_rdma_qp_limit(d->profile), mine->reason, sizeof mine->reason) != 0) {
+    // A device takes so many QPs (Apple: 10) over every process on its host: a place before the QP.
+    if (tb_qp_take(host_id(), d->device, tb_rdma_qp_limit(d->profile), &d->qp_place, mine->reason,
+                   sizeof mine->reason) != TB_QP_TAKEN) {
         v->close_device(d->ctx);
         free(d);
         return NULL;
     }
-    d->budget = budget;
     d->access = apple ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE
                       : IBV_ACCESS_LOCAL_WRITE;
     d->mem_len = 2 * (size_t) d->slots * d->stride;
@@ -644,6 +645,9 @@ static int rdma_post(struct tb_ring * r, uint32_t seq) {
     int rc = ibv_post_send(d->qp, &wr, &bad);
     if (rc != 0) {
         t->tx_busy[idx] = 0;
+        // A QP that an error completion put in the error state refuses posts:
+        // take that completion first, so the failure names its cause.
+        progress_locked(t);
         set_broken(t, TB_IO_BROKEN, "%s: RDMA post_send of frame %u failed: %s", r->base.peer, seq, strerror(rc));
     }
     pthread_mutex_unlock(&t->cq_lock);
@@ -796,12 +800,11 @@ static int local_address(struct tb_transport * tcp, char * out, size_t out_len) 
     return inet_ntop(AF_INET6, six, out, (socklen_t) out_len) ? 0 : -1;
 }
 
-struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, const struct tb_qp_budget * budget,
-                                      char * reason, size_t reason_len) {
+struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len) {
     struct tb_rdma_info mine, peer;
     char here[64] = "";
     if (!local_host && local_address(tcp, here, sizeof here) == 0) local_host = here;
-    struct tb_rdma * d = tb_rdma_prepare(local_host, budget, &mine);
+    struct tb_rdma * d = tb_rdma_prepare(local_host, &mine);
     char why[200];
     if (tb_send(tcp, &mine, sizeof mine) != 0 || tb_flush(tcp) != 0 || tb_recv(tcp, &peer, sizeof peer) != 0) {
         snprintf(reason, reason_len, "RDMA bring-up: %s", tcp->error);

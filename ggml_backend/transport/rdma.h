@@ -18,6 +18,8 @@
 //              unmatched SEND is lost, which the ring's credits rule out.
 // TBRPC_RDMA_STRIDE / TBRPC_RDMA_SLOTS override the geometry (tests),
 // TBRPC_RDMA_DEVICE names the device, TBRPC_HOST_ID overrides the host id.
+// Every QP first takes a place of its device's budget, counted per host over
+// every tbrpc process (qp_budget.h: TBRPC_RDMA_MAX_QPS, TBRPC_QP_DIR).
 #pragma once
 
 #include "../transport.h"
@@ -56,9 +58,9 @@ struct tb_rdma;
 // local_host: this side's address on the link (the TCP connection's own
 // address); its GID picks the device. NULL on failure, with the reason in
 // mine->reason (mine is always filled, ok=0 on failure, so it can be sent).
-// budget (NULL: none) is asked for the QP before it is created, and given it
-// back when the endpoint goes (it must outlive the endpoint and its transport).
-struct tb_rdma * tb_rdma_prepare(const char * local_host, const struct tb_qp_budget * budget, struct tb_rdma_info * mine);
+// The QP takes one of its device's places (qp_budget.h) first, and gives it
+// back when the endpoint goes: no place, no QP ("QP budget: 10 of 10 in use on ...").
+struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * mine);
 // RTR, RTS (once), post the receive ring. 0, or -1 with err.
 int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char * err, size_t err_len);
 // The transport over a connected endpoint and its TCP connection (owns both on
@@ -71,10 +73,10 @@ void tb_rdma_discard(struct tb_rdma * d);
 // tcp), or NULL with the reason in `reason`; tcp is then still usable and the
 // peer stayed on TCP too.
 // local_host NULL: the TCP connection's own address.
-struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, const struct tb_qp_budget * budget,
-                                      char * reason, size_t reason_len);
+struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len);
 
 // QPs one device takes (0: no limit): apple-uc 10 (TN3205); TBRPC_RDMA_MAX_QPS overrides.
+// Counted over every tbrpc process of the host (qp_budget.h).
 int tb_rdma_qp_limit(int profile);
 
 // Whether this process could offer RDMA at all: a verbs library loads and

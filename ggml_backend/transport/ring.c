@@ -181,6 +181,9 @@ static int next_frame(struct tb_ring * r) {
                                        r->wire->name, r->rx_seq);
         r->rx_len = c.len;
         r->rx_off = 0;
+        // A full frame was posted because it filled, not at a flush: the
+        // message goes on, and its next frame is a copy away (tb_ring_more).
+        __atomic_store_n(&r->rx_more, c.len == payload_max(r), __ATOMIC_RELAXED);
     }
     return r->rx_cur != NULL;
 }
@@ -245,12 +248,26 @@ static void ring_close(struct tb_transport * t) {
     r->wire->free(r);
 }
 
+// The frame being filled has room for len, or a new one may be posted now (credits seen so far).
+static int ring_room(struct tb_transport * t, size_t len) {
+    struct tb_ring * r = (struct tb_ring *) t;
+    pthread_mutex_lock(&r->lock);
+    int ok = scan(r) >= 0 && len <= payload_max(r) &&
+             (r->tx_cur ? r->tx_fill + len <= payload_max(r) : may_post(r, r->to_return > 0));
+    pthread_mutex_unlock(&r->lock);
+    return ok;
+}
+
 static const struct tb_transport_ops ring_ops = {
-    .name = "ring", .send = ring_send, .flush = ring_flush, .recv = ring_recv, .poll = ring_poll, .close = ring_close,
+    .name = "ring", .send = ring_send, .flush = ring_flush, .recv = ring_recv, .poll = ring_poll, .room = ring_room,
+    .close = ring_close,
 };
 
+// At least 4 slots: credits go back once half the slots are free, and with
+// 2 that is every frame, so each credit-only frame would be answered by
+// another, forever.
 int tb_ring_geometry_ok(uint32_t slots, uint32_t stride) {
-    return slots >= 2 && slots <= 1024 && (slots & (slots - 1)) == 0 &&
+    return slots >= 4 && slots <= 1024 && (slots & (slots - 1)) == 0 &&
            stride >= 4096 && stride <= (1u << 20) && stride % 64 == 0;
 }
 

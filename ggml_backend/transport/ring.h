@@ -79,6 +79,7 @@ struct tb_ring {
     const uint8_t * rx_cur;            // frame being consumed (NULL: none)
     uint32_t rx_len, rx_off;           // its payload length (checked) and how much was read
     int      peer_closed;
+    int      rx_more;                  // the last frame taken was full: more of its message is coming (atomic)
 
     uint64_t frames_sent, credit_stalls;
 };
@@ -89,6 +90,10 @@ struct tb_transport * tb_ring_init(struct tb_ring * r, const struct tb_ring_wire
                                    uint32_t slots, uint32_t stride, int timeout_ms, const char * peer);
 // Undo tb_ring_init (the wire's free() calls it).
 void tb_ring_destroy(struct tb_ring * r);
+
+// Whether the frame awaited is, most likely, the rest of a message already
+// begun (a wire may spin for it rather than sleep). Safe without the lock.
+static inline int tb_ring_more(const struct tb_ring * r) { return __atomic_load_n(&r->rx_more, __ATOMIC_RELAXED); }
 
 // Whether `stride` and `slots` make a ring: a power of two number of slots
 // from 2 to 1024 and a stride from 4 KiB to 1 MiB.

@@ -15,6 +15,18 @@
 // one byte over TCP. The same poll() sees end of file the moment the peer
 // process dies, so a crash is noticed as fast as over TCP, and an idle
 // connection costs no CPU.
+//
+// Spinning pays only when the frame comes within the spin: a reply to a
+// small request does, a layer split's next token or activations (a whole
+// decode step away) never do, and on a machine with fewer cores than busy
+// processes a spinner holds the core its peer needs to produce the frame.
+// So each connection keeps an average of how long its recent waits lasted
+// and spins fully while that average is short, or when the frame awaited
+// continues a message (the last one came full: tb_ring_more); otherwise it checks a
+// few times and sleeps at once, but for every 16th wait, which spins fully
+// to find out whether replies have become quick again (a wait that slept
+// also counts the wake-up, so short replies seen through sleeps alone could
+// keep the average long).
 #include "ring.h"
 
 #include <errno.h>
@@ -33,6 +45,9 @@
 #define SHM_MAGIC     0x314d485342525442ull   // "TBRPCSHM1" folded: version 1 of this layout
 #define CONTROL_BYTES 4096u
 #define SPIN_CHECKS   2000                    // about 20-50 µs of checking before sleeping
+#define SPIN_FLOOR    32                      // checks before sleeping when waits run long
+#define SPIN_PAYS_NS  40000                   // waits averaging under this are worth the full spin
+#define SPIN_PROBE    16                      // while they are not, every 16th wait spins fully anyway
 
 struct shm_control {
     uint64_t magic;
@@ -55,6 +70,8 @@ struct shm_transport {
     struct tb_shm  shm;
     struct tb_transport * tcp; // doorbell and liveness
     int       fd;              // its socket
+    int64_t   wait_avg_ns;     // recent waits, averaged (shm_wait; atomic: a sender may wait for credits meanwhile)
+    uint32_t  waits;           // shm_wait calls, for the probing spin
 };
 
 static size_t segment_size(uint32_t slots, uint32_t stride) {
@@ -211,42 +228,55 @@ static int shm_release(struct tb_ring * r, uint32_t seq) {
     return 0;
 }
 
-// Empty the socket of doorbells; -1 if the peer closed it.
+// Take the doorbells off the socket; -1 if the peer closed it. One read:
+// a bell rung after it leaves poll() ready, and the next wait takes it then
+// (one spurious look at the ring), which costs less than reading again on
+// every wake-up to see the socket empty.
 static int drain(struct shm_transport * t) {
     char buf[64];
-    for (;;) {
-        ssize_t k = recv(t->fd, buf, sizeof buf, MSG_DONTWAIT);
-        if (k > 0) continue;
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
-        return tb_fail(&t->ring.base, TB_IO_CLOSED, "%s: %s", t->ring.base.peer,
-                       k == 0 ? "connection closed by peer" : strerror(errno));
-    }
+    ssize_t k;
+    do { k = recv(t->fd, buf, sizeof buf, MSG_DONTWAIT); } while (k < 0 && errno == EINTR);
+    if (k > 0 || (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))) return 0;
+    return tb_fail(&t->ring.base, TB_IO_CLOSED, "%s: %s", t->ring.base.peer,
+                   k == 0 ? "connection closed by peer" : strerror(errno));
 }
 
 static int shm_wait(struct tb_ring * r, uint32_t seq, int timeout_ms) {
     struct shm_transport * t = of(r);
     int broken;
-    for (int i = 0; i < SPIN_CHECKS; i++) {
-        if (shm_rx_frame(r, seq, &broken)) return 0;
+    const int64_t started = tb_now_ns();
+    int64_t avg = __atomic_load_n(&t->wait_avg_ns, __ATOMIC_RELAXED);
+    const uint32_t nth = __atomic_add_fetch(&t->waits, 1, __ATOMIC_RELAXED);
+    const int checks = avg < SPIN_PAYS_NS || nth % SPIN_PROBE == 0 || tb_ring_more(r) ? SPIN_CHECKS : SPIN_FLOOR;
+    int rc = 0, got = 0;
+    for (int i = 0; i < checks && !got; i++) {
+        got = shm_rx_frame(r, seq, &broken) != NULL;
 #if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
+        if (!got) __builtin_ia32_pause();
 #elif defined(__aarch64__)
-        __asm__ __volatile__("yield");
+        if (!got) __asm__ __volatile__("yield");
 #endif
     }
-    _Atomic uint32_t * mine = &control(&t->shm)->sleeping[t->shm.side];
-    atomic_store_explicit(mine, 1, memory_order_relaxed);
-    atomic_thread_fence(memory_order_seq_cst);
-    int rc = 0;
-    if (!shm_rx_frame(r, seq, &broken)) {
-        struct pollfd p = { .fd = t->fd, .events = POLLIN };
-        int k;
-        do { k = poll(&p, 1, timeout_ms); } while (k < 0 && errno == EINTR);
-        if (k < 0) rc = tb_fail(&r->base, TB_IO_BROKEN, "%s: poll failed: %s", r->base.peer, strerror(errno));
-        else if (k > 0) rc = drain(t);
+    if (!got) {
+        _Atomic uint32_t * mine = &control(&t->shm)->sleeping[t->shm.side];
+        atomic_store_explicit(mine, 1, memory_order_relaxed);
+        atomic_thread_fence(memory_order_seq_cst);
+        if (!shm_rx_frame(r, seq, &broken)) {
+            struct pollfd p = { .fd = t->fd, .events = POLLIN };
+            int k;
+            do { k = poll(&p, 1, timeout_ms); } while (k < 0 && errno == EINTR);
+            if (k < 0) rc = tb_fail(&r->base, TB_IO_BROKEN, "%s: poll failed: %s", r->base.peer, strerror(errno));
+            else if (k > 0) rc = drain(t);
+        }
+        atomic_store_explicit(mine, 0, memory_order_relaxed);
     }
-    atomic_store_explicit(mine, 0, memory_order_relaxed);
+    // The average moves a quarter of the way to this wait's length, taken
+    // as at most four times the spin's worth: a few long waits in a row stop
+    // the spinning, a few short ones bring it back.
+    int64_t took = tb_now_ns() - started;
+    if (took > 4 * SPIN_PAYS_NS) took = 4 * SPIN_PAYS_NS;
+    avg += (took - avg) / 4;
+    __atomic_store_n(&t->wait_avg_ns, avg, __ATOMIC_RELAXED);
     return rc;
 }
 

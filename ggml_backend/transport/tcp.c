@@ -124,6 +124,16 @@ static int tcp_poll(struct tb_transport * base, int timeout_ms) {
     return rc > 0 ? 1 : 0;
 }
 
+// The socket takes more (POLLOUT), and what is queued plus len still fits the buffer a flush writes.
+static int tcp_room(struct tb_transport * base, size_t len) {
+    struct tcp_transport * t = (struct tcp_transport *) base;
+    if (t->wlen + len > TCP_WBUF_SIZE) return 0;
+    struct pollfd p = { .fd = t->fd, .events = POLLOUT };
+    int rc;
+    do { rc = poll(&p, 1, 0); } while (rc < 0 && errno == EINTR);
+    return rc == 1 && (p.revents & POLLOUT) && !(p.revents & (POLLERR | POLLHUP));
+}
+
 static void tcp_close(struct tb_transport * base) {
     struct tcp_transport * t = (struct tcp_transport *) base;
     if (t->fd >= 0) close(t->fd);
@@ -131,7 +141,8 @@ static void tcp_close(struct tb_transport * base) {
 }
 
 static const struct tb_transport_ops tcp_ops = {
-    .name = "tcp", .send = tcp_send, .flush = tcp_flush, .recv = tcp_recv, .poll = tcp_poll, .close = tcp_close,
+    .name = "tcp", .send = tcp_send, .flush = tcp_flush, .recv = tcp_recv, .poll = tcp_poll, .room = tcp_room,
+    .close = tcp_close,
 };
 
 static void set_socket_options(int fd) {

@@ -120,9 +120,8 @@ static struct tb_transport * lost(struct tb_transport * tcp, char * why, size_t 
 }
 
 // Both sides after yes to RDMA: the symmetric bring-up switches both or neither.
-static struct tb_transport * follow_rdma(struct tb_transport * tcp, const struct tb_qp_budget * budget, char * why,
-                                         size_t why_len) {
-    struct tb_transport * t = tb_rdma_upgrade(tcp, NULL, budget, why, why_len);
+static struct tb_transport * follow_rdma(struct tb_transport * tcp, char * why, size_t why_len) {
+    struct tb_transport * t = tb_rdma_upgrade(tcp, NULL, why, why_len);
     if (t) return t;
     if (tcp->error_kind != TB_IO_OK) return lost(tcp, why, why_len, "transport upgrade");
     char reason[256];
@@ -130,8 +129,8 @@ static struct tb_transport * follow_rdma(struct tb_transport * tcp, const struct
     return stay(tcp, TB_WHY_RDMA_FAILED, why, why_len, "%s", reason);
 }
 
-struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb_upgrade_want * want,
-                                      const struct tb_qp_budget * budget, char * why, size_t why_len) {
+struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb_upgrade_want * want, char * why,
+                                      size_t why_len) {
     struct upgrade_ask ask;
     memset(&ask, 0, sizeof ask);
     ask.magic = UPGRADE_MAGIC;
@@ -146,7 +145,7 @@ struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb
     rep.declined[sizeof rep.declined - 1] = '\0';
     if (ask.req.kind == TB_TRANSPORT_RDMA) {
         if (rep.declined[0]) return stay(tcp, tb_upgrade_rdma_declined(&rep), why, why_len, "peer: %s", rep.declined);
-        return follow_rdma(tcp, budget, why, why_len);
+        return follow_rdma(tcp, why, why_len);
     }
     char reason[256] = "";
     struct tb_shm * seg = tb_upgrade_attach(&rep, &kind, reason, sizeof reason);
@@ -162,8 +161,7 @@ struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb
     return shm ? shm : lost(tcp, why, why_len, "transport upgrade");
 }
 
-struct tb_transport * tb_upgrade_accept(struct tb_transport * tcp, const char * no_shm,
-                                        const struct tb_qp_budget * budget, char * why, size_t why_len) {
+struct tb_transport * tb_upgrade_accept(struct tb_transport * tcp, const char * no_shm, char * why, size_t why_len) {
     struct upgrade_ask ask;
     if (tb_recv(tcp, &ask, sizeof ask) != 0) return lost(tcp, why, why_len, "transport upgrade");
     if (ask.magic != UPGRADE_MAGIC) {
@@ -180,7 +178,7 @@ struct tb_transport * tb_upgrade_accept(struct tb_transport * tcp, const char * 
         return lost(tcp, why, why_len, "transport upgrade");
     }
     if (rep.declined[0]) return stay(tcp, (int) rep.why_kind, why, why_len, "%s", rep.declined);
-    if (ask.req.kind == TB_TRANSPORT_RDMA) return follow_rdma(tcp, budget, why, why_len);
+    if (ask.req.kind == TB_TRANSPORT_RDMA) return follow_rdma(tcp, why, why_len);
     uint32_t attached = 0;
     if (tb_recv(tcp, &attached, sizeof attached) != 0) {
         tb_shm_discard(seg);

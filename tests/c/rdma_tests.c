@@ -8,7 +8,10 @@
 // touches verbs. TBVSIM_PROFILE / TBRPC_RDMA_PROFILE come from the caller;
 // CHILD_<NAME>=value in the environment sets <NAME> in the child only (faults).
 // RDMA_TEST_LOCAL overrides the address a side looks its device up by.
+// Case qp_places needs no verbs: the QP budget's places (transport/qp_budget.h)
+// in TBRPC_QP_DIR, within one process and across processes.
 #include "transport.h"
+#include "transport/qp_budget.h"
 #include "transport/rdma.h"
 
 #include "check.h"
@@ -21,6 +24,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -61,7 +65,7 @@ static struct pair make_pair(int timeout_ms, int expect_rdma, int (*child_fn)(st
     snprintf(tcp->peer, sizeof tcp->peer, "%s", child ? "parent" : "child");
     char reason[256] = "";
     const char * local = getenv("RDMA_TEST_LOCAL") ? getenv("RDMA_TEST_LOCAL") : getenv("TBVSIM_ADDR");
-    struct tb_transport * t = tb_rdma_upgrade(tcp, local, NULL, reason, sizeof reason);
+    struct tb_transport * t = tb_rdma_upgrade(tcp, local, reason, sizeof reason);
     if (expect_rdma) {
         CHECK(t, "%s: upgrade failed: %s", child ? "child" : "parent", reason);
     } else {
@@ -283,6 +287,53 @@ static void case_stays_on_tcp(void) {
     CHECK(child_status(p.child) == 0, "child");
 }
 
+// The QP budget's places: each is held once, whether the other taker is this
+// process (a session on a thread of a node) or another; a dead process's
+// places are free again; other hosts and devices have places of their own.
+static void case_qp_places(void) {
+    char why[200] = "";
+    int place[4], extra = -1;
+    for (int i = 0; i < 3; i++) {
+        CHECK(tb_qp_take(0xa, "dev0", 3, &place[i], why, sizeof why) == TB_QP_TAKEN, "place %d: %s", i, why);
+        CHECK(place[i] >= 0, "place %d: no descriptor", i);
+    }
+    CHECK(tb_qp_take(0xa, "dev0", 3, &place[3], why, sizeof why) == TB_QP_SPENT,
+          "a 4th place of 3 in one process (threads of one node would share places)");
+    CHECK(strcmp(why, "QP budget: 3 of 3 in use on dev0") == 0, "why: %s", why);
+    CHECK(tb_qp_take(0xb, "dev0", 3, &extra, why, sizeof why) == TB_QP_TAKEN, "another host: %s", why);
+    tb_qp_give(extra);
+    CHECK(tb_qp_take(0xa, "dev/1", 3, &extra, why, sizeof why) == TB_QP_TAKEN, "another device: %s", why);
+    tb_qp_give(extra);
+    CHECK(tb_qp_take(0xa, "dev0", 0, &extra, why, sizeof why) == TB_QP_TAKEN && extra == -1, "no limit holds nothing");
+
+    tb_qp_give(place[1]);   // one free: a child process takes it, and holds it until it dies
+    int ready[2];
+    CHECK(pipe(ready) == 0, "pipe");
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) {
+        int mine = -1;
+        char b = tb_qp_take(0xa, "dev0", 3, &mine, why, sizeof why) == TB_QP_TAKEN ? 'y' : 'n';
+        if (write(ready[1], &b, 1) != 1) _exit(2);
+        pause();
+        _exit(0);
+    }
+    char b = 0;
+    CHECK(read(ready[0], &b, 1) == 1 && b == 'y', "the child got no place");
+    CHECK(tb_qp_take(0xa, "dev0", 3, &extra, why, sizeof why) == TB_QP_SPENT, "a place another process holds");
+    kill(pid, SIGKILL);
+    CHECK(child_status(pid) == 128 + SIGKILL, "child");
+    CHECK(tb_qp_take(0xa, "dev0", 3, &extra, why, sizeof why) == TB_QP_TAKEN, "a dead process's place: %s", why);
+    printf("parent: places held once per place, across threads and processes\n");
+
+    char dir[512];
+    CHECK(tb_qp_dir(dir, sizeof dir, why, sizeof why) == 0, "dir: %s", why);
+    CHECK(chmod(dir, 0777) == 0, "chmod");   // a directory others may write in: no places there
+    CHECK(tb_qp_take(0xc, "dev0", 3, &extra, why, sizeof why) == TB_QP_NO_PLACES, "a directory others may write");
+    CHECK(strstr(why, "is not a directory of this user's that only it may write") != NULL, "why: %s", why);
+    CHECK(chmod(dir, 0700) == 0, "chmod");
+}
+
 int main(int argc, char ** argv) {
     signal(SIGPIPE, SIG_IGN);
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -293,6 +344,7 @@ int main(int argc, char ** argv) {
     else if (!strcmp(c, "peer_killed")) case_peer_killed();
     else if (!strcmp(c, "idle")) case_idle();
     else if (!strcmp(c, "stays_on_tcp")) case_stays_on_tcp();
+    else if (!strcmp(c, "qp_places")) case_qp_places();
     else { fprintf(stderr, "unknown case %s\n", c); return 2; }
     printf("PASS %s\n", c);
     return 0;

@@ -140,6 +140,39 @@ static void case_one_way(void) {
     tb_close(p.mine);
 }
 
+// A reader that reads late: three one-byte messages, then "done" back.
+static int child_late_reader(struct tb_transport * t) {
+    usleep(300 * 1000);
+    uint8_t b[3], done = 1;
+    if (tb_recv(t, b, 3) != 0 || tb_send(t, &done, 1) != 0 || tb_flush(t) != 0) return 2;
+    return tb_recv(t, &done, 1) == 0 ? 0 : 3;   // until the parent lets go
+}
+
+// room() says no before a send would wait for a reader that is not reading
+// (the node's watchdog relies on it), and yes once the reader caught up;
+// an idle ring then carries nothing (credit-only frames are not answered
+// with credit-only frames).
+static void case_room(void) {
+    struct pair p = make_pair(4, 4096, 10000, child_late_reader);
+    struct tb_ring * r = (struct tb_ring *) p.mine;
+    CHECK(tb_room(p.mine, sizeof(struct tb_frame_header)), "no room on a fresh ring");
+    for (uint8_t i = 0; i < 3; i++) {
+        CHECK(tb_room(p.mine, 1), "no room for message %u of 3 with the credits left", i);
+        CHECK(tb_send(p.mine, &i, 1) == 0 && tb_flush(p.mine) == 0, "send: %s", p.mine->error);
+    }
+    CHECK(!tb_room(p.mine, 1), "room said yes where a send would wait for credits");
+    uint8_t done = 0;
+    CHECK(tb_recv(p.mine, &done, 1) == 0 && done == 1, "no answer: %s", p.mine->error);
+    CHECK(tb_room(p.mine, 1), "no room after the reader caught up");
+    const uint64_t frames = r->frames_sent;
+    usleep(200 * 1000);
+    CHECK(tb_poll(p.mine, 0) == 0 && r->frames_sent == frames, "an idle ring moved frames: %llu then %llu",
+          (unsigned long long) frames, (unsigned long long) r->frames_sent);
+    CHECK(tb_send(p.mine, &done, 1) == 0 && tb_flush(p.mine) == 0, "release: %s", p.mine->error);
+    CHECK(child_status(p.child) == 0, "late reader failed");
+    tb_close(p.mine);
+}
+
 static int child_die(struct tb_transport * t) {
     uint8_t b;
     if (tb_recv(t, &b, 1) != 0) return 2;
@@ -226,6 +259,7 @@ static void case_attach_rules(void) {
     char err[256];
     struct tb_shm_offer offer;
     CHECK(!tb_shm_create(3, 65536, &offer, err, sizeof err), "3 slots accepted");
+    CHECK(!tb_shm_create(2, 65536, &offer, err, sizeof err), "2 slots accepted (each credit-only frame would answer the last)");
     struct tb_shm * seg = tb_shm_create(16, 65536, &offer, err, sizeof err);
     CHECK(seg, "create: %s", err);
     struct tb_shm_offer wrong = offer;
@@ -268,7 +302,7 @@ static void run_upgrade(const struct upgrade_case * u) {
     char why[256] = "";
     if (pid == 0) {
         close(sv[0]);
-        struct tb_transport * t = tb_upgrade_accept(tb_adopt(sv[1], 5000), u->no_shm, NULL, why, sizeof why);
+        struct tb_transport * t = tb_upgrade_accept(tb_adopt(sv[1], 5000), u->no_shm, why, sizeof why);
         if (u->garbage) {
             CHECK(!t && strstr(why, "no transport upgrade where one was due"), "garbage accepted: %s", why);
             _exit(0);
@@ -290,7 +324,7 @@ static void run_upgrade(const struct upgrade_case * u) {
         tb_close(tcp);
         return;
     }
-    struct tb_transport * t = tb_upgrade_dial(tcp, &u->want, NULL, why, sizeof why);
+    struct tb_transport * t = tb_upgrade_dial(tcp, &u->want, why, sizeof why);
     CHECK(t, "dial: %s", why);
     CHECK(strcmp(t->describe, u->dialer) == 0, "dialer on '%s', expected '%s'", t->describe, u->dialer);
     CHECK(t->why == u->dialer_why, "dialer's reason '%s' of kind %d, expected %d", t->describe, t->why, u->dialer_why);
@@ -301,7 +335,7 @@ static void run_upgrade(const struct upgrade_case * u) {
 
 static void case_upgrade(void) {
     const struct upgrade_case cases[] = {
-        { { .peer_shm = 1 }, NULL, "shm 16x64K", "shm 16x64K", 0, TB_WHY_NONE, TB_WHY_NONE },
+        { { .peer_shm = 1 }, NULL, "shm 16x256K", "shm 16x256K", 0, TB_WHY_NONE, TB_WHY_NONE },
         { { .peer_shm = 1, .forced_tcp = 1 }, NULL, "tcp: asked for", "tcp: peer: asked for", 0, TB_WHY_ASKED, TB_WHY_ASKED },
         { { .peer_shm = 0 }, NULL, "tcp: the node offers no shared memory", "tcp: peer: the node offers no shared memory", 0,
           TB_WHY_NO_SHM, TB_WHY_NO_SHM },
@@ -318,6 +352,7 @@ int main(int argc, char ** argv) {
         { "stream", case_stream }, { "one_way", case_one_way }, { "peer_killed", case_peer_killed },
         { "peer_closes", case_peer_closes }, { "silence_times_out_idle", case_silence_times_out_idle },
         { "forged_frames", case_forged_frames }, { "attach_rules", case_attach_rules }, { "upgrade", case_upgrade },
+        { "room", case_room },
     };
     signal(SIGPIPE, SIG_IGN);
     for (size_t i = 0; argc == 2 && i < sizeof cases / sizeof cases[0]; i++) {
