@@ -639,8 +639,7 @@ static int upgrade_to_rdma(struct client_node * n, int * why_kind, char * why, s
         *why_kind = tb_upgrade_rdma_declined(&rep);
         return -1;
     }
-    *why_kind = TB_WHY_RDMA_FAILED;
-    struct tb_transport * rdma = tb_rdma_upgrade(n->tp, NULL, why, why_len);
+    struct tb_transport * rdma = tb_rdma_upgrade(n->tp, NULL, why_kind, why, why_len);
     if (!rdma) {
         if (n->tp->error_kind != TB_IO_OK) node_fail(n, "TRANSPORT_OFFER", why);   // TCP itself failed
         return -1;

@@ -159,8 +159,10 @@ def test_builds_without_verbs_headers(tmp_path) -> None:
     """-DTB_NO_VERBS stands for a machine without the headers: rdma.c is a stub that says so."""
     src = tmp_path / "stub.c"
     src.write_text('#include "transport/rdma.h"\n#include <stdio.h>\n#include <string.h>\n'
-                   'int main(void) { char why[200]; struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", why, sizeof why);\n'
-                   '  printf("%s\\n", why); return t != NULL || strstr(why, "built without verbs headers") == NULL; }\n')
+                   'int main(void) { char why[200]; int kind = 0;\n'
+                   '  struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", &kind, why, sizeof why);\n'
+                   '  printf("%s\\n", why); return t != NULL || strstr(why, "built without verbs headers") == NULL ||\n'
+                   '         kind != TB_WHY_NO_RDMA_HERE; }\n')
     exe = build_program(src, tmp_path / "stub", with_ggml=False, defines=("TB_NO_VERBS",))
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -551,6 +553,7 @@ def test_heads_connection_beyond_its_budget_stays_on_tcp(built, sim_nodes, one_p
     assert result["error"] is None, result["error"]
     refused = "QP budget: 1 of 1 in use on simbolt0"
     assert [n["transport"] for n in result["nodes"]] == [APPLE, f"tcp: {refused}"], result["nodes"]
+    assert [n["transport_why"] for n in result["nodes"]] == ["", "qp_budget"], result["nodes"]
     assert f"stays on tcp: peer: {refused}" in started[1].log_text(), started[1].log_text()[-2000:]
     assert result["nodes"][0]["links"] == f"{endpoints[1]} {APPLE}"
     counted = places_counted(result)
@@ -588,6 +591,8 @@ def assert_one_budget_on_the_heads_host(run: dict, base: tuple) -> None:
     assert [n["transport"] for n in result["nodes"]] == ["shm 16x256K", APPLE], result["nodes"]
     refused = "QP budget: 1 of 1 in use on simbolt0"
     assert result["nodes"][0]["links"] == f"{endpoints[1]} tcp: {refused}", result["nodes"][0]["links"]
+    assert [link["why"] for link in result["nodes"][0]["peer_links"]] == ["qp_budget"], result["nodes"][0]
+    # the refusal came from the dialer's own side of the bring-up, the listener heard it as the peer's
     assert f"link from peer {endpoints[0]}: transport tcp: peer: {refused}" in run["downstream_log"]
     counted = places_counted(result)
     assert counted["stand_in"]["head"] == 1, counted   # the device itself: head and node 0 hold one QP together

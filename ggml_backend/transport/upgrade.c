@@ -121,12 +121,13 @@ static struct tb_transport * lost(struct tb_transport * tcp, char * why, size_t 
 
 // Both sides after yes to RDMA: the symmetric bring-up switches both or neither.
 static struct tb_transport * follow_rdma(struct tb_transport * tcp, char * why, size_t why_len) {
-    struct tb_transport * t = tb_rdma_upgrade(tcp, NULL, why, why_len);
+    int kind;
+    struct tb_transport * t = tb_rdma_upgrade(tcp, NULL, &kind, why, why_len);
     if (t) return t;
     if (tcp->error_kind != TB_IO_OK) return lost(tcp, why, why_len, "transport upgrade");
     char reason[256];
     snprintf(reason, sizeof reason, "%s", why);
-    return stay(tcp, TB_WHY_RDMA_FAILED, why, why_len, "%s", reason);
+    return stay(tcp, kind, why, why_len, "%s", reason);
 }
 
 struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb_upgrade_want * want, char * why,
