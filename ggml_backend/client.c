@@ -664,6 +664,15 @@ static struct client_node * node_at(struct tbrpc_client * c, size_t i) {
     return n;
 }
 
+// The index of node m in c (c->n_nodes when it is not there).
+static size_t reg_index_of(struct tbrpc_client * c, const struct client_node * m) {
+    pthread_mutex_lock(&c->lock);
+    size_t i = 0;
+    while (i < c->n_nodes && c->nodes[i] != m) i++;
+    pthread_mutex_unlock(&c->lock);
+    return i;
+}
+
 int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out) {
     struct client_node * n = node_at(c, i);
     if (!n) return -1;
@@ -679,6 +688,14 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
     snprintf(out->device_name, sizeof out->device_name, "%s", n->name);
     snprintf(out->error, sizeof out->error, "%s", n->error);
     snprintf(out->transport, sizeof out->transport, "%s", n->tp->describe);
+    out->transport_why = n->tp->why;
+    for (size_t k = 0; k < n->n_links && k < sizeof out->link_info / sizeof out->link_info[0]; k++) {
+        struct tbrpc_link_info * l = &out->link_info[out->n_link_info++];
+        l->to = (uint32_t) reg_index_of(c, n->links[k].to);
+        l->usable = n->links[k].usable;
+        l->why = n->links[k].why;
+        snprintf(l->transport, sizeof l->transport, "%s", n->links[k].transport);
+    }
     size_t used = 0;
     for (size_t k = 0; k < n->n_links && used < sizeof out->links; k++) {
         if (!n->links[k].usable) continue;

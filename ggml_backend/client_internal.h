@@ -57,8 +57,9 @@ struct client_node {
     size_t n_files;
 
     // Links from this node to others (activations go node to node); set up once per pair.
-    // transport: what carries the link, and why, as the dialing node (this one) said.
-    struct peer_link { struct client_node * to; uint64_t out_id, in_id; bool usable; char transport[96]; } links[16];
+    // transport: what carries the link, and why, as the dialing node (this one) said (for a link
+    // that could not be made, why not); why: the kind of that reason (enum tb_why).
+    struct peer_link { struct client_node * to; uint64_t out_id, in_id; bool usable; int why; char transport[96]; } links[16];
     size_t n_links;
     // How other nodes dial this one for a link, where not at its endpoint's
     // host: Thunderbolt links are point to point, one subnet per cable.

@@ -472,11 +472,14 @@ struct peer_link * peer_link(struct client_node * a, struct client_node * b) {
     }
     if (a == b || a->n_links == sizeof a->links / sizeof a->links[0] || getenv("TBRPC_NO_PEER_LINKS")) return NULL;
     struct peer_link * link = &a->links[a->n_links++];
-    *link = (struct peer_link) { .to = b };
+    *link = (struct peer_link) { .to = b, .why = TB_WHY_NO_LINK };
     struct tb_peer_listen_reply listen = { 0, 0 };
     struct tb_peer_connect conn;
     memset(&conn, 0, sizeof conn);
-    if (node_call(b, TB_CMD_PEER_LISTEN, NULL, 0, &listen, sizeof listen) != 0 || listen.port == 0) return NULL;
+    if (node_call(b, TB_CMD_PEER_LISTEN, NULL, 0, &listen, sizeof listen) != 0 || listen.port == 0) {
+        snprintf(link->transport, sizeof link->transport, "none: %s could not listen for it", b->endpoint);
+        return NULL;
+    }
     endpoint_host(b, conn.host, sizeof conn.host);
     for (size_t i = 0; i < b->n_addresses; i++) {
         if (b->addresses[i].from == a) snprintf(conn.host, sizeof conn.host, "%s", b->addresses[i].host);
@@ -493,13 +496,20 @@ struct peer_link * peer_link(struct client_node * a, struct client_node * b) {
     link->out_id = connected_rep.peer_id;
     connected_rep.transport[sizeof connected_rep.transport - 1] = '\0';
     snprintf(link->transport, sizeof link->transport, "%s", connected_rep.transport);
+    link->why = connected_rep.why_kind <= TB_WHY_NO_LINK ? (int) connected_rep.why_kind : TB_WHY_NO_LINK;
     // a could not dial (or prove itself): b would wait out its timeout for
     // nobody. Any next request ends b's wait; SYNC costs nothing.
     const uint64_t nudge_id = accept_id && (connected != 0 || !link->out_id) ? node_call_send_locked(b, TB_CMD_SYNC, NULL, 0) : 0;
     const int accepted = accept_id ? node_call_reply_locked(b, TB_CMD_PEER_ACCEPT, accept_id, &link->in_id, sizeof link->in_id) : -1;
     if (nudge_id) node_call_reply_locked(b, TB_CMD_SYNC, nudge_id, NULL, 0);
     pthread_mutex_unlock(&b->lock);
-    if (connected != 0 || accepted != 0 || !link->out_id || !link->in_id) return NULL;
+    if (connected != 0 || accepted != 0 || !link->out_id || !link->in_id) {
+        if (link->why != TB_WHY_NO_LINK || !link->transport[0])
+            snprintf(link->transport, sizeof link->transport, "none: %s", a->failed ? a->error : b->failed ? b->error
+                     : "the nodes could not complete the link");
+        link->why = TB_WHY_NO_LINK;
+        return NULL;
+    }
     link->usable = true;
     return link;
 }
@@ -589,16 +599,16 @@ static int handshake(struct client_node * n, int * kind, char * err, size_t err_
     return 0;
 }
 
-// Move the connection into shared memory; 0, or -1 with why not (the
-// connection then stays on TCP and works as before).
-static int upgrade_to_shm(struct client_node * n, char * why, size_t why_len) {
+// Move the connection into shared memory; 0, or -1 with why not and its
+// kind (the connection then stays on TCP and works as before).
+static int upgrade_to_shm(struct client_node * n, int * why_kind, char * why, size_t why_len) {
     struct tb_transport_req req = { TB_TRANSPORT_SHM, TB_SHM_SLOTS, TB_SHM_STRIDE, 0 };
     struct tb_transport_reply rep;
     if (node_call(n, TB_CMD_TRANSPORT_OFFER, &req, sizeof req, &rep, sizeof rep) != 0) {
         snprintf(why, why_len, "%s", n->error);
         return -1;
     }
-    struct tb_shm * seg = tb_upgrade_attach(&rep, why, why_len);
+    struct tb_shm * seg = tb_upgrade_attach(&rep, why_kind, why, why_len);
     if (rep.declined[0]) return -1;
     uint32_t attached = seg != NULL;
     if (node_post(n, TB_CMD_TRANSPORT_SWITCH, &attached, sizeof attached) != 0 || tb_flush(n->tp) != 0) {
@@ -615,8 +625,8 @@ static int upgrade_to_shm(struct client_node * n, char * why, size_t why_len) {
 }
 
 // Move the connection onto RDMA (transport/rdma.h); 0, or -1 with why not
-// (both sides then stay on TCP).
-static int upgrade_to_rdma(struct client_node * n, char * why, size_t why_len) {
+// and its kind (both sides then stay on TCP).
+static int upgrade_to_rdma(struct client_node * n, int * why_kind, char * why, size_t why_len) {
     struct tb_transport_req req = { TB_TRANSPORT_RDMA, 0, 0, 0 };
     struct tb_transport_reply rep;
     if (node_call(n, TB_CMD_TRANSPORT_OFFER, &req, sizeof req, &rep, sizeof rep) != 0) {
@@ -624,8 +634,12 @@ static int upgrade_to_rdma(struct client_node * n, char * why, size_t why_len) {
         return -1;
     }
     rep.declined[sizeof rep.declined - 1] = '\0';
-    if (rep.declined[0]) { snprintf(why, why_len, "peer: %s", rep.declined); return -1; }
-    struct tb_transport * rdma = tb_rdma_upgrade(n->tp, NULL, why, why_len);
+    if (rep.declined[0]) {
+        snprintf(why, why_len, "peer: %s", rep.declined);
+        *why_kind = tb_upgrade_rdma_declined(&rep);
+        return -1;
+    }
+    struct tb_transport * rdma = tb_rdma_upgrade(n->tp, NULL, why_kind, why, why_len);
     if (!rdma) {
         if (n->tp->error_kind != TB_IO_OK) node_fail(n, "TRANSPORT_OFFER", why);   // TCP itself failed
         return -1;
@@ -645,12 +659,15 @@ static void choose_transport(struct client_node * n, const char * wanted) {
         .peer_rdma = (n->info.caps & TB_CAP_RDMA) != 0,
     };
     n->forced_tcp = want.forced_tcp;
-    switch (tb_upgrade_choose(n->tp, &want, why, sizeof why)) {
-        case TB_TRANSPORT_SHM:  if (upgrade_to_shm(n, why, sizeof why) == 0) return; break;
-        case TB_TRANSPORT_RDMA: if (upgrade_to_rdma(n, why, sizeof why) == 0) return; break;
+    int kind = TB_WHY_NONE;
+    switch (tb_upgrade_choose(n->tp, &want, &kind, why, sizeof why)) {
+        case TB_TRANSPORT_SHM:  if (upgrade_to_shm(n, &kind, why, sizeof why) == 0) return; break;
+        case TB_TRANSPORT_RDMA: if (upgrade_to_rdma(n, &kind, why, sizeof why) == 0) return; break;
         default: break;
     }
-    if (!n->failed) snprintf(n->tp->describe, sizeof n->tp->describe, "tcp: %s", why);
+    if (n->failed) return;
+    snprintf(n->tp->describe, sizeof n->tp->describe, "tcp: %s", why);
+    n->tp->why = kind;
 }
 
 void node_destroy(struct client_node * n) {

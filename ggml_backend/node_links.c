@@ -133,6 +133,9 @@ int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct
     if (!ok) {
         node_log(c->node, "client %s: cannot reach peer %s:%llu (%s); activations will go through the head",
                  c->tp->peer, req->host, (unsigned long long) req->port, why);
+        snprintf(rep->transport, sizeof rep->transport, "none: cannot reach %s:%llu (%s)", req->host,
+                 (unsigned long long) req->port, why);
+        rep->why_kind = TB_WHY_NO_LINK;
         tb_close(tp);
         return 0;
     }
@@ -140,6 +143,7 @@ int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct
     char them[TB_NAME_LEN + 32];
     snprintf(them, sizeof them, "%s:%llu", req->host, (unsigned long long) req->port);
     snprintf(rep->transport, sizeof rep->transport, "%s", tp->describe);
+    rep->why_kind = (uint32_t) tp->why;
     node_log(c->node, "client %s: link to peer %s: transport %s", c->tp->peer, them, tp->describe);
     rep->peer_id = add_peer(c, tp, true, them);
     return 0;

@@ -470,9 +470,14 @@ static int handle_transport_switch(struct node_conn * c, const struct tb_header 
 static void upgrade_to_rdma(struct node_conn * c) {
     char why[256];
     pthread_mutex_lock(&c->send_lock);
-    struct tb_transport * rdma = tb_rdma_upgrade(c->tp, NULL, why, sizeof why);
-    if (rdma) c->tp = rdma;
-    else if (c->tp->error_kind == TB_IO_OK) snprintf(c->tp->describe, sizeof c->tp->describe, "tcp: %s", why);
+    int kind;
+    struct tb_transport * rdma = tb_rdma_upgrade(c->tp, NULL, &kind, why, sizeof why);
+    if (rdma) {
+        c->tp = rdma;
+    } else if (c->tp->error_kind == TB_IO_OK) {
+        snprintf(c->tp->describe, sizeof c->tp->describe, "tcp: %s", why);
+        c->tp->why = kind;
+    }
     pthread_mutex_unlock(&c->send_lock);
     if (rdma) node_log(c->node, "client %s: transport %s", rdma->peer, rdma->describe);
     else node_log(c->node, "client %s: stays on tcp: %s", c->tp->peer, why);

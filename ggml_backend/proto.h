@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 #define TB_MAGIC            0x43504254u   // "TBPC" on the wire
-#define TB_PROTO_VERSION    5u
+#define TB_PROTO_VERSION    6u
 #define TB_MAX_PAYLOAD      (256ull << 20) // one message; larger tensor writes are split by the client
 #define TB_MAX_GRAPH_TENSORS (1u << 20)
 #define TB_MAX_GRAPH_NODES   (1u << 20)
@@ -252,8 +252,9 @@ struct tb_peer_listen_reply { uint64_t token, port; };
 // TB_LINK_TCP when the head's transport is forced to TCP.
 #define TB_LINK_TCP 1u
 struct tb_peer_connect       { char host[256]; uint64_t port, token, caps, flags; };
-// The link's id (0: no link) and what carries it, and why ("shm 16x256K", "tcp: asked for").
-struct tb_peer_connect_reply { uint64_t peer_id; char transport[96]; };
+// The link's id (0: no link) and what carries it, and why ("shm 16x256K", "tcp: asked for"; with no
+// link, why not); why_kind: the kind of that reason (enum tb_why, transport.h; TB_WHY_NO_LINK with no link).
+struct tb_peer_connect_reply { uint64_t peer_id; char transport[96]; uint32_t why_kind; uint32_t reserved; };
 struct tb_peer_range        { uint64_t peer_id, handle, offset, size; };
 
 // llama.cpp's tensor split: each of `n` nodes holds a partial F32 sum in a

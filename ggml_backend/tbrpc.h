@@ -30,6 +30,14 @@ enum tbrpc_error_kind {
     TBRPC_ERR_OTHER       = 7,   // a bad argument, out of memory
 };
 
+// One node-to-node link the head made, from the node it belongs to.
+struct tbrpc_link_info {
+    uint32_t to;                     // the index of the node it reaches
+    int      usable;                 // 0: no link (activations to `to` go through the head), transport says why
+    int      why;                    // enum tb_why (transport.h) of the reason in transport; 0 when it moved off TCP
+    char     transport[96];          // what carries it, and why: "shm 16x256K", "tcp: asked for", "none: cannot reach ..."
+};
+
 // What the head knows about one node (device), for Python and tests.
 struct tbrpc_node_info {
     char     endpoint[96];
@@ -38,8 +46,11 @@ struct tbrpc_node_info {
     int      failed;
     int      error_kind;             // enum tbrpc_error_kind of the failure (0 while it works)
     char     error[512];
-    char     transport[96];          // what carries the bytes and why: "shm 16x256K", "tcp: the node is on another host"
+    char     transport[96];          // what carries the bytes and why: "shm 16x256K", "tcp: peer has no RDMA device"
+    int      transport_why;          // enum tb_why (transport.h): the kind of that reason; 0 when it moved off TCP
     char     links[512];             // its links to other nodes and what carries each: "127.0.0.1:5001 shm 16x256K; ..."
+    uint32_t n_link_info;            // the links it was asked for, made or not, in the order they were made
+    struct tbrpc_link_info link_info[16];
     uint64_t bytes_sent;
     uint64_t bytes_received;
     uint64_t round_trips;            // requests that waited for an answer

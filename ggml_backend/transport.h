@@ -62,6 +62,23 @@ enum tb_io_error {
     TB_IO_BROKEN,    // an I/O error, or bytes that break the wire's rules (a lost or forged frame)
 };
 
+// Why a connection or link is carried by TCP (or by nothing) when it might
+// have moved: a kind callers act on (Python attaches the fix a user types),
+// beside the words in describe. Seen from the dialing side (the head, or the
+// node that dials a link): "peer" is the answering side, "here" the dialer.
+enum tb_why {
+    TB_WHY_NONE = 0,         // it moved (shm, RDMA), or nothing was decided yet
+    TB_WHY_ASKED,            // TBRPC_TRANSPORT=tcp, transport = "tcp" in the cluster file
+    TB_WHY_PEER_NO_RDMA,     // another host, which has no RDMA device (its HELLO caps, or its answer)
+    TB_WHY_NO_RDMA_HERE,     // another host, and the dialing side's verbs library lists no device
+    TB_WHY_QP_BUDGET,        // a device's queue pairs are all taken (Apple: 10 per device), either side
+    TB_WHY_NO_SHM,           // this host, and a side may not share memory (no process of its own, or no offer)
+    TB_WHY_SHM_FAILED,       // this host: the segment could not be made or mapped
+    TB_WHY_RDMA_FAILED,      // the RDMA bring-up failed on either side (no GID for the address, port down, profiles differ...)
+    TB_WHY_PEER_OLD,         // the peer knows no transport of the kind asked for
+    TB_WHY_NO_LINK,          // a node-to-node link could not be made at all: activations go through the head
+};
+
 struct tb_transport_ops {
     const char * name;
     int  (*send) (struct tb_transport * t, const void * data, size_t len);
@@ -82,7 +99,8 @@ struct tb_transport {
     char     peer[96];        // "host:port" of the other side, for messages
     char     error[256];      // reason of the last failure
     int      error_kind;      // enum tb_io_error of the last failure
-    char     describe[96];    // what carries the bytes, and why: "tcp", "shm 16x256K", "tcp: TBRPC_TRANSPORT=tcp"
+    char     describe[96];    // what carries the bytes, and why: "tcp", "shm 16x256K", "tcp: asked for"
+    int      why;             // enum tb_why: the kind of the reason in describe (TB_WHY_NONE when it moved)
     uint64_t bytes_sent;
     uint64_t bytes_received;
     uint64_t flushes;         // number of flushes that actually sent bytes
@@ -158,7 +176,8 @@ struct tb_transport * tb_shm_transport(struct tb_shm * s, struct tb_transport * 
 // shared memory the ring it wants (the answer may pick another geometry).
 struct tb_transport_req { uint32_t kind; uint32_t slots; uint32_t stride; uint32_t reserved; };
 // The answer: a segment made for this connection, yes to RDMA (all zero), or why not (declined[0] != 0).
-struct tb_transport_reply { struct tb_shm_offer offer; char declined[160]; };
+// why_kind: enum tb_why of a refusal, as the dialing side will report it.
+struct tb_transport_reply { struct tb_shm_offer offer; char declined[160]; uint32_t why_kind; uint32_t reserved; };
 
 // What the dialing side knows when it chooses.
 struct tb_upgrade_want {
@@ -167,21 +186,25 @@ struct tb_upgrade_want {
     const char * no_shm;        // why this side may not map a peer's segment (NULL: it may)
 };
 
-// The dialing side: the kind to ask for, or TB_TRANSPORT_TCP with why not.
-uint32_t tb_upgrade_choose(struct tb_transport * tcp, const struct tb_upgrade_want * want, char * why, size_t why_len);
+// The dialing side: the kind to ask for, or TB_TRANSPORT_TCP with why not (*why_kind: enum tb_why).
+uint32_t tb_upgrade_choose(struct tb_transport * tcp, const struct tb_upgrade_want * want, int * why_kind, char * why,
+                           size_t why_len);
 // The answering side: fill rep (an offer, yes, or why not). no_shm: why this
 // side may not create a segment (NULL: it may); a segment goes to *offered.
 void tb_upgrade_answer(const struct tb_transport_req * req, const char * no_shm, struct tb_transport_reply * rep,
                        struct tb_shm ** offered);
-// The dialing side, after a shared-memory answer: the segment, or NULL with why.
-struct tb_shm * tb_upgrade_attach(const struct tb_transport_reply * rep, char * why, size_t why_len);
+// The dialing side, after a shared-memory answer: the segment, or NULL with why (*why_kind).
+struct tb_shm * tb_upgrade_attach(const struct tb_transport_reply * rep, int * why_kind, char * why, size_t why_len);
+// The kind (enum tb_why) an RDMA answer's refusal is reported as by the dialing side.
+int tb_upgrade_rdma_declined(const struct tb_transport_reply * rep);
 
 // A whole upgrade over a TCP connection that carries nothing else yet (a
 // node-to-node link after its greeting), as raw structs: the dialer sends
 // {req, why}; the acceptor answers with a tb_transport_reply; for shared
 // memory the dialer then says whether it attached (u32); for RDMA both run
 // tb_rdma_upgrade. Both return the transport to use from now on: the
-// upgraded one (which owns tcp), or tcp itself, its describe "tcp: <why>".
+// upgraded one (which owns tcp), or tcp itself, its describe "tcp: <why>"
+// and its why the kind of that reason (the acceptor's: the dialer's kind).
 // NULL only when tcp itself failed (it is closed then), with why.
 struct tb_transport * tb_upgrade_dial(struct tb_transport * tcp, const struct tb_upgrade_want * want, char * why,
                                       size_t why_len);

@@ -76,7 +76,9 @@ struct tb_auth_req { uint8_t mac[32]; };
 struct tb_auth_reply { uint8_t mac[32]; struct tb_hello hello; };
 struct tb_peer_listen_reply { uint64_t token, port; };
 struct tb_peer_connect { char host[256]; uint64_t port, token, caps, flags; };
-struct tb_peer_connect_reply { uint64_t peer_id; char transport[96]; };
+struct tb_peer_connect_reply { uint64_t peer_id; char transport[96]; uint32_t why_kind; uint32_t reserved; };
+enum tb_why { TB_WHY_NONE, TB_WHY_ASKED, TB_WHY_PEER_NO_RDMA, TB_WHY_NO_RDMA_HERE, TB_WHY_QP_BUDGET, TB_WHY_NO_SHM,
+              TB_WHY_SHM_FAILED, TB_WHY_RDMA_FAILED, TB_WHY_PEER_OLD, TB_WHY_NO_LINK, ... };
 struct tb_peer_greeting { char magic[8]; uint8_t nonce[32]; uint8_t mac[32]; };
 struct tb_peer_answer { uint8_t nonce[32]; uint8_t mac[32]; char name[64]; };
 void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint8_t out[32]);

@@ -286,7 +286,7 @@ def status(cluster_file: str | None, timeout: float, as_json: bool, secret_file:
 
     from tbrpc.cluster_file import default_cluster_file, read
     from tbrpc.node_memory import ClusterError
-    from tbrpc.status import format_rows, format_serving, query, rows_json, serving, targets
+    from tbrpc.status import format_rows, format_serving, format_tcp, query, rows_json, serving, targets
 
     if endpoints:
         listed = [(e, e) for e in endpoints]
@@ -311,6 +311,9 @@ def status(cluster_file: str | None, timeout: float, as_json: bool, secret_file:
         click.echo(json.dumps(rows_json(rows, launches), indent=1))
     else:
         click.echo(format_rows(rows))
+        on_tcp = format_tcp(rows)
+        if on_tcp:
+            click.echo("\n" + on_tcp)
         if launches:
             click.echo("\n" + format_serving(launches))
     raise SystemExit(1 if any(r.status is None for r in rows) else 0)

@@ -84,6 +84,30 @@ def node_error(kind: int, message: str, endpoint: str | None = None) -> NodeErro
     return _ERROR_CLASSES.get(abs(kind), NodeError)(message, endpoint)
 
 
+# enum tb_why (ggml_backend/transport.h): why a connection or link is on TCP (or has no link) when it
+# might have moved. Python reads the kind, never the words beside it; the fix for each is doctor's
+# (tbrpc/doctor.py, transport_fix).
+WHY_NAMES = ("asked", "peer_no_rdma", "no_rdma_here", "qp_budget", "no_shm", "shm_failed", "rdma_failed", "peer_old",
+             "no_link")
+
+
+def why_name(kind: int) -> str:
+    """The name of an enum tb_why value: "" for TB_WHY_NONE, "unknown" for one this head does not know."""
+    if kind == 0:
+        return ""
+    _, lib = load()
+    return next((name for name in WHY_NAMES if getattr(lib, f"TB_WHY_{name.upper()}") == kind), "unknown")
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """A node-to-node link the head asked a node to make (the activations of a layer split, an all-reduce)."""
+    to: str              # the endpoint of the node it reaches
+    usable: bool         # False: there is none, and activations to `to` go through the head
+    transport: str       # what carries it, and why: "shm 16x256K", "tcp: asked for", "none: cannot reach ..."
+    why: str = ""        # the kind of the reason (WHY_NAMES) when it is on TCP or missing; "" when it moved
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     endpoint: str
@@ -108,6 +132,8 @@ class NodeInfo:
     allreduces: int = 0       # tensor split: all-reduces it took part in, node to node
     bytes_allocated: int = 0  # this process's buffers on the node, now
     error_kind: int = 0       # enum tbrpc_error_kind of the failure (tbrpc.h); node_error() makes its exception
+    transport_why: str = ""   # the kind of the reason in `transport` when it is TCP (WHY_NAMES); "" when it moved
+    peer_links: tuple[PeerLink, ...] = ()   # its links to other nodes, made or not, with their kinds
 
     def exception(self) -> NodeError:
         """The NodeError of this node's failure (its class says the kind)."""
@@ -224,6 +250,9 @@ class Cluster:
         if self._lib.tbrpc_client_node_info(self._client, index, out) != 0:
             raise IndexError(f"no tbrpc node {index}")
         h = out.hello
+        links = tuple(PeerLink(to=self._endpoints[k.to] if k.to < len(self._endpoints) else "?", usable=bool(k.usable),
+                               transport=text(k.transport), why=why_name(k.why))
+                      for k in list(out.link_info)[:out.n_link_info])
         return NodeInfo(
             endpoint=text(out.endpoint), device_name=text(out.device_name), node_name=text(h.node_name),
             node_device=text(h.device_name), description=text(h.device_description),
@@ -233,6 +262,7 @@ class Cluster:
             bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies, transport=text(out.transport), links=text(out.links),
             error_kind=out.error_kind,
             allreduces=out.allreduces, bytes_allocated=out.bytes_allocated,
+            transport_why=why_name(out.transport_why), peer_links=links,
         )
 
     def device_names(self) -> list[str]:

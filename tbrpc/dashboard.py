@@ -150,7 +150,8 @@ def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | No
             "memory_used": info.bytes_allocated,   # this server's buffers on the node
             "layers": list(p.layers) if p and p.layers else None,
             "share": shares.get(info.device_name),
-            "transport": info.transport, "links": info.links or None,   # to the next nodes, once the first decode made them
+            "transport": info.transport, "links": info.links or None,   # to the next nodes: made at load (tbrpc.Llama)
+            "transport_why": info.transport_why or None, "peer_links": [asdict(link) for link in info.peer_links],
             "failed": info.failed, "error": info.error or None,
             "round_trips": info.round_trips, "bytes": info.bytes_sent + info.bytes_received,
             "round_trips_per_token": trips / tokens if log.tokens else None,   # since serving began

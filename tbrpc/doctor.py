@@ -6,7 +6,10 @@ node against the head's copy (size and a fast fingerprint); ssh and, on
 macOS nodes, rdma_ctl, the Thunderbolt link of the node's address and the GPU
 wired-memory limit. Then, for the head and every node, whether RDMA can
 carry its connections and why not, and per link of a layer split whether
-both ends can meet over RDMA (rdma_checks). A node's own facts come from
+both ends can meet over RDMA (rdma_checks). Then, for a launch running on
+this machine with these nodes, what its connections and links actually
+negotiated, and for each on TCP the reason's kind and its fix
+(running_checks, transport_fix). A node's own facts come from
 ``python -m tbrpc.facts``, run over ssh, or in this process for nodes on
 this machine.
 """
@@ -30,6 +33,7 @@ from tbrpc.spec import NodeSpec
 from tbrpc.units import format_size
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "-"
+_SAME_VERSIONS = "install the same tbrpc and llama-cpp-python on the head and this node, then restart the node"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -130,7 +134,7 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
     except NodeError as exc:
         message = str(exc)
         if isinstance(exc, NodeVersionMismatch):
-            fix = "install the same tbrpc and llama-cpp-python on the head and this node, then restart the node"
+            fix = _SAME_VERSIONS
         else:
             fix = "is this port a tbrpc node? restart it: " + _start_command(spec)
         n.add("handshake", FAIL, message, fix)
@@ -308,6 +312,7 @@ def _check_linux(n: _Node, linux: dict[str, Any]) -> None:
 # its `host`). Everything is decided by kinds and addresses, never by words.
 
 HEAD = "(head)"
+_RDMA_ON_A_MAC = "RDMA needs Thunderbolt 5 on this Mac, enabled from Recovery (`rdma_ctl enable`)"
 _DEVICE_FIX = {
     "open_failed": "the verbs device files must be readable and writable by the user running tbrpc "
                    "(`ls -l /dev/infiniband`; add the user to their group, or a udev rule)",
@@ -357,8 +362,7 @@ def _library_row(name: str, facts: dict[str, Any], needed: bool) -> tuple[str, s
     if not mac and not ib.get("exists", True):
         return status, f"{text}; there is no /dev/infiniband", ("load the NIC's RDMA driver (e.g. `sudo modprobe "
                                                                  "mlx5_ib ib_uverbs`) or use TCP")
-    return status, text, ("RDMA needs Thunderbolt 5 on this Mac, enabled from Recovery (`rdma_ctl enable`)" if mac
-                          else "no RDMA NIC here: connections use TCP")
+    return status, text, (_RDMA_ON_A_MAC if mac else "no RDMA NIC here: connections use TCP")
 
 
 def _device_summary(d: dict[str, Any]) -> str:
@@ -407,6 +411,10 @@ def _machine_rdma_rows(name: str, facts: dict[str, Any], addresses: Sequence[str
     return rows
 
 
+def _cable_fix(end: str, a: str, b: str) -> str:
+    return f"use {end}'s address on the cable between {a} and {b} (`host`, or `links` in the cluster file)"
+
+
 def _link_rdma_row(a: str, a_facts: dict[str, Any], a_addr: str | None,
                    b: str, b_facts: dict[str, Any], b_addr: str) -> tuple[str, str, str]:
     """(status, detail, fix) for the connection from machine a (at a_addr) to machine b (at b_addr)."""
@@ -433,7 +441,7 @@ def _link_rdma_row(a: str, a_facts: dict[str, Any], a_addr: str | None,
             return WARN, f"TCP: no RDMA device of {end} has a GID for {address}{why}", (
                 "turn the Thunderbolt Bridge off (networksetup -setnetworkserviceenabled 'Thunderbolt Bridge' off) "
                 "and give each cable its own subnet (docs/cluster.md, Four Macs)" if bridge else
-                f"use {end}'s address on the cable between {a} and {b} (`host`, or `links` in the cluster file)")
+                _cable_fix(end, a, b))
         if d["kind"] != "usable":
             return WARN, f"TCP: {end}: {d['text']}", _DEVICE_FIX.get(d["kind"], "")
     da, db = _rdma_device_for(a_facts, a_addr), _rdma_device_for(b_facts, b_addr)
@@ -466,8 +474,75 @@ def rdma_checks(specs: Sequence[NodeSpec], head_facts: dict[str, Any],
     return machine_rows + link_rows
 
 
-def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float = defaults.CHECK_TIMEOUT_S) -> list[Check]:
-    """Every check of every node, in order."""
+# --- what a running launch negotiated ----------------------------------------------------------
+#
+# A launch records, per connection (head to node) and per node-to-node link, what carries it and
+# the kind of the reason when it is TCP or missing (tbrpc/status.py, note_connections; the kinds
+# are enum tb_why, ggml_backend/transport.h). The fix is chosen by that kind, never by its words.
+
+RECORD_HEAD = "head"   # the source of a head's connection in a launch record's lines
+
+
+def transport_fix(why: str, source: str, target: str) -> str:
+    """What a user types so the connection or link from `source` (RECORD_HEAD for the head) to
+    `target` moves off TCP, for a reason of kind `why` (tbrpc.client.WHY_NAMES)."""
+    nodes = target if source == RECORD_HEAD else f"{target} or {source}"
+
+    def no_device(name: str) -> str:
+        row = HEAD if name == RECORD_HEAD else name
+        return (f"{name} lists no RDMA device: `tbrpc doctor --cluster FILE` says why on {row}'s `rdma devices` row "
+                f"(on a Mac: {_RDMA_ON_A_MAC})")
+
+    fixes = {
+        "asked": f"TCP was asked for (TBRPC_TRANSPORT=tcp, or `transport = \"tcp\"` for {nodes} in the cluster file): "
+                 "drop it to let tbrpc choose",
+        "peer_no_rdma": no_device(target),
+        "no_rdma_here": no_device(source),
+        "qp_budget": _DEVICE_FIX["qp_budget"],
+        "no_shm": f"start {nodes} without `--isolation thread`: shared memory needs a worker process per client",
+        "shm_failed": f"shared memory could not be made or mapped between {source} and {target}: check that /dev/shm "
+                      "has room (`df -h /dev/shm`) and read the node's log",
+        "rdma_failed": f"the RDMA bring-up failed (the reason names the side and step): `tbrpc doctor --cluster FILE` "
+                       f"checks the link from {source} to {target} (GIDs, port state, profiles, macOS builds); "
+                       + _DEVICE_FIX["port_down"],
+        "peer_old": _SAME_VERSIONS,
+        "no_link": _cable_fix(target, source, target) + f"; and let {source} reach {target}'s peer port (a firewall)",
+    }
+    return fixes.get(why, f"no fix known for a reason of kind {why!r}: read {source}'s and {target}'s logs")
+
+
+def record_carriers(node: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(source, target, transport, why, "connection" or "link") for the head's connection to a node of
+    a launch record and each of that node's links."""
+    carriers = [(RECORD_HEAD, node["name"], node.get("transport", ""), node.get("transport_why", ""), "connection")]
+    return carriers + [(node["name"], link["to"], link["transport"], link["why"], "link") for link in node.get("links", [])]
+
+
+def running_checks(specs: Sequence[NodeSpec], launches: Sequence[dict[str, Any]]) -> list[Check]:
+    """Per connection and link of each running launch (its record, tbrpc/status.py) that uses one of
+    `specs` (by endpoint, or by name where the spec has no fixed port): what carries it; on TCP for
+    a reason other than being asked to, a warning with the fix."""
+    endpoints = {s.endpoint for s in specs if s.port}
+    names = {s.name for s in specs if not s.port}   # a node launch starts on a free port
+    checks = []
+    for launch in launches:
+        nodes = [n for n in launch["nodes"] if "transport" in n]
+        if not any(n["endpoint"] in endpoints or n["name"] in names for n in nodes):
+            continue
+        tag = f"launch {launch['pid']}"
+        for node in nodes:
+            for source, target, transport, why, what in record_carriers(node):
+                status = OK if why in ("", "asked") else WARN
+                checks.append(Check(target if what == "connection" else source,
+                                    f"{what} from {source}" if what == "connection" else f"link to {target}",
+                                    status, f"{tag}: {transport}", transport_fix(why, source, target) if why else ""))
+    return checks
+
+
+def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float = defaults.CHECK_TIMEOUT_S,
+             launches: Sequence[dict[str, Any]] | None = None) -> list[Check]:
+    """Every check of every node, in order. `launches`: launch records to read what was negotiated
+    from (default: those of the launches running on this machine)."""
     reference = model_identity(gguf) if gguf else None
     checks: list[Check] = []
     toward: dict[str, list[str]] = {}
@@ -501,7 +576,12 @@ def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float 
                 _check_linux(n, facts["linux"])
             node_facts[spec.name] = facts
         checks.extend(n.checks)
-    return checks + rdma_checks(specs, collect(None, None, toward.get(HEAD, [])), node_facts)
+    if launches is None:
+        from tbrpc.status import running_launches   # status shows these fixes too: it imports this module
+
+        launches = running_launches()
+    return checks + rdma_checks(specs, collect(None, None, toward.get(HEAD, [])), node_facts) + \
+        running_checks(specs, launches)
 
 
 def format_checks(checks: Sequence[Check]) -> str:

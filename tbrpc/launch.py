@@ -32,7 +32,7 @@ from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
 from tbrpc.outage import Serving
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
 from tbrpc.spec import cable_gaps
-from tbrpc.status import launch_record, note_serving, note_transports
+from tbrpc.status import connection_lines, connection_records, launch_record, note_connections, note_serving
 from tbrpc.units import format_size
 
 EXIT_OK, EXIT_FAILED, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -90,11 +90,11 @@ class _Signals:
             signal.signal(s, h)
 
 
-def _first_load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[str], None]) -> Llama:
+def _first_load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[str], None], record: Path) -> Llama:
     """The launch's load: a signal during it aborts it at the next progress report."""
     signals.loading = True
     try:
-        llm = _load(opts, nodes, say, lambda: signals.received is not None)
+        llm = _load(opts, nodes, say, lambda: signals.received is not None, record)
     except (ValueError, TbrpcError):
         if signals.received is not None:
             raise _Interrupted(signal.Signals(signals.received).name) from None
@@ -107,9 +107,12 @@ def _first_load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Calla
     return llm
 
 
-def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted: Callable[[], bool]) -> Llama:
+def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted: Callable[[], bool],
+          record: Path) -> Llama:
     """Plan, connect and load (again, when a failed node is back); the load stops at its next
-    progress report once `aborted()`."""
+    progress report once `aborted()`. Then say what carries each connection and each link the
+    split uses (tbrpc.Llama made them), and why for those on TCP, and write it to the launch's
+    `record` for `tbrpc status`, `tbrpc doctor` and the /tbrpc page."""
     bar = ProgressBar("tbrpc: loading")
 
     def progress(fraction: float) -> bool:
@@ -128,6 +131,11 @@ def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted
     from_files = sum(cluster.info(i).bytes_from_files for i, e in enumerate(cluster.endpoints) if e in nodes.endpoints)
     say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"
         + (f"; the nodes read {format_size(from_files)} of weights from their own model files" if from_files else ""))
+    names = dict(zip(nodes.endpoints, (s.name for s in nodes.specs)))
+    found = connection_records([i for i in cluster.nodes() if i.endpoint in names], names)
+    for line in connection_lines([{"name": names[e], **found[e]} for e in nodes.endpoints if e in found]):
+        say(line)
+    note_connections(record, cluster.nodes())
     if draft is not None:
         if isinstance(draft, GGUFDraft):
             try:
@@ -191,8 +199,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                                                          [head_secret_file(s) or cluster_secret.file_for()
                                                           for s in nodes.specs]))
             step = "load"
-            llm = _first_load(opts, nodes, signals, say)
-            note_transports(record, {info.endpoint: info.transport for info in client_cluster().nodes()})
+            llm = _first_load(opts, nodes, signals, say, record)
             step = "generate"
             if opts.prompt is not None:
                 complete_once(llm, opts.prompt, out, opts.max_tokens, opts.temperature, opts.seed)
@@ -201,7 +208,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 chat(llm, opts.max_tokens, opts.temperature, out=out)
                 return EXIT_OK
             step = "serve"
-            serving = Serving(llm, nodes, lambda aborted: _load(opts, nodes, say, aborted), say, opts.gguf)
+            serving = Serving(llm, nodes, lambda aborted: _load(opts, nodes, say, aborted, record), say, opts.gguf)
             llm = None   # the server's now: it frees and reloads it when a node fails
             return _serve(opts, serving, record, say)
         except (_Interrupted, KeyboardInterrupt) as exc:

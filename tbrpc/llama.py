@@ -31,7 +31,7 @@ import llama_cpp.llama_cpp as llama_lib
 from tbrpc import defaults
 from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
-from tbrpc.client import connect
+from tbrpc.client import NodeError, connect
 from tbrpc.cluster_file import cluster_secret_file, load_specs
 from tbrpc.gguf_model import GGUFError
 from tbrpc.native import TbrpcError
@@ -274,6 +274,11 @@ class Llama(llama_cpp.Llama):
     ``secret_file``: the cluster secret (default: the cluster file's, else
     TBRPC_SECRET_FILE; N local nodes without one get a fresh one for the run).
     Unless given, ``n_gpu_layers`` and ``tensor_split`` come from the plan.
+
+    Once loaded, the node-to-node links the split uses are made (one token
+    decoded, the KV cache then emptied: ``_tbrpc_make_links``), so
+    ``tbrpc.client.cluster().nodes()`` lists each with its transport and why,
+    and the first request does not pay for setting them up.
     """
 
     def __init__(self, model_path: str, *, cluster: ClusterArg, progress: bool | Progress = False,
@@ -355,6 +360,32 @@ class Llama(llama_cpp.Llama):
                     raise nodes.explained("load", TbrpcError(failure[1]), failure[0]) from exc
                 raise
         self.tbrpc_load_seconds = time.monotonic() - started
+        started = time.monotonic()
+        if len(nodes.endpoints) > 1:
+            self._tbrpc_make_links()
+        self.tbrpc_link_seconds = time.monotonic() - started
+
+    def _tbrpc_make_links(self) -> None:
+        """Decode one token and forget it: ggml's scheduler copies activations between exactly the
+        nodes the graph puts next to each other, and each first copy (or, for a tensor split, the
+        all-reduce set-up) makes that link (client_node.c, peer_link). Why this and not links made
+        one by one in plan order: it makes the links the graph really uses and no other (an unused
+        RDMA link would hold one of a Mac's 10 QPs), and takes their set-up (shared memory segments,
+        the RDMA bring-up) out of the first request. The cache is then cleared as llama.cpp made
+        it, zeros included, so the first request decodes exactly as it would have; this object's own
+        token count never moved (``n_tokens`` is still 0). A decode llama.cpp refuses (a model that
+        cannot decode one token alone) leaves the links to the first request."""
+        token = self.token_bos() if self.token_bos() >= 0 else 0
+        try:
+            self._batch.set_batch(batch=[token], n_past=0, logits_all=False)
+            self._ctx.decode(self._batch)
+        except NodeError:
+            raise
+        except RuntimeError:
+            pass
+        finally:
+            self._batch.reset()
+            self._ctx.kv_cache_clear()
 
     @property
     def tbrpc_endpoints(self) -> list[str]:

@@ -5,7 +5,8 @@ launches running on this machine: ``tbrpc launch`` records its nodes in a
 small JSON file for as long as it runs (``launch-<pid>.json`` in
 ``runtime_dir()``), so ``tbrpc status`` alone finds nodes on free ports too.
 Once its model is loaded a launch adds what carries each of its connections
-("shm 16x256K", "tcp: the node is on another host"), and once it serves, where
+and each node-to-node link, and why when it is TCP ("shm 16x256K", "tcp: peer
+has no RDMA device", with the reason's kind), and once it serves, where
 its ``/tbrpc/status.json`` is: status then shows what the launch's page shows
 (layers and planned bytes per node, round trips and bytes per token, the last
 error, recent requests' speed), asking the launch, never the nodes.
@@ -26,6 +27,7 @@ from typing import Any
 
 from tbrpc import defaults
 from tbrpc.client import NodeError, NodeInfo, NodeStatus, probe
+from tbrpc.doctor import record_carriers, transport_fix
 from tbrpc.units import format_size
 
 
@@ -36,6 +38,8 @@ class Target:
     endpoint: str
     launch: str = ""      # "launch <pid> (<model>)" when a running launch uses it
     transport: str = ""   # that launch's connection to it
+    transport_why: str = ""   # the kind of its reason when on TCP (tbrpc.client.WHY_NAMES)
+    links: tuple[dict[str, Any], ...] = ()   # that launch's links from it (connection_records)
     served: dict[str, Any] | None = None   # that launch's page's record of the node (dashboard.snapshot)
     secret_file: str | None = None         # the secret that launch proves to it (None: this process's)
 
@@ -79,12 +83,38 @@ def _write_record(path: Path, data: dict[str, Any]) -> None:
     partial.replace(path)
 
 
-def note_transports(record: Path, transports: dict[str, str]) -> None:
-    """Add to a launch record what carries the launch's connection to each endpoint."""
+def connection_records(infos: Sequence[NodeInfo], names: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Per endpoint: what carries the head's connection to it and its links to other nodes (`names`:
+    endpoint -> node name), each with the kind of its reason when it is TCP or missing ("why")."""
+    return {info.endpoint: {
+        "transport": info.transport, "transport_why": info.transport_why,
+        "links": [{"to": names.get(link.to, link.to), "endpoint": link.to, "usable": link.usable,
+                   "transport": link.transport, "why": link.why} for link in info.peer_links],
+    } for info in infos}
+
+
+def note_connections(record: Path, infos: Sequence[NodeInfo]) -> None:
+    """Add to a launch record what carries each of the launch's connections and links, and why."""
     data = json.loads(record.read_text())
+    found = connection_records(infos, {n["endpoint"]: n["name"] for n in data["nodes"]})
     for node in data["nodes"]:
-        node["transport"] = transports.get(node["endpoint"], "")
+        node.update(found.get(node["endpoint"], {"transport": "", "transport_why": "", "links": []}))
     _write_record(record, data)
+
+
+def connection_lines(nodes: Sequence[dict[str, Any]], fixes: bool = False) -> list[str]:
+    """One line per connection (head to node) and per link (node to node) of launch record `nodes`:
+    "connection head -> a: shm 16x256K", "link a -> b: tcp: asked for"; with `fixes`, only those on
+    TCP or missing, each followed by the fix a user types (tbrpc.doctor.transport_fix)."""
+    lines = []
+    for node in nodes:
+        for source, target, transport, why, what in record_carriers(node):
+            if fixes and not why:
+                continue
+            lines.append(f"{what} {source} -> {target}: {transport or '?'}")
+            if fixes:
+                lines.append(f"  fix: {transport_fix(why, source, target)}")
+    return lines
 
 
 def note_serving(record: Path, url: str, api_key: str | None) -> None:
@@ -138,7 +168,8 @@ def targets(listed: Sequence[tuple[str, str]], with_launches: bool, timeout: flo
         for node in launch["nodes"]:
             known = next((i for i, t in enumerate(found) if t.endpoint == node["endpoint"]), None)
             target = Target(found[known].name if known is not None else node["name"], node["endpoint"], tag,
-                            node.get("transport", ""), served.get(node["endpoint"]), node.get("secret_file"))
+                            node.get("transport", ""), node.get("transport_why", ""), tuple(node.get("links", [])),
+                            served.get(node["endpoint"]), node.get("secret_file"))
             if known is None:
                 found.append(target)
             elif not found[known].launch:
@@ -180,10 +211,10 @@ def _layers(served: dict[str, Any] | None) -> str:
 
 
 def _carriers(t: Target) -> str:
-    """What carries the launch's connection to the node, and its links to other nodes (once made)."""
+    """What carries the launch's connection to the node, and its links to other nodes."""
     served = t.served or {}
-    links = f"; links: {served['links']}" if served.get("links") else ""
-    return (served.get("transport") or t.transport or "-") + links
+    links = "; ".join(f"-> {link['to']} {link['transport']}" for link in t.links)
+    return (served.get("transport") or t.transport or "-") + (f"; links: {links}" if links else "")
 
 
 def format_rows(rows: Sequence[Row]) -> str:
@@ -206,6 +237,23 @@ def format_rows(rows: Sequence[Row]) -> str:
                       note))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
+
+
+def format_tcp(rows: Sequence[Row]) -> str:
+    """The launches' connections and links that are on TCP (or missing), each with why and the fix."""
+    by_launch: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        t = r.target
+        if t.launch:
+            by_launch.setdefault(t.launch, []).append({"name": t.name, "transport": t.transport,
+                                                       "transport_why": t.transport_why, "links": list(t.links)})
+    out = []
+    for launch, nodes in by_launch.items():
+        lines = connection_lines(nodes, fixes=True)
+        if lines:
+            out.append(f"{launch}: on TCP, and why")
+            out.extend("  " + line for line in lines)
+    return "\n".join(out)
 
 
 def format_serving(launches: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> str:
@@ -231,6 +279,7 @@ def rows_json(rows: Sequence[Row], launches: Sequence[tuple[dict[str, Any], dict
     for r in rows:
         row: dict[str, Any] = {"name": r.target.name, "endpoint": r.target.endpoint, "up": r.status is not None,
                                "launch": r.target.launch or None, "transport": r.target.transport or None,
+                               "transport_why": r.target.transport_why or None, "links": list(r.target.links),
                                "served": r.target.served}
         if r.status is not None and r.info is not None:
             row.update(node_name=r.info.node_name, description=r.info.description, **asdict(r.status))

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +85,13 @@ def main(spec_path: str, out_path: str) -> None:
         result["load_s"] = time.time() - t0
         if nodes:
             result["allocated_after_load"] = [tbrpc.cluster().status(i).bytes_allocated for i in range(len(nodes))]
-            result["nodes_after_load"] = [vars(n) for n in tbrpc.cluster().nodes()]   # counters before the reset
+            result["nodes_after_load"] = [asdict(n) for n in tbrpc.cluster().nodes()]   # counters before the reset
         tokens, logits = generate(llm, spec["prompt"], spec["n_predict"], spec.get("kill"),
                                   tbrpc.cluster().reset_stats if nodes else None, spec.get("forced_tokens"))
         result["tokens"] = tokens
         np.save(spec["logits_path"], logits)
         if nodes:
-            result["nodes"] = [vars(n) for n in tbrpc.cluster().nodes()]
+            result["nodes"] = [asdict(n) for n in tbrpc.cluster().nodes()]
         if spec.get("then_run"):   # another program, while this head still holds its connections and links
             run = spec["then_run"]
             proc = subprocess.run(run["argv"], capture_output=True, text=True, timeout=300,

@@ -272,13 +272,20 @@ def test_dashboard_in_a_browser(tmp_path: Path) -> None:
         stop_and_check(launch, signal.SIGINT, 0)
 
 
-def test_prompt_prints_one_completion(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport,carrier", [("auto", r"shm \d+x\d+K"), ("tcp", "tcp: asked for")])
+def test_prompt_prints_one_completion(transport: str, carrier: str, tmp_path: Path) -> None:
+    """The load summary names every connection and the link the split uses, made before the
+    first request (one token decoded and forgotten): the completion is still one process's."""
     want = expected("llama")
     launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256",
-                          "--prompt", PROMPT, "--max-tokens", str(N_TOKENS))
+                          "--prompt", PROMPT, "--max-tokens", str(N_TOKENS), env={**ENV, "TBRPC_TRANSPORT": transport})
     assert launch.finish() == 0, launch.stderr
     assert launch.stdout == want["text"] + "\n"
     assert "model loaded in" in launch.stderr and "loading" in launch.stderr
+    summary = launch.stderr.split("model loaded in", 1)[1]
+    for line in ("connection head -> local0", "connection head -> local1", "link local0 -> local1"):
+        assert re.search(rf"^tbrpc: {line}: {carrier}$", summary, re.M), launch.stderr
+    assert "link local1 ->" not in summary, launch.stderr   # a layer split over two nodes: one link
     assert_gone(launch.node_pids())
 
 
@@ -344,18 +351,35 @@ def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
         launch.http_base()
         assert re.search(r"connected: TBRPC\d+=near \(shm \d+x\d+K\), TBRPC\d+=far \(tcp: asked for\)", launch.stderr), \
             launch.stderr
+        # the link near -> far was made at load: `far` asked for TCP, so its links stay on TCP too
+        assert "tbrpc: link near -> far: tcp: asked for" in launch.stderr, launch.stderr
         status = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status"], cwd=tmp_path, env=env,
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         table = status.stdout.split("\n\n")[0]   # the node table; a serving launch's paragraph follows
         rows = {line.split()[0]: line for line in table.splitlines()[1:]}
         assert set(rows) == {"near", "far"}, status.stdout
-        assert re.search(r"shm \d+x\d+K\s+-\s+launch \d+", rows["near"]), status.stdout   # no request yet: no per-token figures
+        # no request yet: no per-token figures, but the link is there
+        assert re.search(r"shm \d+x\d+K; links: -> far tcp: asked for\s+-\s+launch \d+", rows["near"]), status.stdout
         assert "tcp: asked for" in rows["far"], status.stdout
+        assert re.search(r"^launch \d+ \(.*\): on TCP, and why$", status.stdout, re.M), status.stdout
+        for line in ("connection head -> far: tcp: asked for", "link near -> far: tcp: asked for"):   # each with its fix
+            assert re.search(rf"^  {line}\n    fix: TCP was asked for \(TBRPC_TRANSPORT=tcp", status.stdout, re.M), \
+                status.stdout
         as_json = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=env,
                                  capture_output=True, text=True, timeout=60)
         by_name = {r["name"]: r for r in json.loads(as_json.stdout)["nodes"]}
         assert by_name["far"]["transport"] == "tcp: asked for" and by_name["near"]["transport"].startswith("shm ")
+        assert (by_name["far"]["transport_why"], by_name["near"]["transport_why"]) == ("asked", None), by_name
+        assert [(x["to"], x["transport"], x["why"]) for x in by_name["near"]["links"]] == [("far", "tcp: asked for", "asked")]
+        # doctor reads the same record: what the running launch negotiated, per connection and link
+        doctor = subprocess.run([sys.executable, "-m", "tbrpc.cli", "doctor", "--cluster", str(cluster)], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=120)
+        for row in (r"far\s+connection from head", r"near\s+link to far"):
+            assert re.search(rf"^{row}\s+ok\s+launch {launch.proc.pid}: tcp: asked for$", doctor.stdout, re.M), \
+                doctor.stdout + doctor.stderr
+        assert re.search(rf"^near\s+connection from head\s+ok\s+launch {launch.proc.pid}: shm ", doctor.stdout, re.M), \
+            doctor.stdout
         assert all(r["up"] and r["clients"] >= 1 and r["bytes_allocated"] > 0 for r in by_name.values()), by_name
 
         # after a request, status shows what the launch's page shows, taken from the launch itself
@@ -370,11 +394,13 @@ def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
         page_nodes = {n["endpoint"]: n for n in page["nodes"]}
         text = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status"], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=60).stdout
-        assert re.search(r"links: 127\.0\.0\.1:\d+ (shm \d+x\d+K|tcp)", text), text   # the first node's link to the second
+        assert re.search(r"links: -> far tcp: asked for", text), text   # the first node's link to the second
         for row in shown["nodes"]:
             served, on_page = row["served"], page_nodes[row["endpoint"]]
             assert served["layers"] == on_page["layers"] and served["memory_planned"] == on_page["memory_planned"]
-            assert served["round_trips_per_token"] > 0 and served["bytes_per_token"] > 0, served
+            assert served["bytes_per_token"] > 0, served
+            # only the last node answers per token; the link near -> far was made at load, not in the request
+            assert (served["round_trips_per_token"] > 0) == (row["name"] == "far"), served
             assert served["memory_used"] == row["bytes_allocated"] > 0, (served, row)   # the head's count is the node's
         (serving,) = shown["launches"]
         assert serving["pid"] == launch.proc.pid and serving["requests"]["count"] == 1, serving
@@ -586,3 +612,5 @@ def test_links_choose_the_address_a_node_is_dialled_at(tmp_path: Path) -> None:
         assert launch.stdout == want["text"] + "\n"
     logs = {log.stem: log.read_text() for log in launch.log_dir.glob("*.log")}
     assert "cannot reach peer 127.0.0.9:" in logs["a"], logs
+    # the load summary says so too: the link was tried at load, and there is none
+    assert re.search(r"^tbrpc: link a -> b: none: cannot reach 127\.0\.0\.9:\d+ \(", launch.stderr, re.M), launch.stderr

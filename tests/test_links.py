@@ -26,11 +26,14 @@ def test_env_forces_tcp_for_links_too(nodes: Any, tmp_path: Path) -> None:
     spec = dict(model=str(models.ensure("llama")), prompt=PROMPT, n_predict=6, nodes=endpoints)
     over_shm, _ = run_head(tmp_path, **spec)
     over_tcp, _ = run_head(tmp_path, env={"TBRPC_TRANSPORT": "tcp"}, **spec)
-    for result, kind in ((over_shm, "shm 16x256K"), (over_tcp, "tcp: asked for")):
+    for result, kind, why in ((over_shm, "shm 16x256K", ""), (over_tcp, "tcp: asked for", "asked")):
         assert result["error"] is None, result["error"]
         assert [n["transport"] for n in result["nodes"]] == [kind] * 3
+        assert [n["transport_why"] for n in result["nodes"]] == [why] * 3   # the reason's kind, beside its words
         for node, following in zip(result["nodes"], endpoints[1:]):
             assert node["links"] == f"{following} {kind}", node["links"]
+            assert node["peer_links"] == [{"to": following, "usable": True, "transport": kind, "why": why}], node
+        assert result["nodes"][-1]["peer_links"] == []
     assert over_shm["tokens"] == over_tcp["tokens"]
     # both ends of a link log what carries it (the dialer names the listener's link port)
     assert re.search(r"link to peer 127\.0\.0\.1:\d+: transport shm 16x256K", a.log_text()), a.log_text()[-2000:]

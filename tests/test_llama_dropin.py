@@ -40,7 +40,12 @@ def test_local_nodes_started_and_stopped(tmp_path: Path) -> None:
     model = models.ensure("llama")
     out = run_code(f"""
         from tbrpc.client import cluster
+        import llama_cpp
         llm = Llama({str(model)!r}, cluster=2, n_ctx=256, verbose=False, log_dir={str(tmp_path / "a")!r})
+        # made at load: the link the split uses, and the token that made it is forgotten
+        links = [[[x.to, x.usable, x.transport, x.why] for x in i.peer_links] for i in cluster().nodes()]
+        endpoints = [i.endpoint for i in cluster().nodes()]
+        kept = llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(llm.ctx), 0)
         reported = [min(i.mem_free, i.mem_total) or i.mem_total for i in cluster().nodes()]
         usable = [n.usable_bytes for n in llm.tbrpc_plan.nodes]
         text = llm({PROMPT!r}, max_tokens={N_TOKENS}, temperature=0)["choices"][0]["text"]
@@ -57,8 +62,11 @@ def test_local_nodes_started_and_stopped(tmp_path: Path) -> None:
         gc.collect()
         print(json.dumps({{"text": text, "text2": text2, "first": first, "second": second,
                           "alive_before": alive_before, "devices": devices, "reported": reported, "usable": usable,
-                          "usable2": usable2, "reported2": reported2}}))
+                          "usable2": usable2, "reported2": reported2, "links": links, "endpoints": endpoints,
+                          "kept": kept}}))
     """)
+    assert out["links"] == [[[out["endpoints"][1], True, "shm 16x256K", ""]], []], out["links"]
+    assert out["kept"] == -1   # no position of the warm-up token left in the KV cache
     assert out["reported"][0] == out["reported"][1]   # one machine
     assert out["usable"] == [out["reported"][0] // 2] * 2 and out["usable2"] == [out["reported2"]]
     want = expected("llama")

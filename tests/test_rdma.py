@@ -159,8 +159,10 @@ def test_builds_without_verbs_headers(tmp_path) -> None:
     """-DTB_NO_VERBS stands for a machine without the headers: rdma.c is a stub that says so."""
     src = tmp_path / "stub.c"
     src.write_text('#include "transport/rdma.h"\n#include <stdio.h>\n#include <string.h>\n'
-                   'int main(void) { char why[200]; struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", why, sizeof why);\n'
-                   '  printf("%s\\n", why); return t != NULL || strstr(why, "built without verbs headers") == NULL; }\n')
+                   'int main(void) { char why[200]; int kind = 0;\n'
+                   '  struct tb_transport * t = tb_rdma_upgrade(NULL, "127.0.0.1", &kind, why, sizeof why);\n'
+                   '  printf("%s\\n", why); return t != NULL || strstr(why, "built without verbs headers") == NULL ||\n'
+                   '         kind != TB_WHY_NO_RDMA_HERE; }\n')
     exe = build_program(src, tmp_path / "stub", with_ggml=False, defines=("TB_NO_VERBS",))
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -290,6 +292,86 @@ def test_node_without_rdma_keeps_tcp_and_says_why(built, sim_nodes, monkeypatch,
                          nodes=[f"127.0.0.3:{started[0].port}"])
     assert result["error"] is None, result["error"]
     assert [n["transport"] for n in result["nodes"]] == ["tcp: peer has no RDMA device"]
+
+
+def record_of(result_nodes: list[dict], names: list[str]) -> list[dict]:
+    """A launch record's nodes (tbrpc/status.py, connection_records) from tests/head.py's node infos."""
+    from tbrpc.client import NodeInfo, PeerLink
+    from tbrpc.status import connection_records
+
+    infos = [NodeInfo(**{**n, "peer_links": tuple(PeerLink(**link) for link in n["peer_links"])}) for n in result_nodes]
+    by_endpoint = dict(zip((n["endpoint"] for n in result_nodes), names))
+    found = connection_records(infos, by_endpoint)
+    return [{"name": name, **found[n["endpoint"]]} for n, name in zip(result_nodes, names)]
+
+
+def assert_fixes_follow_the_kinds(record: list[dict]) -> None:
+    """What `tbrpc status` prints for the connections and links on TCP in
+    test_each_connection_and_link_says_why: each with the fix for its kind, naming the machine to fix."""
+    from tbrpc.status import connection_lines
+
+    lines = connection_lines(record, fixes=True)
+    shown = dict(zip(lines[::2], (fix.removeprefix("  fix: ") for fix in lines[1::2])))
+    assert set(shown) == {"connection head -> b: tcp: peer has no RDMA device",
+                          "connection head -> c: " + record[2]["transport"],
+                          "link a -> b: tcp: peer has no RDMA device",
+                          "link b -> c: " + record[1]["links"][0]["transport"]}, lines
+    assert shown["connection head -> b: tcp: peer has no RDMA device"].startswith("b lists no RDMA device"), shown
+    assert shown["link a -> b: tcp: peer has no RDMA device"].startswith("b lists no RDMA device"), shown
+    assert shown["link b -> c: " + record[1]["links"][0]["transport"]].startswith("b lists no RDMA device"), shown
+    assert "RDMA bring-up failed" in shown["connection head -> c: " + record[2]["transport"]], shown
+
+
+def test_each_connection_and_link_says_why(built, sim_nodes, one_process, monkeypatch, tmp_path) -> None:
+    """Three "hosts" over the stand-in: a with RDMA, b whose verbs library is missing, c whose port is
+    down. Every head connection and node-to-node link says what carries it and, on TCP, a kind beside
+    the words (enum tb_why): head -> b and a -> b "peer has no RDMA device" (b's caps), b -> c "no
+    RDMA here" (b's own library), head -> c a failed bring-up (c's port). The fix `tbrpc status` and
+    `tbrpc doctor` print follows the kind, not the words: the negative check swaps b -> c's kind for
+    a -> b's (the words stay) and the fix then names the wrong machine. Same tokens as one process."""
+    from dataclasses import replace
+
+    import models
+    from helpers import run_head
+
+    from tbrpc.doctor import WARN, running_checks
+    from tbrpc.spec import endpoint_specs
+
+    (a,) = sim_nodes(1, "linux-rc", addresses=["127.0.0.3"])
+    (b,) = sim_nodes(1, "linux-rc", addresses=["127.0.0.4"], TBRPC_VERBS_LIB="/nonexistent/libibverbs.so.1")
+    (c,) = sim_nodes(1, "linux-rc", addresses=["127.0.0.5"], TBVSIM_PORT="down")
+    head_env(monkeypatch, built, tmp_path, "linux-rc")
+    endpoints = [f"127.0.0.3:{a.port}", f"127.0.0.4:{b.port}", f"127.0.0.5:{c.port}"]
+    result, _ = run_head(tmp_path, model=str(models.ensure("llama")), prompt="The capital of France is", n_predict=8,
+                         nodes=endpoints)
+    assert result["error"] is None, result["error"]
+    assert result["tokens"] == one_process("llama")[0]["tokens"]
+    na, nb, nc = result["nodes"]
+    assert na["transport"] == "rdma simbolt0 RC 256Kx16" and na["transport_why"] == "", na
+    assert (nb["transport"], nb["transport_why"]) == ("tcp: peer has no RDMA device", "peer_no_rdma"), nb
+    assert nc["transport"].startswith("tcp: peer: RDMA device simbolt0 port 1 is not active"), nc
+    assert nc["transport_why"] == "rdma_failed", nc
+    assert [(x["to"], x["usable"], x["transport"], x["why"]) for x in na["peer_links"]] == \
+        [(endpoints[1], True, "tcp: peer has no RDMA device", "peer_no_rdma")], na["peer_links"]
+    ((to, usable, transport, why),) = [(x["to"], x["usable"], x["transport"], x["why"]) for x in nb["peer_links"]]
+    assert (to, usable, why) == (endpoints[2], True, "no_rdma_here") and transport.startswith("tcp: "), nb["peer_links"]
+    assert nc["peer_links"] == []
+
+    record = record_of(result["nodes"], ["a", "b", "c"])
+    assert_fixes_follow_the_kinds(record)
+    wrong = [dict(n, links=[dict(x, why="peer_no_rdma") for x in n["links"]]) if n["name"] == "b" else n for n in record]
+    with pytest.raises(AssertionError):   # the words alone would not tell b's missing library from c's
+        assert_fixes_follow_the_kinds(wrong)
+
+    # doctor, reading the same record of a running launch: a warning with the fix per connection on TCP
+    specs = [replace(s, name=name) for s, name in zip(endpoint_specs(endpoints), "abc")]
+    launch = {"pid": 4242, "nodes": [dict(n, endpoint=e) for n, e in zip(record, endpoints)]}
+    rows = {(r.node, r.name): r for r in running_checks(specs, [launch])}
+    assert rows[("a", "connection from head")].status == "ok", rows
+    assert rows[("b", "connection from head")].status == WARN and rows[("b", "connection from head")].fix.startswith(
+        "b lists no RDMA device"), rows
+    assert rows[("b", "link to c")].status == WARN and "launch 4242: tcp: " in rows[("b", "link to c")].detail, rows
+    assert rows[("b", "link to c")].fix.startswith("b lists no RDMA device"), rows
 
 
 @pytest.mark.parametrize("profile", ["apple-uc", "linux-rc"])
@@ -471,6 +553,7 @@ def test_heads_connection_beyond_its_budget_stays_on_tcp(built, sim_nodes, one_p
     assert result["error"] is None, result["error"]
     refused = "QP budget: 1 of 1 in use on simbolt0"
     assert [n["transport"] for n in result["nodes"]] == [APPLE, f"tcp: {refused}"], result["nodes"]
+    assert [n["transport_why"] for n in result["nodes"]] == ["", "qp_budget"], result["nodes"]
     assert f"stays on tcp: peer: {refused}" in started[1].log_text(), started[1].log_text()[-2000:]
     assert result["nodes"][0]["links"] == f"{endpoints[1]} {APPLE}"
     counted = places_counted(result)
@@ -508,6 +591,8 @@ def assert_one_budget_on_the_heads_host(run: dict, base: tuple) -> None:
     assert [n["transport"] for n in result["nodes"]] == ["shm 16x256K", APPLE], result["nodes"]
     refused = "QP budget: 1 of 1 in use on simbolt0"
     assert result["nodes"][0]["links"] == f"{endpoints[1]} tcp: {refused}", result["nodes"][0]["links"]
+    assert [link["why"] for link in result["nodes"][0]["peer_links"]] == ["qp_budget"], result["nodes"][0]
+    # the refusal came from the dialer's own side of the bring-up, the listener heard it as the peer's
     assert f"link from peer {endpoints[0]}: transport tcp: peer: {refused}" in run["downstream_log"]
     counted = places_counted(result)
     assert counted["stand_in"]["head"] == 1, counted   # the device itself: head and node 0 hold one QP together

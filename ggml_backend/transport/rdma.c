@@ -65,6 +65,7 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     memset(mine, 0, sizeof *mine);
     mine->magic = TB_RDMA_INFO_MAGIC;
     mine->version = TB_RDMA_INFO_VERSION;
+    mine->why = TB_WHY_NO_RDMA_HERE;
     snprintf(mine->reason, sizeof mine->reason, "%s", NO_VERBS);
     return NULL;
 }
@@ -83,8 +84,10 @@ int tb_rdma_available(char * why, size_t why_len) {
     snprintf(why, why_len, "%s", NO_VERBS);
     return 0;
 }
-struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len) {
+struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, int * why, char * reason,
+                                      size_t reason_len) {
     (void) tcp; (void) local_host;
+    *why = TB_WHY_NO_RDMA_HERE;
     snprintf(reason, reason_len, "%s", NO_VERBS);
     return NULL;
 }
@@ -326,6 +329,7 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     mine->magic = TB_RDMA_INFO_MAGIC;
     mine->version = TB_RDMA_INFO_VERSION;
     mine->host_id = host_id();
+    mine->why = TB_WHY_RDMA_FAILED;   // until ok
     char err[200];
     const struct tb_verbs * v = tb_verbs_load(err, sizeof err);
     if (!v) { snprintf(mine->reason, sizeof mine->reason, "%s", err); return NULL; }
@@ -348,6 +352,7 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     // A device takes so many QPs (Apple: 10) over every process on its host: a place before the QP.
     if (tb_qp_take(host_id(), d->device, tb_rdma_qp_limit(d->profile), &d->qp_place, mine->reason,
                    sizeof mine->reason) != TB_QP_TAKEN) {
+        mine->why = TB_WHY_QP_BUDGET;
         v->close_device(d->ctx);
         free(d);
         return NULL;
@@ -762,13 +767,25 @@ struct tb_transport * tb_rdma_transport(struct tb_rdma * d, struct tb_transport 
 }
 
 // What both sides decide from the two infos (the same on both sides).
-static int agree(const struct tb_rdma_info * mine, const struct tb_rdma_info * peer, char * why, size_t why_len) {
+// Whether both sides may go on; if not, why, and its kind: ours, or the
+// peer's when it is the one refusal kind we act on (its bytes are not trusted further).
+static int agree(const struct tb_rdma_info * mine, const struct tb_rdma_info * peer, int * kind, char * why,
+                 size_t why_len) {
+    *kind = TB_WHY_RDMA_FAILED;
     if (peer->magic != TB_RDMA_INFO_MAGIC || peer->version != TB_RDMA_INFO_VERSION) {
         snprintf(why, why_len, "peer speaks another RDMA bring-up");
         return 0;
     }
-    if (!mine->ok) { snprintf(why, why_len, "%.*s", (int) sizeof mine->reason, mine->reason); return 0; }
-    if (!peer->ok) { snprintf(why, why_len, "peer: %.*s", (int) sizeof peer->reason, peer->reason); return 0; }
+    if (!mine->ok) {
+        *kind = (int) mine->why;
+        snprintf(why, why_len, "%.*s", (int) sizeof mine->reason, mine->reason);
+        return 0;
+    }
+    if (!peer->ok) {
+        if (peer->why == TB_WHY_QP_BUDGET) *kind = TB_WHY_QP_BUDGET;
+        snprintf(why, why_len, "peer: %.*s", (int) sizeof peer->reason, peer->reason);
+        return 0;
+    }
     if (mine->profile != peer->profile) {
         snprintf(why, why_len, "profiles differ (%s here, %s on the peer)", tb_rdma_profile_name(mine->profile),
                  tb_rdma_profile_name(peer->profile));
@@ -800,8 +817,10 @@ static int local_address(struct tb_transport * tcp, char * out, size_t out_len) 
     return inet_ntop(AF_INET6, six, out, (socklen_t) out_len) ? 0 : -1;
 }
 
-struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len) {
+struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, int * kind, char * reason,
+                                      size_t reason_len) {
     struct tb_rdma_info mine, peer;
+    *kind = TB_WHY_RDMA_FAILED;
     char here[64] = "";
     if (!local_host && local_address(tcp, here, sizeof here) == 0) local_host = here;
     struct tb_rdma * d = tb_rdma_prepare(local_host, &mine);
@@ -813,7 +832,7 @@ struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * lo
     }
     peer.reason[sizeof peer.reason - 1] = 0;
     peer.device[sizeof peer.device - 1] = 0;
-    if (!agree(&mine, &peer, why, sizeof why)) {
+    if (!agree(&mine, &peer, kind, why, sizeof why)) {
         snprintf(reason, reason_len, "%s", why);
         tb_rdma_discard(d);
         return NULL;

@@ -29,7 +29,7 @@
 enum tb_rdma_profile { TB_RDMA_APPLE_UC = 1, TB_RDMA_LINUX_RC = 2, TB_RDMA_LINUX_UC = 3 };
 
 #define TB_RDMA_INFO_MAGIC   0x41445254u   // "TRDA"
-#define TB_RDMA_INFO_VERSION 1
+#define TB_RDMA_INFO_VERSION 2
 #define TB_RDMA_PREFIX       64u           // wire bytes before each ring frame: seq, length, checksum
 
 // What each side tells the other over TCP (fixed layout, 256 bytes).
@@ -48,6 +48,8 @@ struct tb_rdma_info {
     uint64_t host_id;
     char     device[32];
     char     reason[136];
+    uint32_t why;           // ok=0: enum tb_why of the reason (TB_WHY_QP_BUDGET, else TB_WHY_RDMA_FAILED)
+    uint32_t reserved;
 };
 
 const char * tb_rdma_profile_name(int profile);
@@ -70,10 +72,11 @@ void tb_rdma_discard(struct tb_rdma * d);
 
 // The whole symmetric bring-up over `tcp` (both sides call it at the same
 // point of their conversation). Returns the RDMA transport (which now owns
-// tcp), or NULL with the reason in `reason`; tcp is then still usable and the
-// peer stayed on TCP too.
+// tcp), or NULL with the reason in `reason` and its kind (enum tb_why) in
+// *why; tcp is then still usable and the peer stayed on TCP too.
 // local_host NULL: the TCP connection's own address.
-struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, char * reason, size_t reason_len);
+struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * local_host, int * why, char * reason,
+                                      size_t reason_len);
 
 // QPs one device takes (0: no limit): apple-uc 10 (TN3205); TBRPC_RDMA_MAX_QPS overrides.
 // Counted over every tbrpc process of the host (qp_budget.h).

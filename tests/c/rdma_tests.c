@@ -65,11 +65,13 @@ static struct pair make_pair(int timeout_ms, int expect_rdma, int (*child_fn)(st
     snprintf(tcp->peer, sizeof tcp->peer, "%s", child ? "parent" : "child");
     char reason[256] = "";
     const char * local = getenv("RDMA_TEST_LOCAL") ? getenv("RDMA_TEST_LOCAL") : getenv("TBVSIM_ADDR");
-    struct tb_transport * t = tb_rdma_upgrade(tcp, local, reason, sizeof reason);
+    int why;
+    struct tb_transport * t = tb_rdma_upgrade(tcp, local, &why, reason, sizeof reason);
     if (expect_rdma) {
         CHECK(t, "%s: upgrade failed: %s", child ? "child" : "parent", reason);
     } else {
         CHECK(!t, "%s: upgraded though it should not have", child ? "child" : "parent");
+        CHECK(why == TB_WHY_RDMA_FAILED, "%s: a failed bring-up of kind %d", child ? "child" : "parent", why);
         printf("%s stays on tcp: %s\n", child ? "child" : "parent", reason);
         fflush(stdout);
         t = tcp;

@@ -282,7 +282,9 @@ static void case_attach_rules(void) {
 // The parent dials, the child accepts; each checks what carries its end and
 // that bytes still flow both ways over it.
 
-struct upgrade_case { struct tb_upgrade_want want; const char * no_shm; const char * dialer, * acceptor; int garbage; };
+// dialer_why, acceptor_why: the kind (enum tb_why) each end gives the words in its describe.
+struct upgrade_case { struct tb_upgrade_want want; const char * no_shm; const char * dialer, * acceptor; int garbage;
+                      int dialer_why, acceptor_why; };
 
 static int roundtrip(struct tb_transport * t, int first) {
     char out[5] = "ping", in[5] = "";
@@ -307,6 +309,7 @@ static void run_upgrade(const struct upgrade_case * u) {
         }
         CHECK(t, "accept: %s", why);
         CHECK(strcmp(t->describe, u->acceptor) == 0, "acceptor on '%s', expected '%s'", t->describe, u->acceptor);
+        CHECK(t->why == u->acceptor_why, "acceptor's reason '%s' of kind %d, expected %d", t->describe, t->why, u->acceptor_why);
         CHECK(roundtrip(t, 0) == 0, "acceptor roundtrip: %s", t->error);
         tb_close(t);
         _exit(0);
@@ -314,7 +317,7 @@ static void run_upgrade(const struct upgrade_case * u) {
     close(sv[1]);
     struct tb_transport * tcp = tb_adopt(sv[0], 5000);
     if (u->garbage) {   // a peer that sends anything but an upgrade
-        uint8_t junk[sizeof(struct tb_transport_req) + 164];
+        uint8_t junk[sizeof(struct tb_transport_req) + 168];   // the size of an upgrade ask (upgrade.c)
         memset(junk, 0x5a, sizeof junk);
         CHECK(tb_send(tcp, junk, sizeof junk) == 0 && tb_flush(tcp) == 0, "send junk");
         CHECK(child_status(pid) == 0, "acceptor");
@@ -324,6 +327,7 @@ static void run_upgrade(const struct upgrade_case * u) {
     struct tb_transport * t = tb_upgrade_dial(tcp, &u->want, why, sizeof why);
     CHECK(t, "dial: %s", why);
     CHECK(strcmp(t->describe, u->dialer) == 0, "dialer on '%s', expected '%s'", t->describe, u->dialer);
+    CHECK(t->why == u->dialer_why, "dialer's reason '%s' of kind %d, expected %d", t->describe, t->why, u->dialer_why);
     CHECK(roundtrip(t, 1) == 0, "dialer roundtrip: %s", t->error);
     CHECK(child_status(pid) == 0, "acceptor");
     tb_close(t);
@@ -331,12 +335,14 @@ static void run_upgrade(const struct upgrade_case * u) {
 
 static void case_upgrade(void) {
     const struct upgrade_case cases[] = {
-        { { .peer_shm = 1 }, NULL, "shm 16x256K", "shm 16x256K", 0 },
-        { { .peer_shm = 1, .forced_tcp = 1 }, NULL, "tcp: asked for", "tcp: peer: asked for", 0 },
-        { { .peer_shm = 0 }, NULL, "tcp: the node offers no shared memory", "tcp: peer: the node offers no shared memory", 0 },
-        { { .peer_shm = 1, .no_shm = "threads here" }, NULL, "tcp: threads here", "tcp: peer: threads here", 0 },
-        { { .peer_shm = 1 }, "threads there", "tcp: threads there", "tcp: threads there", 0 },
-        { { .peer_shm = 1 }, NULL, "", "", 1 },
+        { { .peer_shm = 1 }, NULL, "shm 16x256K", "shm 16x256K", 0, TB_WHY_NONE, TB_WHY_NONE },
+        { { .peer_shm = 1, .forced_tcp = 1 }, NULL, "tcp: asked for", "tcp: peer: asked for", 0, TB_WHY_ASKED, TB_WHY_ASKED },
+        { { .peer_shm = 0 }, NULL, "tcp: the node offers no shared memory", "tcp: peer: the node offers no shared memory", 0,
+          TB_WHY_NO_SHM, TB_WHY_NO_SHM },
+        { { .peer_shm = 1, .no_shm = "threads here" }, NULL, "tcp: threads here", "tcp: peer: threads here", 0,
+          TB_WHY_NO_SHM, TB_WHY_NO_SHM },
+        { { .peer_shm = 1 }, "threads there", "tcp: threads there", "tcp: threads there", 0, TB_WHY_NO_SHM, TB_WHY_NO_SHM },
+        { { .peer_shm = 1 }, NULL, "", "", 1, 0, 0 },
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_upgrade(&cases[i]);
 }
