@@ -375,8 +375,9 @@ def assert_every_pair_linked(result: dict[str, Any], kind: str) -> None:
     all-reduce needs), and each link is carried by `kind` ("shm 16x256K", ...)."""
     endpoints = [n["endpoint"] for n in result["nodes"]]
     for node in result["nodes"]:
-        links = dict(part.split(" ", 1) for part in node["links"].split("; ") if part)
-        assert links == {e: kind for e in endpoints if e != node["endpoint"]}, (node["endpoint"], node["links"])
+        links = {link["to"]: (link["usable"], link["transport"]) for link in node["peer_links"]}
+        want = {e: (True, kind) for e in endpoints if e != node["endpoint"]}
+        assert links == want, (node["endpoint"], node["peer_links"])
 
 
 def head_process(tmp_path: Path, **spec: Any) -> tuple[subprocess.CompletedProcess[bytes], Path]:
