@@ -22,7 +22,14 @@ summed over the nodes). Checks that every mode decoded the same tokens.
 --model llama-f32 (the default) runs every mode; --model gemma (Gemma 3
 270M, Q4_K_M) runs single, layer and ffn: llama.cpp's tensor split aborts
 on a model with one KV head (the planner refuses it; docs/architecture.md,
-Tensor split). On tiny models every mode measures per-graph overhead, not
+Tensor split); --model deepseek2 (the tiny DeepSeek V3 / Kimi K2 MoE,
+quantized) and deepseek2-f32 run single, layer and ffn: llama.cpp refuses
+its tensor split for deepseek2. In the quantized one the ffn split cuts
+only the dense FFN of the first layer (1 all-reduce per token): its 64-wide
+experts are narrower than one 256-wide Q4_K cut and its 384-token
+vocabulary is not a multiple of it, so they stay whole on every node;
+deepseek2-f32 has every expert and the output cut (6 all-reduces per
+token), as Kimi K2's 2048-wide Q4_K experts are. On tiny models every mode measures per-graph overhead, not
 compute; a two-core machine runs head and nodes on the same cores.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tensor.py --rounds 3 [--model gemma]
@@ -47,7 +54,8 @@ from tbrpc.node_processes import listening_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("single", "layer", "tensor", "tensor-butterfly", "ffn")
-MODES_OF = {"llama-f32": MODES, "gemma": ("single", "layer", "ffn")}
+MODES_OF = {"llama-f32": MODES, "gemma": ("single", "layer", "ffn"),
+            "deepseek2": ("single", "layer", "ffn"), "deepseek2-f32": ("single", "layer", "ffn")}
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
 
 RUN = """

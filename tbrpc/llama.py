@@ -264,7 +264,13 @@ class Llama(llama_cpp.Llama):
     layer cut across the nodes) or "ffn" (tbrpc's own rules: the FFN, experts
     and output cut, the rest whole on every node; for deepseek2 and models
     with one KV head such as Gemma 3 270M, which llama.cpp will not
-    tensor-split).
+    tensor-split). The layer split is the default because it is exact (the
+    same logits, bit for bit, as one process; a tensor split adds partial
+    sums in another order), runs every architecture llama.cpp loads, and
+    needs no full compute buffer or replicated tensors on every node; a
+    tensor split is faster only when every node has compute of its own
+    (its own machine or GPU), since each all-reduce waits for every node
+    (docs/architecture.md, Tensor split).
     ``secret_file``: the cluster secret (default: the cluster file's, else
     TBRPC_SECRET_FILE; N local nodes without one get a fresh one for the run).
     Unless given, ``n_gpu_layers`` and ``tensor_split`` come from the plan.

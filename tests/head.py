@@ -61,7 +61,7 @@ def main(spec_path: str, out_path: str) -> None:
     result: dict[str, Any] = {"error": None}
     nodes = spec.get("nodes", [])
     kwargs: dict[str, Any] = dict(n_ctx=spec.get("n_ctx", 256), n_threads=1, n_batch=spec.get("n_batch", 512),
-                                  verbose=False, seed=0, flash_attn=spec.get("flash_attn", False))
+                                  verbose=spec.get("verbose", False), seed=0, flash_attn=spec.get("flash_attn", False))
     devices = None
     if nodes:
         tbrpc.connect(nodes, timeout=spec.get("timeout", 10.0), transport=spec.get("transport"),

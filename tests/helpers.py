@@ -370,14 +370,32 @@ def _threads_of(pid: int) -> str:
     return "\n".join(lines)
 
 
-def run_head(tmp_path: Path, **spec: Any) -> tuple[dict[str, Any], np.ndarray | None]:
-    """Run tests/head.py in a fresh process; return its result and logits."""
+def assert_every_pair_linked(result: dict[str, Any], kind: str) -> None:
+    """Each node of a head's result has a link to every other node (what an
+    all-reduce needs), and each link is carried by `kind` ("shm 16x256K", ...)."""
+    endpoints = [n["endpoint"] for n in result["nodes"]]
+    for node in result["nodes"]:
+        links = {link["to"]: (link["usable"], link["transport"]) for link in node["peer_links"]}
+        want = {e: (True, kind) for e in endpoints if e != node["endpoint"]}
+        assert links == want, (node["endpoint"], node["peer_links"])
+
+
+def head_process(tmp_path: Path, **spec: Any) -> tuple[subprocess.CompletedProcess[bytes], Path]:
+    """Run tests/head.py in a fresh process, whatever becomes of it: the finished
+    process and the path its result is written to (absent if it died)."""
     tag = time.monotonic_ns()
     spec.setdefault("logits_path", str(tmp_path / f"logits-{tag}.npy"))
     spec_path, out_path = tmp_path / f"spec-{tag}.json", tmp_path / f"out-{tag}.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "head.py"), str(spec_path), str(out_path)],
                           cwd=ROOT, capture_output=True, timeout=600)
+    return proc, out_path
+
+
+def run_head(tmp_path: Path, **spec: Any) -> tuple[dict[str, Any], np.ndarray | None]:
+    """Run tests/head.py in a fresh process; return its result and logits."""
+    spec.setdefault("logits_path", str(tmp_path / f"logits-{time.monotonic_ns()}.npy"))
+    proc, out_path = head_process(tmp_path, **spec)
     assert proc.returncode == 0, f"head process died ({proc.returncode}): {proc.stderr.decode(errors='replace')[-3000:]}"
     result = json.loads(out_path.read_text())
     result["stderr"] = proc.stderr.decode(errors="replace")

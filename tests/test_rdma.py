@@ -677,3 +677,33 @@ def test_node_killed_across_an_rdma_link_is_named_at_once(built, sim_nodes, monk
     message = result["error"]["message"]
     assert endpoints[0] in message and "no answer within" not in message, message
     assert a.proc.wait(timeout=10) == -9
+
+
+# --- tensor split: the all-reduce over RDMA links ------------------------------------------
+
+@pytest.mark.parametrize("n_nodes", [2, 4])
+def test_tensor_split_allreduce_over_rdma_links(built, sim_nodes, monkeypatch, n_nodes, tmp_path) -> None:
+    """tests/test_tensor_split.py's check over the stand-in's Apple profile, each node its own "host"
+    (address, GID, host id): llama.cpp's split_mode=3 on the tiny F32 llama, every node linked to every
+    other over RDMA, the partial sums all-reduced over those links (two ALLREDUCEs per layer per token,
+    no copies through the head), and one process's greedy tokens with logits within the same 1e-2."""
+    import numpy as np
+
+    import models
+    from helpers import assert_every_pair_linked, run_head
+
+    addresses = [f"127.0.0.{3 + i}" for i in range(n_nodes)]
+    started = sim_nodes(n_nodes, "apple-uc", addresses=addresses)
+    head_env(monkeypatch, built, tmp_path, "apple-uc")
+    spec = dict(model=str(models.ensure("llama-f32")), prompt="The capital of France is", n_predict=8, flash_attn=True)
+    alone, alone_logits = run_head(tmp_path, **spec)
+    assert alone["error"] is None, alone["error"]
+    result, logits = run_head(tmp_path, split_mode=3, nodes=[f"{a}:{n.port}" for a, n in zip(addresses, started)],
+                              **spec)
+    assert result["error"] is None, result["error"]
+    assert [n["transport"] for n in result["nodes"]] == [APPLE] * n_nodes, result["nodes"]
+    assert_every_pair_linked(result, APPLE)
+    assert result["tokens"] == alone["tokens"]
+    assert logits is not None and float(np.max(np.abs(logits - alone_logits))) <= 1e-2
+    for node in result["nodes"]:
+        assert node["allreduces"] == 2 * 6 * (8 - 1) and node["peer_copies"] == 0, node   # 6 layers, steady tokens
