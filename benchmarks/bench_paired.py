@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import subprocess
 import sys
@@ -173,9 +174,11 @@ class Head:
 def run_round(runner: split.Runner, contenders: list[Contender], model: str, gguf: str, n_nodes: int, first: int,
               steps: int, n_ctx: int) -> Round:
     """Every contender's cluster up at once (loaded from contenders[first] on, in turn), then one decode
-    step each in turns, the order rotated by one every step: every contender takes every place equally
-    often (reversing the order instead would leave the middle places to the same contenders, and the
-    end places run twice in a row, with warm caches)."""
+    step each in turns. Two contenders alternate which goes first. More take a fresh random order every
+    step (seeded, so a run repeats): every contender takes every place, and follows every other one,
+    equally often on average. A fixed rotation would have each contender always follow the same one, and
+    whose caches it finds after it is a systematic effect (measured: up to 10 % on the tiny model);
+    reversing the order would leave the middle places to the same contenders."""
     order = contenders[first:] + contenders[:first]
     with contextlib.ExitStack() as stack:
         heads: dict[str, Head] = {}
@@ -185,14 +188,22 @@ def run_round(runner: split.Runner, contenders: list[Contender], model: str, ggu
             heads[c.name] = Head(run, c.mode, endpoints, gguf, n_ctx, run.new_log(f"{model}-{c.name}{n_nodes}-head"))
             stack.callback(heads[c.name].close)
         names = [c.name for c in contenders]
+        shuffle = random.Random(first)
         ms: dict[str, list[float]] = {n: [] for n in names}
         tokens: dict[str, list[int]] = {n: [] for n in names}
         for s in range(steps):
-            for name in names[s % len(names):] + names[:s % len(names)]:
+            turn = names[s % 2:] + names[:s % 2] if len(names) == 2 else shuffled(names, shuffle)
+            for name in turn:
                 t, token = heads[name].step()
                 ms[name].append(t)
                 tokens[name].append(token)
     return Round(order[0].name, ms, all(tokens[n] == tokens[names[0]] for n in names))
+
+
+def shuffled(names: list[str], rng: random.Random) -> list[str]:
+    order = list(names)
+    rng.shuffle(order)
+    return order
 
 
 def report(model: str, n_nodes: int, names: list[str], rounds: list[Round]) -> str:
