@@ -83,20 +83,10 @@ with model_params_patch(devices):
 prompt = llm.tokenize(spec["prompt"].encode())
 def status():
     return [tbrpc.cluster().status(i) for i in range(len(spec["nodes"]))]
+sys.path.insert(0, "benchmarks")
+from bench_node_cost import cpu_s, group_pids
 def group_cpu_s(pgid):
-    # on-CPU seconds of every thread of every process in a node's group (the node and its session workers)
-    total = 0
-    for proc in os.listdir("/proc"):
-        if not proc.isdigit():
-            continue
-        try:
-            if int(open(f"/proc/{proc}/stat").read().rsplit(")", 1)[1].split()[2]) != pgid:
-                continue
-            for task in os.listdir(f"/proc/{proc}/task"):
-                total += int(open(f"/proc/{proc}/task/{task}/schedstat").read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total / 1e9
+    return sum(cpu_s(pid) for pid in group_pids(pgid))   # a node and its session workers
 t = time.perf_counter(); llm.eval(prompt); prompt_s = time.perf_counter() - t
 token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
 before = status()

@@ -496,7 +496,7 @@ struct peer_link * peer_link(struct client_node * a, struct client_node * b) {
     link->out_id = connected_rep.peer_id;
     connected_rep.transport[sizeof connected_rep.transport - 1] = '\0';
     snprintf(link->transport, sizeof link->transport, "%s", connected_rep.transport);
-    link->why = connected_rep.why_kind <= TB_WHY_NO_LINK ? (int) connected_rep.why_kind : TB_WHY_NO_LINK;
+    link->why = connected_rep.why_kind == TB_WHY_NONE ? TB_WHY_NONE : tb_why_from_peer(connected_rep.why_kind, TB_WHY_NO_LINK);
     // a could not dial (or prove itself): b would wait out its timeout for
     // nobody. Any next request ends b's wait; SYNC costs nothing.
     const uint64_t nudge_id = accept_id && (connected != 0 || !link->out_id) ? node_call_send_locked(b, TB_CMD_SYNC, NULL, 0) : 0;

@@ -200,6 +200,9 @@ void tb_upgrade_answer(const struct tb_transport_req * req, const char * no_shm,
                        struct tb_shm ** offered);
 // The dialing side, after a shared-memory answer: the segment, or NULL with why (*why_kind).
 struct tb_shm * tb_upgrade_attach(const struct tb_transport_reply * rep, int * why_kind, char * why, size_t why_len);
+// A kind (enum tb_why) from the peer's bytes, as one of ours: a value we do
+// not know, or NONE where a refusal was said, is `otherwise`.
+int tb_why_from_peer(uint32_t kind, int otherwise);
 // The kind (enum tb_why) an RDMA answer's refusal is reported as by the dialing side.
 int tb_upgrade_rdma_declined(const struct tb_transport_reply * rep);
 

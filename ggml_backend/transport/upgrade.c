@@ -67,15 +67,14 @@ void tb_upgrade_answer(const struct tb_transport_req * req, const char * no_shm,
     if (!rep->declined[0]) rep->why_kind = TB_WHY_NONE;
 }
 
-// The kind a peer gave its refusal, as one of ours (a value we do not know: it failed).
-static int peer_why(uint32_t kind, int otherwise) {
+int tb_why_from_peer(uint32_t kind, int otherwise) {
     return kind > TB_WHY_NONE && kind <= TB_WHY_NO_LINK ? (int) kind : otherwise;
 }
 
 struct tb_shm * tb_upgrade_attach(const struct tb_transport_reply * rep, int * why_kind, char * why, size_t why_len) {
     if (rep->declined[0]) {   // the peer's words, bounded: they need not end in a NUL
         snprintf(why, why_len, "%.*s", (int) sizeof rep->declined - 1, rep->declined);
-        *why_kind = peer_why(rep->why_kind, TB_WHY_SHM_FAILED);
+        *why_kind = tb_why_from_peer(rep->why_kind, TB_WHY_SHM_FAILED);
         return NULL;
     }
     struct tb_shm * seg = tb_shm_attach(&rep->offer, why, why_len);
@@ -85,7 +84,7 @@ struct tb_shm * tb_upgrade_attach(const struct tb_transport_reply * rep, int * w
 
 // The kind an RDMA refusal from the peer is reported as.
 int tb_upgrade_rdma_declined(const struct tb_transport_reply * rep) {
-    return peer_why(rep->why_kind, TB_WHY_PEER_NO_RDMA);
+    return tb_why_from_peer(rep->why_kind, TB_WHY_PEER_NO_RDMA);
 }
 
 // ---- the raw conversation (a peer link) ------------------------------------------
@@ -170,7 +169,7 @@ struct tb_transport * tb_upgrade_accept(struct tb_transport * tcp, const char * 
         return lost(tcp, why, why_len, "transport upgrade");
     }
     ask.why[sizeof ask.why - 1] = '\0';
-    if (ask.req.kind == TB_TRANSPORT_TCP) return stay(tcp, peer_why(ask.why_kind, TB_WHY_NONE), why, why_len, "peer: %s", ask.why);
+    if (ask.req.kind == TB_TRANSPORT_TCP) return stay(tcp, tb_why_from_peer(ask.why_kind, TB_WHY_NONE), why, why_len, "peer: %s", ask.why);
     struct tb_transport_reply rep;
     struct tb_shm * seg = NULL;
     tb_upgrade_answer(&ask.req, no_shm, &rep, &seg);
