@@ -124,10 +124,12 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
     """Say whether a model fits a cluster, which layers go where, and the llama.cpp flags. Exit 1 if it does not fit."""
     import json
 
-    from tbrpc.cluster_file import cluster_secret_file, load_cluster_file
+    from tbrpc.cluster_file import cluster_secret_file, load_cluster_file, load_specs
     from tbrpc.node_memory import nodes_from_flags
     from tbrpc.plan import format_table, plan as make_plan
+    from tbrpc.spec import cable_order_note
 
+    order_note = None
     try:
         if cluster_file and (node_flags or nodes_flag):
             raise ValueError("use either --cluster or --node/--nodes")
@@ -137,6 +139,7 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
             if not offline and secret.file_for() is None:
                 _use_secret(cluster_secret_file(cluster_file))   # the nodes it asks may want the secret
             nodes = load_cluster_file(cluster_file, metal_fraction, ask=not offline, timeout=timeout)
+            order_note = cable_order_note(load_specs(cluster_file))
         else:
             nodes = nodes_from_flags(list(node_flags), nodes_flag, metal_fraction)
         shares = None
@@ -152,6 +155,8 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
                            split=split, tensor_split=shares, draft_model=draft_model)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+    if order_note:   # the table's rows are in that order already
+        result.notes.insert(0, order_note)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else format_table(result))
     if not result.fits:
         raise SystemExit(1)

@@ -5,7 +5,9 @@ the file, the node and the key. What the keys mean for the planner lives in
 ``tbrpc/node_memory.py`` (``Node``, ``ClusterNode``), for launch and doctor
 in ``tbrpc/spec.py`` (``NodeSpec``); prose and an example: ``docs/cluster.md``.
 
-One ``[[node]]`` table per machine, in the order the layers go::
+One ``[[node]]`` table per machine, in the order the layers go (when the
+file lists cables, ``spec.cable_order`` keeps that order only if it follows
+them)::
 
     name    = "studio1"        # required
     host    = "10.0.12.1"      # required: the address the head connects to
@@ -43,7 +45,7 @@ from __future__ import annotations
 import os
 import sys
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,7 @@ from tbrpc.node_memory import (
     size_nodes,
     with_origin,
 )
-from tbrpc.spec import STARTS, NodeSpec, SshTarget
+from tbrpc.spec import STARTS, NodeSpec, SshTarget, cable_order
 
 DEFAULT_FILE_NAME = "tbrpc.toml"
 SSH_KEYS = ("user", "host", "key", "port", "options")
@@ -70,7 +72,8 @@ SSH_KEYS = ("user", "host", "key", "port", "options")
 
 @dataclass(frozen=True)
 class ClusterFile:
-    """A cluster file, read and checked: the planner's view and launch's of each node."""
+    """A cluster file, read and checked: the planner's view and launch's of each node, both in the
+    order the layers go (``spec.cable_order``; each spec's `file_position` is its place in the file)."""
 
     path: str
     secret_file: str | None      # the top-level `secret_file`
@@ -138,14 +141,15 @@ def read(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FR
         where = f"{path}: node {table['name']}"
         node = _plan_entry(table, where, metal_fraction)
         nodes.append(node)
-        specs.append(spec_from_table(table, node.given, where, secret_file))
+        specs.append(replace(spec_from_table(table, node.given, where, secret_file), file_position=i))
     check_unique(nodes)
     names = {s.name for s in specs}
     for s in specs:
         for other, _ in s.links:
             if other not in names or other == s.name:
                 raise ClusterError(f"{path}: node {s.name}: links names {other!r}, which is not another node of the file")
-    return ClusterFile(str(path), secret_file, tuple(nodes), tuple(specs))
+    ordered = cable_order(specs)   # the order the layers go: along the cables, when the file lists them
+    return ClusterFile(str(path), secret_file, tuple(nodes[s.file_position or 0] for s in ordered), tuple(ordered))
 
 
 def read_cluster_file(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FRACTION) -> list[ClusterNode]:

@@ -25,6 +25,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from tbrpc.client import cluster as client_cluster
 from tbrpc.outage import ASGIApp, Message, Receive, Scope, Send
+from tbrpc.status import connection_records, on_tcp
 
 TIMED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RECENT = 20
@@ -137,7 +138,9 @@ def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | No
                   for n, s in zip(plan.nodes, plan.tensor_split)}
     tokens = max(log.tokens, 1)
     nodes = []
-    for info in client_cluster().nodes():
+    infos = client_cluster().nodes()
+    carriers = connection_records(infos, {i.endpoint: i.node_name for i in infos})
+    for info in infos:
         if mine and info.endpoint not in mine:
             continue
         p = planned.get(info.device_name)
@@ -152,6 +155,7 @@ def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | No
             "share": shares.get(info.device_name),
             "transport": info.transport, "links": info.links or None,   # to the next nodes: made at load (tbrpc.Llama)
             "transport_why": info.transport_why or None, "peer_links": [asdict(link) for link in info.peer_links],
+            "on_tcp": on_tcp({"name": info.node_name, **carriers[info.endpoint]}),   # each with its kind and fix
             "failed": info.failed, "error": info.error or None,
             "round_trips": info.round_trips, "bytes": info.bytes_sent + info.bytes_received,
             "round_trips_per_token": trips / tokens if log.tokens else None,   # since serving began
@@ -210,7 +214,7 @@ PAGE = """<!doctype html>
  body { font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; }
  table { border-collapse: collapse; margin: 1em 0; } td, th { padding: .3em .8em; border-bottom: 1px solid #ddd; text-align: left; }
  th { background: #f4f4f4; } .down { color: #b00; font-weight: bold; } .num { text-align: right; font-variant-numeric: tabular-nums; }
- #updated { color: #888; }
+ #updated { color: #888; } .why { color: #555; font-size: 90%; max-width: 40em; }
 </style></head>
 <body>
 <h1>tbrpc <span id="model"></span></h1>
@@ -226,7 +230,14 @@ const key = new URLSearchParams(location.search).get("api_key");
 const size = b => b == null ? "-" : b >= 2**30 ? (b / 2**30).toFixed(1) + " GiB" :
   b >= 2**20 ? (b / 2**20).toFixed(1) + " MiB" : (b / 2**10).toFixed(1) + " KiB";
 const num = (x, d) => x == null ? "-" : x.toFixed(d);
-function cell(row, text, cls) { const td = row.insertCell(); td.textContent = text; if (cls) td.className = cls; }
+function cell(row, text, cls) { const td = row.insertCell(); td.textContent = text; if (cls) td.className = cls; return td; }
+function onTcp(td, carriers) {   // a connection or link on TCP: the kind of its reason and the fix (tbrpc status says the same)
+  for (const c of carriers || []) {
+    const d = document.createElement("div"); d.className = "why";
+    d.textContent = c.what + " " + c.from + " -> " + c.to + " on TCP (" + c.why + "): fix: " + c.fix;
+    td.appendChild(d);
+  }
+}
 async function refresh() {
   try {
     const r = await fetch("tbrpc/status.json" + (key ? "?api_key=" + encodeURIComponent(key) : ""));
@@ -241,7 +252,7 @@ async function refresh() {
       const row = nodes.insertRow(); row.dataset.node = n.name;
       cell(row, n.name); cell(row, n.endpoint); cell(row, n.device + " (" + n.node_device + ")");
       cell(row, (n.layers ? n.layers[0] + "-" + n.layers[1] : "-") + (n.share ? " (" + n.share + ")" : ""));
-      cell(row, size(n.memory_used) + " / " + size(n.memory_planned) + " / " + size(n.memory_total), "num"); cell(row, n.transport + (n.links ? "; links: " + n.links : ""));
+      cell(row, size(n.memory_used) + " / " + size(n.memory_planned) + " / " + size(n.memory_total), "num"); onTcp(cell(row, n.transport + (n.links ? "; links: " + n.links : "")), n.on_tcp);
       cell(row, num(n.round_trips_per_token, 2), "num"); cell(row, size(n.bytes_per_token), "num");
       cell(row, n.failed ? "DOWN: " + n.error : "up", n.failed ? "down" : "");
     }

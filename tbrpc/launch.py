@@ -26,12 +26,11 @@ from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
 from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_model_tensor_mode
-from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster, with_secret
+from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster, say_cable_order, with_secret
 from tbrpc.native import TbrpcError
 from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
 from tbrpc.outage import Serving
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
-from tbrpc.spec import cable_gaps
 from tbrpc.status import connection_lines, connection_records, launch_record, note_connections, note_serving
 from tbrpc.units import format_size
 
@@ -176,8 +175,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     with _Signals() as signals, ExitStack() as records:
         try:
             specs = with_secret(opts.cluster, resolve_cluster(opts.cluster, opts.threads), log_dir)
-            for gap in cable_gaps(specs):
-                say(f"warning: {gap}")
+            say_cable_order(specs, say)
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything
                 model = load_gguf(opts.gguf)

@@ -49,7 +49,7 @@ from tbrpc.plan import (
     format_table,
     plan,
 )
-from tbrpc.spec import NodeSpec, endpoint_specs, local_specs
+from tbrpc.spec import NodeSpec, cable_gaps, cable_order_note, endpoint_specs, local_specs
 from tbrpc.units import format_size
 
 ClusterArg = str | os.PathLike[str] | Sequence[str] | int | Nodes
@@ -68,7 +68,8 @@ class DoesNotFitError(TbrpcError):
 
 
 def resolve_cluster(cluster: ClusterArg, threads: int | None = None) -> list[NodeSpec]:
-    """A cluster file path, a list of "host:port", or N (N nodes on this machine).
+    """A cluster file path (its nodes in the order the layers go: along its cables, ``spec.cable_order``),
+    a list of "host:port", or N (N nodes on this machine).
     `threads`: compute threads of the nodes to be started that name none."""
     if isinstance(cluster, bool):
         raise TypeError("cluster= takes a cluster file path, a list of \"host:port\" or a number of local nodes")
@@ -78,6 +79,16 @@ def resolve_cluster(cluster: ClusterArg, threads: int | None = None) -> list[Nod
         return list(cluster.specs)
     specs = load_specs(os.fspath(cluster)) if isinstance(cluster, (str, os.PathLike)) else endpoint_specs(list(cluster))
     return [replace(s, threads=s.threads or threads or 0) for s in specs]
+
+
+def say_cable_order(specs: Sequence[NodeSpec], say: Say) -> None:
+    """Say when the nodes run in another order than the cluster file's, to follow its cables
+    (``spec.cable_order``), and warn about each pair of consecutive nodes still without one."""
+    note = cable_order_note(specs)
+    if note:
+        say(note)
+    for gap in cable_gaps(list(specs)):
+        say(f"warning: {gap}")
 
 
 def with_secret(cluster: ClusterArg, specs: list[NodeSpec], log_dir: Path) -> list[NodeSpec]:
@@ -300,7 +311,9 @@ class Llama(llama_cpp.Llama):
             if secret_file is not None:
                 cluster_secret.use(secret_file)
             logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="tbrpc-logs-"))
-            nodes = start_nodes(with_secret(cluster, resolve_cluster(cluster), logs), logs, timeout=start_timeout,
+            specs = resolve_cluster(cluster)
+            say_cable_order(specs, say)
+            nodes = start_nodes(with_secret(cluster, specs, logs), logs, timeout=start_timeout,
                                 on_event=say, head_model=str(model_path))
         self._tbrpc_nodes = nodes
         try:

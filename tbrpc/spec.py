@@ -5,6 +5,7 @@ endpoints; and which cable each pair of nodes uses (``links``)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tbrpc.node_memory import ClusterError, ClusterNode, Node
@@ -62,6 +63,7 @@ class NodeSpec:
     links: tuple[tuple[str, str], ...] = ()   # (other node's name, the address it dials this node at)
     plan_node: Node | None = field(default=None, compare=False)   # the cluster file's memory figure, a cap;
                                                                    # None: the planner uses what the node reports
+    file_position: int | None = field(default=None, compare=False)  # its [[node]] table's place in the file (0: first)
 
     @property
     def endpoint(self) -> str:
@@ -87,6 +89,77 @@ class NodeSpec:
         if self.start == "ssh":
             return f"ssh {self.ssh_destination()}"
         return self.start
+
+
+def cable_order(specs: Sequence[NodeSpec]) -> list[NodeSpec]:
+    """The nodes in the order the layers go: along the cables the file lists.
+
+    A layer split sends activations from each node to the next one only, so
+    when any node lists cables (`links`), every consecutive pair a, b needs
+    one: b's `links` naming a. The file's order when it already has that (or
+    when no node lists a cable); else, of the orders that do, the one closest
+    to the file's: fewest pairs of nodes the other way round from the file
+    (Kendall tau distance), ties to the order whose first differing node comes
+    earlier in the file. When no order follows the cables, the file's
+    (`cable_gaps` says which cables are missing). The head's own hops, to the
+    first node and back from the last, are its connections to their `host`:
+    not cables of `links`, so not part of the choice.
+
+    A search for a Hamiltonian path (NP-complete in general; clusters are a few
+    nodes): depth first, nodes tried in file order, cut where the inversions so
+    far plus those already fixed (a node still to place after a placed node
+    that comes later in the file) reach the best found, where a node left has
+    no cable in from the nodes left or the last one, or where the same set of
+    placed nodes ending at the same node was reached before at no higher cost.
+    At most O(2^n * n^2) steps and O(2^n * n) memory; two nodes no cable
+    reaches (or leaves) end it at once; a ring of cables leaves one way on from
+    each node, so the search is a few steps per node."""
+    n, everyone = len(specs), (1 << len(specs)) - 1
+    index = {s.name: i for i, s in enumerate(specs)}
+    into = [sum(1 << index[other] for other in dict(s.links)) for s in specs]   # bit k of into[i]: a cable k -> i
+    if not any(into) or all(into[i] >> (i - 1) & 1 for i in range(1, n)):
+        return list(specs)
+    out_of = [sum(1 << j for j in range(n) if into[j] >> i & 1) for i in range(n)]
+    if sum(not m for m in into) > 1 or sum(not m for m in out_of) > 1:   # two nodes no cable reaches, or leaves
+        return list(specs)
+    best_order: list[int] = []
+    best_cost = n * n   # more inversions than any order has
+    seen: dict[tuple[int, int], int] = {}   # (placed nodes as bits, the last one) -> fewest inversions reaching it
+
+    def bound(placed: int) -> int:   # each node still to place comes after every placed one
+        return sum((placed >> (r + 1)).bit_count() for r in range(n) if not placed >> r & 1)
+
+    def stranded(placed: int, last: int) -> bool:   # a node left that only placed nodes before `last` cable into
+        return any(not into[r] & (everyone & ~placed | 1 << last) for r in range(n) if not placed >> r & 1)
+
+    def extend(order: list[int], placed: int, inversions: int) -> None:
+        nonlocal best_order, best_cost
+        if placed == everyone:
+            best_order, best_cost = list(order), inversions
+            return
+        for j in range(n):
+            if placed >> j & 1 or (order and not into[j] >> order[-1] & 1):
+                continue
+            cost, now = inversions + (placed >> (j + 1)).bit_count(), placed | 1 << j
+            if cost + bound(now) >= best_cost or seen.get((now, j), best_cost) <= cost or stranded(now, j):
+                continue
+            seen[now, j] = cost
+            order.append(j)
+            extend(order, now, cost)
+            order.pop()
+
+    extend([], 0, 0)
+    return [specs[i] for i in best_order] if best_order else list(specs)
+
+
+def cable_order_note(specs: Sequence[NodeSpec]) -> str | None:
+    """What a plan or launch says when `specs` (as ``cable_order`` put them) are not in the file's order."""
+    placed = [s.file_position for s in specs]
+    if None in placed or placed == sorted(placed):   # type: ignore[type-var]
+        return None
+    in_file = sorted(specs, key=lambda s: s.file_position or 0)
+    return (f"ordered along the cables: {', '.join(s.name for s in specs)} "
+            f"(the cluster file lists {', '.join(s.name for s in in_file)})")
 
 
 def cable_gaps(specs: list[NodeSpec]) -> list[str]:

@@ -108,13 +108,22 @@ def connection_lines(nodes: Sequence[dict[str, Any]], fixes: bool = False) -> li
     TCP or missing, each followed by the fix a user types (tbrpc.doctor.transport_fix)."""
     lines = []
     for node in nodes:
-        for source, target, transport, why, what in record_carriers(node):
-            if fixes and not why:
-                continue
-            lines.append(f"{what} {source} -> {target}: {transport or '?'}")
-            if fixes:
-                lines.append(f"  fix: {transport_fix(why, source, target)}")
+        if fixes:
+            for c in on_tcp(node):
+                lines += [f"{c['what']} {c['from']} -> {c['to']}: {c['transport'] or '?'}", f"  fix: {c['fix']}"]
+        else:
+            lines += [f"{what} {source} -> {target}: {transport or '?'}"
+                      for source, target, transport, _, what in record_carriers(node)]
     return lines
+
+
+def on_tcp(node: dict[str, Any]) -> list[dict[str, str]]:
+    """The head's connection to launch record `node` and its links that are on TCP or missing: each
+    with what carries it, the kind of its reason (`why`) and the fix a user types (`fix`,
+    tbrpc.doctor.transport_fix), as `tbrpc status` and the /tbrpc page show them."""
+    return [{"what": what, "from": source, "to": target, "transport": transport, "why": why,
+             "fix": transport_fix(why, source, target)}
+            for source, target, transport, why, what in record_carriers(node) if why]
 
 
 def note_serving(record: Path, url: str, api_key: str | None) -> None:

@@ -8,6 +8,7 @@ launch itself, or a node killed during load or generation (checked by PID).
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -32,6 +33,7 @@ from helpers import (
 )
 
 from tbrpc.cluster_file import choose_cluster, load_specs, spec_from_table
+from tbrpc.doctor import transport_fix
 from tbrpc.llama import resolve_cluster
 from tbrpc.node_memory import ClusterError
 from tbrpc.spec import NodeSpec, SshTarget, local_specs
@@ -252,18 +254,29 @@ def _rendered(browser: str, url: str, tmp_path: Path, screenshot: Path | None = 
 
 
 def test_dashboard_in_a_browser(tmp_path: Path) -> None:
-    """The /tbrpc page, rendered by a real headless browser, lists both nodes and
-    shows a completion once one was answered."""
+    """The /tbrpc page, rendered by a real headless browser, lists both nodes, says for
+    each connection and link on TCP the kind of its reason and the fix (those of
+    `tbrpc status`, tbrpc.doctor.transport_fix), and shows a completion once one was answered."""
     browser = _chromium()
     if browser is None:
         pytest.skip("no chromium: .ci/run installs it (apt-get install chromium)")
-    with start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
+    cluster = tmp_path / "two.toml"   # local1 asks for TCP: its connection and local0's link to it stay there
+    cluster.write_text('[[node]]\nname = "local0"\nhost = "127.0.0.1"\nport = 0\nthreads = 1\n\n'
+                       '[[node]]\nname = "local1"\nhost = "127.0.0.1"\nport = 0\nthreads = 1\ntransport = "tcp"\n')
+    with start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--cluster", str(cluster), "--ctx", "256",
                       "--port", "0", "--alias", "gemma-3-270m") as launch:
         base = launch.http_base()
         page = base.removesuffix("/v1") + "/tbrpc"
         before = _rendered(browser, page, tmp_path)
         assert 'data-node="local0"' in before and 'data-node="local1"' in before, before
         assert "0 requests" in before and "/v1/completions" not in before, before
+        rows = {m[1]: m[2] for m in re.finditer(r'<tr data-node="(\w+)">(.*?)</tr>', before, re.S)}
+        for node, line in (("local1", ("connection", "head", "local1")), ("local0", ("link", "local0", "local1"))):
+            what, source, target = line
+            shown = (f'<div class="why">{what} {source} -&gt; {target} on TCP (asked): fix: '
+                     f'{html.escape(transport_fix("asked", source, target), quote=False)}</div>')
+            assert shown in rows[node], rows
+        assert rows["local0"].count('class="why"') == rows["local1"].count('class="why"') == 1, rows   # no other
         http_json(f"{base}/completions", {"model": "gemma-3-270m", "prompt": PROMPT, "max_tokens": 16, "temperature": 0})
         after = _rendered(browser, page, tmp_path, screenshot=tmp_path / "dashboard.png")
         assert "1 requests, 16 tokens" in after and "/v1/completions" in after, after
@@ -392,6 +405,11 @@ def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
         shown = json.loads(subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=env,
                                           capture_output=True, text=True, timeout=60).stdout)
         page_nodes = {n["endpoint"]: n for n in page["nodes"]}
+        # the page's JSON: each connection and link on TCP, with the kind of its reason and its fix
+        kinds = {n["name"]: [(c["what"], c["from"], c["to"], c["transport"], c["why"], c["fix"]) for c in n["on_tcp"]]
+                 for n in page["nodes"]}
+        assert kinds == {"far": [("connection", "head", "far", "tcp: asked for", "asked", transport_fix("asked", "head", "far"))],
+                         "near": [("link", "near", "far", "tcp: asked for", "asked", transport_fix("asked", "near", "far"))]}, kinds
         text = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status"], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=60).stdout
         assert re.search(r"links: -> far tcp: asked for", text), text   # the first node's link to the second
