@@ -207,6 +207,10 @@ int main(int argc, char ** argv) {
                 ids[i] = (int32_t) v;
             }
         }
+        if (rc == 0 && strtok_r(NULL, " \n", &save)) {
+            fprintf(stderr, "experts_bench: a %s job with more than %lld ids\n", mode, (long long) (k * t));
+            rc = 1;
+        }
         if (rc != 0) break;
         double cpu_ms = 0;
         const double ms = run_job(be, alloc, cut ? w.cut : w.whole, w.n_embd, k, t, ids, &cpu_ms, err, sizeof err);
