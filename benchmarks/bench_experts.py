@@ -23,7 +23,8 @@ experts (the same work on other weights, so no job finds another's weights
 in the cache). Two clocks: wall time, and the CPU time of the computing
 process, which on a busy machine leaves out the time it waited for a core
 (the node's own work; the ratio to read). Load statistics come from many
-more draws than are timed. Both need one all-reduce of n_embd floats per
+more draws than are timed. --parts also runs every job up to SwiGLU only,
+to tell gate and up from the down projection. Both need one all-reduce of n_embd floats per
 token afterwards (each node holds a partial sum of the layer's output), so
 the network cost is the same and is not timed here.
 
@@ -117,14 +118,16 @@ class Harness:
             raise RuntimeError(f"experts_bench stopped (exit {self.proc.wait()})")
         return float(out[0]), float(out[1])
 
-    def cut(self, ids: np.ndarray) -> tuple[float, float]:
-        return self.job(f"cut {USED} {ids.shape[0]} " + " ".join(map(str, ids.ravel())))
+    def cut(self, ids: np.ndarray, gate_up_only: bool = False) -> tuple[float, float]:
+        mode = "cut-gu" if gate_up_only else "cut"
+        return self.job(f"{mode} {USED} {ids.shape[0]} " + " ".join(map(str, ids.ravel())))
 
-    def whole(self, ids: np.ndarray, node: int) -> tuple[float, float]:
+    def whole(self, ids: np.ndarray, node: int, gate_up_only: bool = False) -> tuple[float, float]:
         held = self.experts // self.nodes
         flat = ids.ravel()   # (token, expert) pairs in token order
         mine = flat[flat // held == node] - node * held
-        return self.job(f"whole {len(mine)} " + " ".join(map(str, mine))) if len(mine) else (0.0, 0.0)
+        mode = "whole-gu" if gate_up_only else "whole"
+        return self.job(f"{mode} {len(mine)} " + " ".join(map(str, mine))) if len(mine) else (0.0, 0.0)
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -154,6 +157,15 @@ def timing(draws: list[dict[tuple[str, int], float]], nodes: int) -> Timing:
 
 
 @dataclass
+class Parts:
+    """CPU ms of the mean node, medians over draws: gate and up (to SwiGLU), and the rest (down)."""
+    cut_gate_up: float
+    cut_down: float
+    whole_gate_up: float
+    whole_down: float
+
+
+@dataclass
 class Row:
     nodes: int
     tokens: int
@@ -161,14 +173,25 @@ class Row:
     wall: Timing
     cpu: Timing
     stats: LoadStats
+    parts: Parts | None
+
+
+def parts_of(cpus: list[dict[tuple[str, int], float]], nodes: int) -> Parts:
+    def mean_node(layout: str) -> float:
+        return statistics.median(statistics.fmean(d[(layout, j)] for j in range(nodes)) for d in cpus)
+
+    cut_gu, whole_gu = mean_node("cut-gu"), mean_node("whole-gu")
+    return Parts(cut_gu, mean_node("cut") - cut_gu, whole_gu, mean_node("whole") - whole_gu)
 
 
 def run_nodes(exe: Path, experts: int, nodes: int, tokens: list[int], draws: dict[int, int],
-              rng: np.random.Generator, popularity: np.ndarray | None, stat_draws: dict[int, int]) -> list[Row]:
+              rng: np.random.Generator, popularity: np.ndarray | None, stat_draws: dict[int, int],
+              parts: bool) -> list[Row]:
     """Every draw times every node's job under both layouts, in a fresh random order. Each
     node's cut job relabels the experts at random (the same work on other weights), so no
     node's job finds another's weights in the cache; both layouts then take the slowest of
-    N timings, and the machine's noise weighs on them alike."""
+    N timings, and the machine's noise weighs on them alike. With `parts`, every job also runs
+    up to SwiGLU only (gate and up), in the same shuffled order."""
     harness = Harness(exe, experts, nodes)
     rows = []
     try:
@@ -179,17 +202,21 @@ def run_nodes(exe: Path, experts: int, nodes: int, tokens: list[int], draws: dic
             walls, cpus = [], []
             for _ in range(draws[t]):
                 ids = draw(rng, t, experts, popularity)
-                jobs = [(layout, j) for layout in ("cut", "whole") for j in range(nodes)]
+                layouts = ("cut", "whole", "cut-gu", "whole-gu") if parts else ("cut", "whole")
+                jobs = [(layout, j) for layout in layouts for j in range(nodes)]
                 wall: dict[tuple[str, int], float] = {}
                 cpu: dict[tuple[str, int], float] = {}
                 for k in rng.permutation(len(jobs)):
                     layout, j = jobs[k]
-                    wall[jobs[k]], cpu[jobs[k]] = harness.cut(rng.permutation(experts)[ids]) if layout == "cut" \
-                        else harness.whole(ids, j)
+                    gate_up_only = layout.endswith("-gu")
+                    wall[jobs[k]], cpu[jobs[k]] = \
+                        harness.cut(rng.permutation(experts)[ids], gate_up_only) if layout.startswith("cut") \
+                        else harness.whole(ids, j, gate_up_only)
                 walls.append(wall)
                 cpus.append(cpu)
             row = Row(nodes, t, draws[t], timing(walls, nodes), timing(cpus, nodes),
-                      load_stats(rng, t, experts, nodes, popularity, stat_draws[t]))
+                      load_stats(rng, t, experts, nodes, popularity, stat_draws[t]),
+                      parts_of(cpus, nodes) if parts else None)
             rows.append(row)
             print(f"  {nodes} nodes, {t:4d} tokens, slowest node: CPU cut {row.cpu.cut_ms:.2f} ms, whole "
                   f"{row.cpu.whole_ms:.2f} ms, cut/whole {row.cpu.ratio:.2f}; wall cut {row.wall.cut_ms:.2f} ms, "
@@ -206,10 +233,13 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,32,512")
     parser.add_argument("--draws", default="1:60,32:12,512:3", help="timed draws per token count")
     parser.add_argument("--experts", type=int, default=384,
-                        help="experts per layer (Kimi K2: 384); fewer to fit memory: 3 x 9.5 GB / 384 x experts / nodes")
+                        help="experts per layer (Kimi K2: 384); fewer to fit memory: "
+                             "3 x 9.5 GB / 384 x experts / nodes")
     parser.add_argument("--skew", type=float, default=0.0,
                         help="Zipf exponent of expert popularity (0: uniform routing)")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--parts", action="store_true",
+                        help="also time every job up to SwiGLU only: gate and up against down, per node")
     args = parser.parse_args()
     nodes = [int(n) for n in args.nodes.split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -228,7 +258,8 @@ def main() -> None:
           f"all-reduce {N_EMBD * 4} bytes per token for both", flush=True)
     with tempfile.TemporaryDirectory(prefix="tbrpc-experts-") as tmp:
         exe = build_program(HERE / "experts_bench.c", Path(tmp) / "experts_bench")
-        rows = [r for n in nodes for r in run_nodes(exe, args.experts, n, tokens, draws, rng, popularity, stat_draws)]
+        rows = [r for n in nodes for r in run_nodes(exe, args.experts, n, tokens, draws, rng, popularity, stat_draws,
+                                                     args.parts)]
     print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print()
     print("| nodes | tokens | whole: busiest node's rows (mean) | its distinct experts | cut CPU ms | whole CPU ms "
@@ -239,6 +270,16 @@ def main() -> None:
         print(f"| {r.nodes} | {r.tokens} | {s.max_rows:.1f} ({s.mean_rows:.1f}, x{s.max_rows / s.mean_rows:.2f}) "
               f"| {s.max_distinct:.1f} | {r.cpu.cut_ms:.2f} | {r.cpu.whole_ms:.2f} | **{r.cpu.ratio:.2f}** "
               f"| {r.wall.ratio:.2f} | {r.cpu.cut_mean_ms:.2f} / {r.cpu.whole_mean_ms:.2f} | {r.draws} |")
+    if args.parts:
+        print()
+        print("| nodes | tokens | gate+up CPU ms, cut / whole | down CPU ms, cut / whole | cut / whole, gate+up "
+              "| cut / whole, down |")
+        print("|---:|---:|---|---|---:|---:|")
+        for r in rows:
+            if r.parts:
+                q = r.parts
+                print(f"| {r.nodes} | {r.tokens} | {q.cut_gate_up:.2f} / {q.whole_gate_up:.2f} | {q.cut_down:.2f} / "
+                      f"{q.whole_down:.2f} | {q.cut_gate_up / q.whole_gate_up:.2f} | {q.cut_down / q.whole_down:.2f} |")
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,8 @@
 //
 //   cut K T id...       T tokens with K experts each (K x T global ids)
 //   whole R id...       R (token, expert) pairs, one expert each (local ids)
+//   cut-gu ..., whole-gu ...   the same, up to SwiGLU only (gate and up: the
+//                       rest is the down projection's time)
 //
 // and one line "WALL_MS CPU_MS" per job: the time of one graph compute, and the CPU time it took.
 #include <ggml.h>
@@ -90,7 +92,10 @@ static int weights_init(struct weights * w, ggml_backend_t be, char * err, size_
         }
     }
     w->buf = ggml_backend_alloc_buffer(be, 3 * matrix + 64);
-    if (!w->buf) { snprintf(err, err_len, "cannot allocate %.2f GB of weights", 3.0 * (double) matrix / 1e9); return -1; }
+    if (!w->buf) {
+        snprintf(err, err_len, "cannot allocate %.2f GB of weights", 3.0 * (double) matrix / 1e9);
+        return -1;
+    }
     uint8_t * base = ggml_backend_buffer_get_base(w->buf);
     if (fill_q4k(base, 3 * matrix) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
     for (int m = 0; m < 3; m++) {
@@ -103,12 +108,13 @@ static int weights_init(struct weights * w, ggml_backend_t be, char * err, size_
     return 0;
 }
 
-// One job: gate and up by MUL_MAT_ID, SwiGLU, down by MUL_MAT_ID. Returns the wall ms, or < 0 on
-// error, and the process's CPU ms in *cpu_ms (one thread computes: the node's own work, without the
-// time it waited for a core on a busy machine).
+// One job: gate and up by MUL_MAT_ID, SwiGLU, down by MUL_MAT_ID (not with gate_up_only).
+// Returns the wall ms, or < 0 on error, and the process's CPU ms in *cpu_ms (one thread
+// computes: the node's own work, without the time it waited for a core on a busy machine).
 // `alloc` keeps its buffer from job to job, as a node keeps its compute buffer: no job pays for fresh pages.
 static double run_job(ggml_backend_t be, ggml_gallocr_t alloc, struct ggml_tensor * const mats[3], int64_t n_embd,
-                      int64_t k, int64_t t, const int32_t * ids, double * cpu_ms, char * err, size_t err_len) {
+                      int64_t k, int64_t t, const int32_t * ids, bool gate_up_only, double * cpu_ms, char * err,
+                      size_t err_len) {
     struct ggml_init_params p = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), NULL, true };
     struct ggml_context * ctx = ggml_init(p);
     if (!ctx) { snprintf(err, err_len, "ggml_init failed"); return -1; }
@@ -117,7 +123,7 @@ static double run_job(ggml_backend_t be, ggml_gallocr_t alloc, struct ggml_tenso
     struct ggml_tensor * gate = ggml_mul_mat_id(ctx, mats[0], cur, sel);
     struct ggml_tensor * up = ggml_mul_mat_id(ctx, mats[1], cur, sel);
     struct ggml_tensor * act = ggml_swiglu_split(ctx, gate, up);
-    struct ggml_tensor * out = ggml_mul_mat_id(ctx, mats[2], act, sel);
+    struct ggml_tensor * out = gate_up_only ? act : ggml_mul_mat_id(ctx, mats[2], act, sel);
     struct ggml_cgraph * g = ggml_new_graph(ctx);
     ggml_build_forward_expand(g, out);
     double ms = -1;
@@ -183,10 +189,15 @@ int main(int argc, char ** argv) {
         char * save = NULL;
         const char * mode = strtok_r(line, " \n", &save);
         if (!mode) continue;
-        const bool cut = !strcmp(mode, "cut");
+        const bool cut = !strcmp(mode, "cut") || !strcmp(mode, "cut-gu");
+        const bool gate_up_only = !strcmp(mode, "cut-gu") || !strcmp(mode, "whole-gu");
         int64_t k = 1, t = 0;
         const char * a = strtok_r(NULL, " \n", &save);
-        if (!cut && strcmp(mode, "whole")) { fprintf(stderr, "experts_bench: job '%s', not cut or whole\n", mode); rc = 1; break; }
+        if (!cut && strcmp(mode, "whole") && strcmp(mode, "whole-gu")) {
+            fprintf(stderr, "experts_bench: job '%s', not cut, whole, cut-gu or whole-gu\n", mode);
+            rc = 1;
+            break;
+        }
         if (cut) {
             const char * b = strtok_r(NULL, " \n", &save);
             if (!a || !b || parse_i64(a, 1, 64, &k) || parse_i64(b, 1, MAX_IDS, &t)) { rc = 1; }
@@ -213,7 +224,8 @@ int main(int argc, char ** argv) {
         }
         if (rc != 0) break;
         double cpu_ms = 0;
-        const double ms = run_job(be, alloc, cut ? w.cut : w.whole, w.n_embd, k, t, ids, &cpu_ms, err, sizeof err);
+        const double ms = run_job(be, alloc, cut ? w.cut : w.whole, w.n_embd, k, t, ids, gate_up_only, &cpu_ms, err,
+                                  sizeof err);
         if (ms < 0) { fprintf(stderr, "experts_bench: %s\n", err); rc = 1; break; }
         printf("%.4f %.4f\n", ms, cpu_ms);
         fflush(stdout);
