@@ -31,7 +31,7 @@ static void buffer_free(ggml_backend_buffer_t buffer) {
     pthread_mutex_lock(&n->lock);
     forget_kept_graphs(n);                  // the node drops its kept graphs with the buffer
     node_post_locked(n, TB_CMD_FREE_BUFFER, &req, sizeof req, NULL, 0);
-    if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "FREE_BUFFER", n->tp->error);
+    node_flush_locked(n, TB_CMD_FREE_BUFFER);
     pthread_mutex_unlock(&n->lock);
     __atomic_sub_fetch(&n->live_buffers, 1, __ATOMIC_RELAXED);
     __atomic_sub_fetch(&n->live_bytes, cb->size, __ATOMIC_RELAXED);
@@ -226,7 +226,7 @@ static void backend_get_tensor_async(ggml_backend_t backend, const struct ggml_t
 static void backend_synchronize(ggml_backend_t backend) {
     struct client_node * n = backend_node(backend);
     pthread_mutex_lock(&n->lock);
-    if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "SYNC", n->tp->error);
+    node_flush_locked(n, TB_CMD_SYNC);
     pthread_mutex_unlock(&n->lock);
 }
 
@@ -274,7 +274,7 @@ static enum ggml_status backend_graph_compute(ggml_backend_t backend, struct ggm
         node_post_locked(n, TB_CMD_GRAPH_COMPUTE, n->encode, len, NULL, 0);
     }
     // start the node now: the head may have its own work before it reads results
-    if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "GRAPH_COMPUTE", n->tp->error);
+    node_flush_locked(n, TB_CMD_GRAPH_COMPUTE);
     enum ggml_status st = n->failed ? GGML_STATUS_FAILED : GGML_STATUS_SUCCESS;
     pthread_mutex_unlock(&n->lock);
     return st;
@@ -298,7 +298,7 @@ static bool backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t 
     struct tb_peer_range recv = { .peer_id = link->in_id, .handle = dcb->handle, .offset = tensor_offset(dcb, dst), .size = size };
     pthread_mutex_lock(&a->lock);
     node_post_locked(a, TB_CMD_PEER_SEND, &send, sizeof send, NULL, 0);
-    if (!a->failed && tb_flush(a->tp) != 0) node_fail(a, "PEER_SEND", a->tp->error);
+    node_flush_locked(a, TB_CMD_PEER_SEND);
     a->peer_copies++;
     pthread_mutex_unlock(&a->lock);
     pthread_mutex_lock(&b->lock);
@@ -367,7 +367,7 @@ static bool comm_allreduce_tensor(void * ctx, struct ggml_tensor ** tensors) {
         }
         pthread_mutex_lock(&n->lock);
         node_post_locked(n, TB_CMD_ALLREDUCE, &req, sizeof req, NULL, 0);
-        if (!n->failed && tb_flush(n->tp) != 0) node_fail(n, "ALLREDUCE", n->tp->error);
+        node_flush_locked(n, TB_CMD_ALLREDUCE);
         n->allreduces++;
         pthread_mutex_unlock(&n->lock);
     }

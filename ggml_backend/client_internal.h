@@ -13,6 +13,7 @@
 
 #include "tbrpc.h"
 #include "ggml_abi.h"
+#include "trace.h"
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -69,6 +70,7 @@ struct client_node {
     uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files, peer_copies, allreduces;
     uint64_t live_buffers;                   // buffers allocated and not yet freed (atomic)
     uint64_t live_bytes;                     // their sizes (atomic)
+    struct tb_trace * trace;                 // TBRPC_TRACE: when requests left and replies came (NULL: off)
 };
 
 struct tbrpc_client {
@@ -115,6 +117,7 @@ uint64_t node_call_send_locked(struct client_node * n, uint16_t cmd, const void 
 int  node_call_reply_locked(struct client_node * n, uint16_t cmd, uint64_t id, void * out, size_t out_len);
 // Queue a request that has no reply (a failure comes back with the next reply).
 int  node_post(struct client_node * n, uint16_t cmd, const void * a, size_t a_len);
+void node_flush_locked(struct client_node * n, uint16_t cmd);   // posted requests leave now (cmd: the last, for errors)
 int  node_post_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len);
 
 // Build the GRAPH_COMPUTE payload for g in n->encode. Returns its length, or

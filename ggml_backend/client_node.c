@@ -54,6 +54,7 @@ uint64_t node_call_send_locked(struct client_node * n, uint16_t cmd, const void 
         node_fail(n, tb_cmd_name(cmd), n->tp->error);
         return 0;
     }
+    tb_trace_mark(n->trace, TB_TRACE_FLUSH, cmd);
     return id;
 }
 
@@ -67,6 +68,7 @@ int node_call_reply_locked(struct client_node * n, uint16_t cmd, uint64_t id, vo
     do {   // a busy node sends keepalives; each one restarts the timeout
         if (tb_msg_recv_header(n->tp, &h, err, sizeof err) != 0) { node_fail(n, step, err); return -1; }
     } while (h.cmd == TB_CMD_KEEPALIVE && h.len == 0);
+    tb_trace_mark(n->trace, TB_TRACE_REPLY, h.cmd);
     // A full node answers HELLO at once, before reading it: with id 0.
     const bool refused_unread = cmd == TB_CMD_HELLO && h.id == 0;
     if (!(h.flags & TB_FLAG_REPLY) || (h.id != id && !refused_unread) || h.cmd != cmd || h.len < sizeof(struct tb_reply_status)) {
@@ -110,6 +112,7 @@ int node_call_locked(struct client_node * n, uint16_t cmd, const void * a, size_
         node_fail(n, step, n->tp->error);
         return -1;
     }
+    tb_trace_mark(n->trace, TB_TRACE_FLUSH, cmd);
     return node_call_reply_locked(n, cmd, id, out, out_len);
 }
 
@@ -130,6 +133,13 @@ int node_post_locked(struct client_node * n, uint16_t cmd, const void * a, size_
     }
     n->dirty = true;
     return 0;
+}
+
+// Hand what was posted to the transport, so the node can start on it. Caller holds n->lock.
+void node_flush_locked(struct client_node * n, uint16_t cmd) {
+    if (n->failed) return;
+    if (tb_flush(n->tp) != 0) node_fail(n, tb_cmd_name(cmd), n->tp->error);
+    else tb_trace_mark(n->trace, TB_TRACE_FLUSH, cmd);
 }
 
 int node_post(struct client_node * n, uint16_t cmd, const void * a, size_t a_len) {
@@ -673,6 +683,7 @@ static void choose_transport(struct client_node * n, const char * wanted) {
 void node_destroy(struct client_node * n) {
     if (!n) return;
     memset(n->secret, 0, sizeof n->secret);
+    tb_trace_close(n->trace);
     tb_close(n->tp);
     pthread_mutex_destroy(&n->lock);
     free(n->encode);
@@ -718,5 +729,6 @@ struct client_node * node_open(const char * endpoint, const char * name, int tim
     n->handshaking = false;
     choose_transport(n, transport);
     if (n->failed) { snprintf(err, err_len, "%s", n->error); *kind = n->error_kind; node_destroy(n); return NULL; }
+    n->trace = tb_trace_open("head", endpoint);
     return n;
 }

@@ -110,7 +110,9 @@ fail:
 static int run_graph(struct node_conn * c, char * err, size_t err_len) {
     set_busy(c, COMPUTING);
     char why[400] = "";
+    tb_trace_mark(c->trace, TB_TRACE_GRAPH_START, 0);
     const int rc = tb_graph_compute_checked(c->backend, c->graph, why, sizeof why);   // row indices checked before each op
+    tb_trace_mark(c->trace, TB_TRACE_GRAPH_END, 0);
     set_busy(c, IDLE);
     count(&c->slot->graphs_computed, 1);
     if (rc != 0 && c->gone) {   // the device's abort callback (client_left) stopped it

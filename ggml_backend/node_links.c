@@ -293,6 +293,7 @@ int handle_peer_recv(struct node_conn * c, const struct tb_header * h, char * er
     int rc = host ? 0 : scratch_reserve(c, (size_t) req.size);
     if (rc != 0) snprintf(why, sizeof why, "out of memory");
     if (rc == 0) rc = recv_from_peer(tp, host ? b->base + req.offset : c->payload, req.size, why, sizeof why);
+    tb_trace_mark(c->trace, TB_TRACE_PEER_DATA, TB_CMD_PEER_RECV);
     if (rc == 0 && !host) {
         struct ggml_tensor t = byte_view(b, req.offset, req.size);
         ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
@@ -392,6 +393,7 @@ int handle_allreduce(struct node_conn * c, const struct tb_header * h, char * er
             char why[256] = "";
             rc = recv_from_peer(c->peers[req.peer_in[k] - 1].tp, part_buf, req.size, why, sizeof why);
             if (rc != 0) { snprintf(err, err_len, "ALLREDUCE: from node %s: %s", c->peers[req.peer_in[k] - 1].name, why); break; }
+            tb_trace_mark(c->trace, TB_TRACE_PEER_DATA, TB_CMD_ALLREDUCE);
             part = part_buf;
         }
         if (k == 0) memcpy(acc, part, size);

@@ -598,6 +598,7 @@ static int serve_one(struct node_conn * c) {
         return -1;
     }
     if (handshake_gate(c, &h) != 0) return -1;
+    tb_trace_mark(c->trace, TB_TRACE_REQUEST, h.cmd);
     count(&c->slot->bytes_received, (int64_t) h.len);
 
     struct reply r = { 0 };
@@ -618,6 +619,7 @@ static int serve_one(struct node_conn * c) {
     } else if (!io_failed && h.cmd != TB_CMD_SET_TENSOR) {
         rc = dispatch(c, &h, &r, err, sizeof err);
     }
+    tb_trace_mark(c->trace, TB_TRACE_DONE, h.cmd);
     if (io_failed) {
         node_log(c->node, "client %s: %s: %s; dropping it", c->tp->peer, tb_cmd_name(h.cmd), err[0] ? err : c->tp->error);
         return -1;
@@ -674,6 +676,7 @@ static void conn_free(struct node_conn * c) {
     free(c->buffers);
     free(c->payload);
     tb_shm_discard(c->offered);
+    tb_trace_close(c->trace);
     tb_close(c->tp);
     free(c);
 }
@@ -728,6 +731,7 @@ static struct node_conn * conn_new(struct tb_node * n, int fd, struct client_slo
     c->next_fake_base = TB_FAKE_BASE;
     c->keepalive_ms = 1000;
     c->has_file_nonce = tb_random(c->file_nonce, sizeof c->file_nonce) == 0;
+    c->trace = tb_trace_open("node", n->name);
     pthread_mutex_init(&c->send_lock, NULL);
     pthread_mutex_init(&c->busy_lock, NULL);
     pthread_cond_init(&c->busy_changed, NULL);

@@ -8,6 +8,7 @@
 
 #include "ggml_abi.h"
 #include "node_internal.h"
+#include "trace.h"
 
 #include <string.h>
 
@@ -69,6 +70,7 @@ struct node_conn {
     bool      has_file_nonce;
 
     int       client_fd;            // the client's TCP connection (kept by every transport as liveness)
+    struct tb_trace * trace;        // TBRPC_TRACE: when requests came and graphs ran (NULL: off)
     int64_t   gone_checked_ms;      // when client_left() last looked
     bool      gone;
 };

@@ -34,7 +34,7 @@ TRANSPORT_SOURCES = ["transport.c", "transport/tcp.c", "transport/ring.c", "tran
 # shm_open lives in librt, dlopen (of the verbs library) in libdl, on C libraries older than glibc 2.34
 SYSTEM_LIBS = ["-pthread"] + (["-lrt", "-ldl"] if sys.platform.startswith("linux") else [])
 # what needs no ggml: the transports and the shared-secret proofs (C tests build them alone)
-PLAIN_SOURCES = [*TRANSPORT_SOURCES, "auth.c"]
+PLAIN_SOURCES = [*TRANSPORT_SOURCES, "auth.c", "trace.c"]
 C_SOURCES = ["proto.c", "op_rules.c", "client.c", "client_node.c", "split_rules.c", "node.c", "node_session.c",
              "node_graphs.c", "node_files.c", "node_links.c", "model_file.c", *PLAIN_SOURCES]
 
@@ -79,6 +79,9 @@ struct tb_peer_connect { char host[256]; uint64_t port, token, caps, flags; };
 struct tb_peer_connect_reply { uint64_t peer_id; char transport[96]; uint32_t why_kind; uint32_t reserved; };
 enum tb_why { TB_WHY_NONE, TB_WHY_ASKED, TB_WHY_PEER_NO_RDMA, TB_WHY_NO_RDMA_HERE, TB_WHY_QP_BUDGET, TB_WHY_NO_SHM,
               TB_WHY_SHM_FAILED, TB_WHY_RDMA_FAILED, TB_WHY_PEER_OLD, TB_WHY_NO_LINK, ... };
+enum tb_trace_what { TB_TRACE_FLUSH = 1, TB_TRACE_REPLY, TB_TRACE_REQUEST, TB_TRACE_DONE, TB_TRACE_GRAPH_START,
+                     TB_TRACE_GRAPH_END, TB_TRACE_PEER_DATA, ... };
+struct tb_trace_event { int64_t t_ns; uint16_t what; uint16_t cmd; uint32_t reserved; };
 struct tb_peer_greeting { char magic[8]; uint8_t nonce[32]; uint8_t mac[32]; };
 struct tb_peer_answer { uint8_t nonce[32]; uint8_t mac[32]; char name[64]; };
 void tb_peer_key(const uint8_t * secret, size_t secret_len, uint64_t token, uint8_t out[32]);
@@ -192,7 +195,7 @@ def make_ffi() -> FFI:
     link = ggml_link(lib) + [f"-Wl,-rpath,{path}" for path in rpaths]
     ffi.set_source(
         "tbrpc._native",
-        '#include "tbrpc.h"\n#include "transport/rdma_report.h"',
+        '#include "tbrpc.h"\n#include "transport/rdma_report.h"\n#include "trace.h"',
         # relative to the project root: setuptools refuses absolute source paths
         sources=[f"ggml_backend/{s}" for s in C_SOURCES],
         include_dirs=[str(C_DIR), str(include)],
