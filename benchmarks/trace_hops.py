@@ -11,6 +11,9 @@ trace.h), all on the host's monotonic clock. For N local ``tbrpc node
 
   head            the head from the last token's logits to its first request
                   of this one (sampling, Python, llama.cpp, ggml's scheduler)
+  head: to node 0's graph
+                  from that request to the one with node 0's graph (the inputs
+                  every node's graph needs go first)
   head -> node 0  from the head handing node 0 its graph to the graph starting
                   (the wire, node 0's wake-up, reading its requests)
   compute k       node k's graph, start to end
@@ -24,11 +27,13 @@ trace.h), all on the host's monotonic clock. For N local ``tbrpc node
   tail            the last node's graph end to the head holding the logits'
                   reply header (reading GET_TENSOR, the reply, the head's wake-up)
 
-medians over tokens, in microseconds, and the per-added-node cost of each
+and "token - compute", the token's time nobody computed: what the split
+adds. Medians over tokens, in microseconds, and the per-added-node cost of each
 ((N=4) - (N=1)) / 3 where both exist. The parts add up to the token's time
-between two replies, minus the head's stdin turn (not on a decode's path).
+between two replies (the stepping head's turn on stdin falls in "head").
 
     PYTHONPATH=. .venv/bin/python benchmarks/trace_hops.py --nodes 1,2,4 --steps 300 --rounds 2
+    PYTHONPATH=. .venv/bin/python benchmarks/trace_hops.py --nodes 4 --rounds 1 --dump 100   # one token's events
 
 A benchmark, not a test: nothing here asserts on timings.
 """
@@ -109,11 +114,10 @@ def token_parts(traces: list[Trace], endpoints: list[str], names: list[str]) -> 
         if g0 is None or None in starts or None in stops:
             continue
         parts["head"].append((start - prev) * us)
+        parts["head: to node 0's graph"].append((g0 - start) * us)
         parts["head -> node 0"].append((starts[0] - g0) * us)
         for k in range(len(node)):
             parts[f"compute {k}"].append((stops[k] - starts[k]) * us)
-            parts["compute, all"].append(0)   # summed below
-        parts["compute, all"][-len(node):] = []
         parts["compute, all"].append(sum(stops[k] - starts[k] for k in range(len(node))) * us)
         hop = {"hop: to send": 0.0, "hop: send, wake": 0.0, "hop: to start": 0.0}
         for k in range(1, len(node)):
@@ -130,10 +134,29 @@ def token_parts(traces: list[Trace], endpoints: list[str], names: list[str]) -> 
                 parts[name + " (all hops)"].append(v)
         parts["tail"].append((end - stops[-1]) * us)
         parts["token"].append((end - prev) * us)
+        parts["token - compute"].append((end - prev - sum(stops[k] - starts[k] for k in range(len(node)))) * us)
     return parts
 
 
-def one_config(gguf: str, transport: str, n_nodes: int, steps: int, tmp: Path) -> dict[str, float]:
+WHAT = {REQUEST: "request", DONE: "done", FLUSH: "flush", REPLY: "reply", G_START: "graph start", G_END: "graph end",
+        PEER_DATA: "peer data"}
+CMD = {getattr(lib, n): n.removeprefix("TB_CMD_") for n in dir(lib) if n.startswith("TB_CMD_")}
+
+
+def dump_token(traces: list[Trace], endpoints: list[str], names: list[str], index: int) -> None:
+    """Every event of decoded token `index` (past the warm-up), in time order, across the processes."""
+    heads = {t.who: t for t in traces if t.role == "head"}
+    nodes = {t.who: t for t in traces if t.role == "node" and any(w == G_START for _, w, _ in t.events)}
+    ends = [t for t, w, c in heads[endpoints[-1]].events if w == REPLY and c == lib.TB_CMD_GET_TENSOR]
+    prev, end = ends[20 + index], ends[21 + index]
+    rows = [(t, f"head -> node {k}", w, c) for k, e in enumerate(endpoints) for t, w, c in heads[e].events]
+    rows += [(t, f"node {k}", w, c) for k, n in enumerate(names) for t, w, c in nodes[n].events]
+    for t, who, w, c in sorted(r for r in rows if prev <= r[0] <= end):
+        cmd = CMD.get(c, "") if w not in (G_START, G_END) else ""
+        print(f"  {(t - prev) / 1e3:9.1f} us  {who:14} {WHAT[w]:12} {cmd}")
+
+
+def one_config(gguf: str, transport: str, n_nodes: int, steps: int, tmp: Path, dump: int | None = None) -> dict[str, float]:
     trace_dir = tmp / f"trace-{transport}-{n_nodes}-{os.getpid()}-{len(list(tmp.iterdir()))}"
     trace_dir.mkdir()
     os.environ["TBRPC_TRACE"] = str(trace_dir)   # nodes and head inherit it
@@ -148,7 +171,11 @@ def one_config(gguf: str, transport: str, n_nodes: int, steps: int, tmp: Path) -
         endpoints, names = nodes.endpoints, [s.name for s in specs]
     finally:
         del os.environ["TBRPC_TRACE"]
-    parts = token_parts(read_traces(trace_dir), endpoints, names)
+    traces = read_traces(trace_dir)
+    if dump is not None:
+        print(f"{transport} x{n_nodes}, decoded token {dump}:")
+        dump_token(traces, endpoints, names, dump)
+    parts = token_parts(traces, endpoints, names)
     return {name: statistics.median(v) for name, v in parts.items() if v}
 
 
@@ -158,6 +185,8 @@ def main() -> None:
     parser.add_argument("--nodes", default="1,2,4")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=2, help="each configuration this often, in turns; medians")
+    parser.add_argument("--dump", type=int, default=None, metavar="K",
+                        help="also print every event of the K-th decoded token of each run, in time order")
     args = parser.parse_args()
     gguf = str(split._resolve_model(args.model, {}))
     counts = [int(n) for n in args.nodes.split(",")]
@@ -168,7 +197,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for label, transport in TRANSPORTS:
                 for n in counts:
-                    results[(label, n)].append(one_config(gguf, transport, n, args.steps, tmp))
+                    results[(label, n)].append(one_config(gguf, transport, n, args.steps, tmp, args.dump))
                     print(f"  {label} x{n}: token {results[(label, n)][-1].get('token', 0):.0f} us", flush=True)
     columns = [(label, n) for label, _ in TRANSPORTS for n in counts]
     names: list[str] = []

@@ -218,17 +218,16 @@ static void backend_get_tensor_async(ggml_backend_t backend, const struct ggml_t
     buffer_get_tensor(tensor->view_src ? tensor->view_src->buffer : tensor->buffer, tensor, data, offset, size);
 }
 
-// A node executes one client's requests strictly in order, and every
-// transfer back to the head (get_tensor) already waits for its answer. So
-// nothing the head can observe depends on waiting here: "synchronize" only
-// has to make sure queued requests leave, which saves one round trip per
-// split input per token compared with waiting for an acknowledgement.
-static void backend_synchronize(ggml_backend_t backend) {
-    struct client_node * n = backend_node(backend);
-    pthread_mutex_lock(&n->lock);
-    node_flush_locked(n, TB_CMD_SYNC);
-    pthread_mutex_unlock(&n->lock);
-}
+// No synchronize. A node executes one client's requests strictly in order,
+// and nothing the head can observe depends on one: every transfer back to
+// the head (get_tensor) is a call, which sends what was queued before it
+// and waits for its answer; a request another node waits for (PEER_SEND,
+// ALLREDUCE) and a graph leave when they are posted. So queued requests may
+// wait in the head's buffer for the next of those. ggml's scheduler calls
+// synchronize before every input it copies to a split (three to five times
+// per node and token); sending there cost a system call each, and woke the
+// node for a part of its requests at a time (docs/benchmarks.md, "A token
+// hop by hop"), where now a node's inputs and graph leave together.
 
 // Posts the graph; when the node already keeps an identical one (the usual
 // case from one generated token to the next, for each of a tensor split's
@@ -390,7 +389,7 @@ static const struct ggml_backend_i backend_iface = {
     .set_tensor_2d_async = NULL,
     .get_tensor_2d_async = NULL,
     .cpy_tensor_async    = backend_cpy_tensor_async,
-    .synchronize         = backend_synchronize,
+    .synchronize         = NULL,   // see above
     .graph_plan_create   = NULL,
     .graph_plan_free     = NULL,
     .graph_plan_update   = NULL,

@@ -138,8 +138,9 @@ int node_post_locked(struct client_node * n, uint16_t cmd, const void * a, size_
 // Hand what was posted to the transport, so the node can start on it. Caller holds n->lock.
 void node_flush_locked(struct client_node * n, uint16_t cmd) {
     if (n->failed) return;
+    const uint64_t flushes = n->tp->flushes;
     if (tb_flush(n->tp) != 0) node_fail(n, tb_cmd_name(cmd), n->tp->error);
-    else tb_trace_mark(n->trace, TB_TRACE_FLUSH, cmd);
+    else if (n->tp->flushes != flushes) tb_trace_mark(n->trace, TB_TRACE_FLUSH, cmd);   // bytes left: the node may wake
 }
 
 int node_post(struct client_node * n, uint16_t cmd, const void * a, size_t a_len) {

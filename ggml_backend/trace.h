@@ -19,7 +19,8 @@
 #include <stdint.h>
 
 enum tb_trace_what {
-    TB_TRACE_FLUSH = 1,     // head: requests up to `cmd` were handed to the transport (the node can see them)
+    TB_TRACE_FLUSH = 1,     // head: requests up to `cmd` were handed to the transport (the node can see them);
+                            // only a flush that sent bytes
     TB_TRACE_REPLY,         // head: the reply header to `cmd` arrived
     TB_TRACE_REQUEST,       // node: a request header `cmd` was read
     TB_TRACE_DONE,          // node: request `cmd` was carried out (a called one is answered right after)
