@@ -371,7 +371,12 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     step = "ibv_alloc_pd";
     if (!(d->pd = v->alloc_pd(d->ctx))) goto fail;
     step = "ibv_reg_mr";   // before RTR: an MR registered later may never be mapped on Apple
+#ifdef TB_RDMA_BROKEN_REGISTER_RX_ONLY
+    // deliberately wrong (tests only): the send slots lie outside the registered memory
+    if (!(d->mr = v->reg_mr(d->pd, d->mem, d->mem_len / 2, d->access))) goto fail;
+#else
     if (!(d->mr = v->reg_mr(d->pd, d->mem, d->mem_len, d->access))) goto fail;
+#endif
     if (!apple && v->create_comp_channel) {
         step = "ibv_create_comp_channel";
         if (!(d->ch = v->create_comp_channel(d->ctx))) goto fail;
