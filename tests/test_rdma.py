@@ -6,8 +6,9 @@ The stand-in is only worth something if it refuses what real hardware
 refuses, so the negative tests build deliberately broken wires and assert that
 they FAIL under it: no credits under linux-uc loses frames, a short send under
 apple-uc is a length error, a receive posted before RTS under apple-uc is
-EINVAL. Everything here runs on Linux against the stand-in; nothing says
-anything about a Mac or a NIC."""
+EINVAL, a send outside the registered memory is a protection error under
+every profile. Everything here runs on Linux against the stand-in; nothing
+says anything about a Mac or a NIC."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ C_TEST = Path(__file__).parent / "c" / "rdma_tests.c"
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("rdma")
     progs = {"good": build_program(C_TEST, out / "rdma_tests", with_ggml=False)}
-    for broken in ("NO_CREDITS", "SHORT_APPLE_SEND", "POST_RECV_BEFORE_RTS", "REUSE_SLOT"):
+    for broken in ("NO_CREDITS", "SHORT_APPLE_SEND", "POST_RECV_BEFORE_RTS", "REUSE_SLOT", "REGISTER_RX_ONLY"):
         progs[broken] = build_program(C_TEST, out / f"rdma_tests_{broken.lower()}", with_ggml=False,
                                       defines=(f"TB_RDMA_BROKEN_{broken}",))
     progs["QP_PROCESS_LOCKS"] = build_program(C_TEST, out / "rdma_tests_qp_process_locks", with_ggml=False,
@@ -153,6 +154,16 @@ def test_broken_slot_reuse_is_caught_by_the_late_read(built, profile, tmp_path) 
     assert "changed before its completion" in proc.stderr, proc.stderr[-3000:]
     assert "WRONG BYTES" not in proc.stderr
     assert "RDMA frame lost from" in proc.stderr or "is corrupt" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_broken_send_outside_its_registered_memory_is_a_protection_error(built, profile, tmp_path) -> None:
+    """Only the receive half is registered: every profile refuses a send whose SGE lies outside
+    a registered MR with a local protection error, and the wire names it."""
+    proc = run(built, "stream", profile, tmp_path, prog="REGISTER_RX_ONLY")
+    assert proc.returncode != 0
+    assert "WRONG BYTES" not in proc.stderr
+    assert "RDMA send of frame 1 failed: local protection error" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_builds_without_verbs_headers(tmp_path) -> None:

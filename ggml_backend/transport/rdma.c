@@ -143,16 +143,22 @@ struct tb_rdma {
     int qp_place;                // one of the device's QP places (qp_budget.h) while the QP lives; -1 none
 };
 
+// What one index of the ring knows about its receive slot and its send slot
+// (both counts are `slots`). A seq of 0 means none: the ring numbers frames from 1.
+struct slot_state {
+    uint32_t rx_arrived;         // the wr_id (seq) of the receive's completion
+    uint32_t rx_bytes;           // and its byte_len
+    uint32_t rx_valid;           // seq whose prefix and checksum were checked (until released)
+    uint32_t tx_busy;            // seq of the send whose completion is not yet polled (no reuse till then)
+};
+
 struct rdma_transport {
     struct tb_ring ring;         // must be first
     struct tb_rdma * d;
     struct tb_transport * tcp;   // liveness anchor
     int fd;
-    pthread_mutex_t cq_lock;     // the CQ, the channel and the tables below
-    uint32_t * rx_arrived;       // per receive slot: the wr_id (seq) of its completion, 0 none
-    uint32_t * rx_bytes;
-    uint32_t * rx_valid;         // per receive slot: seq whose prefix and checksum were checked
-    uint32_t * tx_busy;          // per send slot: seq of the send not yet completed, 0 none
+    pthread_mutex_t cq_lock;     // the CQ, the channel and `state`
+    struct slot_state * state;   // [slots]: entry i is receive slot i and send slot i
     uint8_t * scratch;           // handed to the ring when a send slot cannot be had (then post fails)
     int broken, broken_kind;
     char broken_why[200];
@@ -365,7 +371,12 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     step = "ibv_alloc_pd";
     if (!(d->pd = v->alloc_pd(d->ctx))) goto fail;
     step = "ibv_reg_mr";   // before RTR: an MR registered later may never be mapped on Apple
+#ifdef TB_RDMA_BROKEN_REGISTER_RX_ONLY
+    // deliberately wrong (tests only): the send slots lie outside the registered memory
+    if (!(d->mr = v->reg_mr(d->pd, d->mem, d->mem_len / 2, d->access))) goto fail;
+#else
     if (!(d->mr = v->reg_mr(d->pd, d->mem, d->mem_len, d->access))) goto fail;
+#endif
     if (!apple && v->create_comp_channel) {
         step = "ibv_create_comp_channel";
         if (!(d->ch = v->create_comp_channel(d->ctx))) goto fail;
@@ -519,7 +530,7 @@ static int progress_locked(struct rdma_transport * t) {
                 set_broken(t, TB_IO_BROKEN, "%s: RDMA send of frame %u failed: %s", t->ring.base.peer, seq,
                            t->d->v->wc_status_str(wc[i].status));
             }
-            if (t->tx_busy[idx] == seq) t->tx_busy[idx] = 0;
+            if (t->state[idx].tx_busy == seq) t->state[idx].tx_busy = 0;
             continue;
         }
         if (wc[i].status != IBV_WC_SUCCESS) {
@@ -527,8 +538,8 @@ static int progress_locked(struct rdma_transport * t) {
                        t->d->v->wc_status_str(wc[i].status));
             continue;
         }
-        t->rx_arrived[idx] = seq;
-        t->rx_bytes[idx] = wc[i].byte_len;
+        t->state[idx].rx_arrived = seq;
+        t->state[idx].rx_bytes = wc[i].byte_len;
     }
     return t->broken ? -1 : n;
 }
@@ -541,7 +552,7 @@ static void note_eof(struct rdma_transport * t) {
 static int arrived(struct rdma_transport * t, uint32_t seq) {
     pthread_mutex_lock(&t->cq_lock);
     int n = progress_locked(t);
-    int done = n < 0 || t->rx_arrived[seq % t->d->slots] == seq;
+    int done = n < 0 || t->state[seq % t->d->slots].rx_arrived == seq;
     pthread_mutex_unlock(&t->cq_lock);
     return done;
 }
@@ -608,11 +619,11 @@ static uint8_t * rdma_tx_frame(struct tb_ring * r, uint32_t seq) {
     int64_t until = tb_now_ms() + (r->base.timeout_ms > 0 ? r->base.timeout_ms : 30000);
     pthread_mutex_lock(&t->cq_lock);
     // The peer handed this slot's credit back, so its previous send has left; its completion follows.
-    while (t->tx_busy[idx] != 0 && !t->broken) {
+    while (t->state[idx].tx_busy != 0 && !t->broken) {
         if (progress_locked(t) < 0) break;
-        if (t->tx_busy[idx] == 0) break;
+        if (t->state[idx].tx_busy == 0) break;
         if (tb_now_ms() > until) {
-            set_broken(t, TB_IO_TIMEOUT, "%s: RDMA send of frame %u never completed", r->base.peer, t->tx_busy[idx]);
+            set_broken(t, TB_IO_TIMEOUT, "%s: RDMA send of frame %u never completed", r->base.peer, t->state[idx].tx_busy);
             break;
         }
         pthread_mutex_unlock(&t->cq_lock);
@@ -646,10 +657,10 @@ static int rdma_post(struct tb_ring * r, uint32_t seq) {
     struct ibv_send_wr wr = { .wr_id = SEND_TAG | seq, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_SEND,
                               .send_flags = IBV_SEND_SIGNALED }, * bad = NULL;
     pthread_mutex_lock(&t->cq_lock);
-    t->tx_busy[idx] = seq;
+    t->state[idx].tx_busy = seq;
     int rc = ibv_post_send(d->qp, &wr, &bad);
     if (rc != 0) {
-        t->tx_busy[idx] = 0;
+        t->state[idx].tx_busy = 0;
         // A QP that an error completion put in the error state refuses posts:
         // take that completion first, so the failure names its cause.
         progress_locked(t);
@@ -668,12 +679,12 @@ static const uint8_t * rdma_rx_frame(struct tb_ring * r, uint32_t seq, int * bro
     *broken = 0;
     pthread_mutex_lock(&t->cq_lock);
     int n = progress_locked(t);
-    uint32_t got = t->rx_arrived[idx], len = t->rx_bytes[idx];
+    uint32_t got = t->state[idx].rx_arrived, len = t->state[idx].rx_bytes;
     pthread_mutex_unlock(&t->cq_lock);
     if (n < 0) { *broken = 1; return fail_broken(t), NULL; }
     if (got != seq) return NULL;
     const uint8_t * slot = rx_slot(d, idx);
-    if (t->rx_valid[idx] == seq) return slot + TB_RDMA_PREFIX;
+    if (t->state[idx].rx_valid == seq) return slot + TB_RDMA_PREFIX;
     struct wire_prefix p;
     memcpy(&p, slot, sizeof p);
     struct tb_frame_header h;
@@ -687,7 +698,7 @@ static const uint8_t * rdma_rx_frame(struct tb_ring * r, uint32_t seq, int * bro
                    len, TB_RDMA_PREFIX + p.bytes);
     }
     if (t->broken) { *broken = 1; fail_broken(t); return NULL; }
-    t->rx_valid[idx] = seq;
+    t->state[idx].rx_valid = seq;
     return slot + TB_RDMA_PREFIX;
 }
 
@@ -696,8 +707,8 @@ static int rdma_release(struct tb_ring * r, uint32_t seq) {
     struct tb_rdma * d = t->d;
     uint32_t idx = seq % d->slots;
     pthread_mutex_lock(&t->cq_lock);
-    t->rx_arrived[idx] = 0;
-    t->rx_valid[idx] = 0;
+    t->state[idx].rx_arrived = 0;
+    t->state[idx].rx_valid = 0;
     int rc = post_receives(d, seq + d->slots, 1);
     if (rc != 0) set_broken(t, TB_IO_BROKEN, "%s: RDMA post_recv failed: %s", r->base.peer, strerror(rc));
     pthread_mutex_unlock(&t->cq_lock);
@@ -712,7 +723,7 @@ static void rdma_free(struct tb_ring * r) {
         pthread_mutex_lock(&t->cq_lock);
         int busy = 0;
         if (!t->broken) progress_locked(t);
-        for (uint32_t i = 0; i < t->d->slots; i++) busy |= t->tx_busy[i] != 0;
+        for (uint32_t i = 0; i < t->d->slots; i++) busy |= t->state[i].tx_busy != 0;
         pthread_mutex_unlock(&t->cq_lock);
         if (!busy || t->broken || tb_now_ms() > until) break;
         struct timespec ts = { 0, 50000 };
@@ -722,10 +733,7 @@ static void rdma_free(struct tb_ring * r) {
     close_endpoint(t->d);
     tb_close(t->tcp);
     pthread_mutex_destroy(&t->cq_lock);
-    free(t->rx_arrived);
-    free(t->rx_bytes);
-    free(t->rx_valid);
-    free(t->tx_busy);
+    free(t->state);
     free(t->scratch);
     free(t);
 }
@@ -738,17 +746,14 @@ static const struct tb_ring_wire rdma_wire = {
 struct tb_transport * tb_rdma_transport(struct tb_rdma * d, struct tb_transport * tcp, char * err, size_t err_len) {
     struct rdma_transport * t = calloc(1, sizeof *t);
     if (t) {
-        t->rx_arrived = calloc(d->slots, sizeof(uint32_t));
-        t->rx_bytes = calloc(d->slots, sizeof(uint32_t));
-        t->rx_valid = calloc(d->slots, sizeof(uint32_t));
-        t->tx_busy = calloc(d->slots, sizeof(uint32_t));
+        t->state = calloc(d->slots, sizeof *t->state);
         t->scratch = calloc(1, d->stride);
     }
-    if (!t || !t->rx_arrived || !t->rx_bytes || !t->rx_valid || !t->tx_busy || !t->scratch ||
+    if (!t || !t->state || !t->scratch ||
         pthread_mutex_init(&t->cq_lock, NULL) != 0 ||
         !tb_ring_init(&t->ring, &rdma_wire, d->slots, d->stride - TB_RDMA_PREFIX, tcp->timeout_ms, tcp->peer)) {
         snprintf(err, err_len, "out of memory for an RDMA ring");
-        if (t) { free(t->rx_arrived); free(t->rx_bytes); free(t->rx_valid); free(t->tx_busy); free(t->scratch); }
+        if (t) { free(t->state); free(t->scratch); }
         free(t);
         close_endpoint(d);
         return NULL;

@@ -299,6 +299,18 @@ static void deliver(struct sim_qp * q, struct sim_msg * m) {
     free(w);
 }
 
+// Held SENDs meet the receives posted, in order, while the QP lives.
+static void deliver_held(struct sim_qp * q) {
+    while (q->held_head && q->rq_head && q->qp.state != IBV_QPS_ERR) {
+        struct sim_msg * h = q->held_head;
+        q->held_head = h->next;
+        if (!q->held_head) q->held_tail = NULL;
+        deliver(q, h);
+        free(h->data);
+        free(h);
+    }
+}
+
 static void arrive(struct sim_ctx * c, struct sim_qp * q, struct sim_msg * m) {
     c->msgs_in++;
     if (cfg.fault && c->msgs_in == cfg.fault_n) {
@@ -311,14 +323,7 @@ static void arrive(struct sim_ctx * c, struct sim_qp * q, struct sim_msg * m) {
         m->next = NULL;
         if (q->held_tail) q->held_tail->next = m; else q->held_head = m;
         q->held_tail = m;
-        while (q->held_head && q->rq_head && q->qp.state != IBV_QPS_ERR) {
-            struct sim_msg * h = q->held_head;
-            q->held_head = h->next;
-            if (!q->held_head) q->held_tail = NULL;
-            deliver(q, h);
-            free(h->data);
-            free(h);
-        }
+        deliver_held(q);
         return;
     }
     deliver(q, m);
@@ -432,44 +437,64 @@ static void * tx_main(void * arg) {
 
 // --- posts -----------------------------------------------------------------------
 
+// One work request posted, send or receive: the rules every post obeys, in
+// the order they are checked: the QP state (a send only in RTS; a receive in
+// any state but RESET, on Apple only in RTS or ERR), one SGE (a send on Linux
+// may have none), Apple's largest message, room in the queue (Apple counts
+// frames, Linux WRs). A WR they let through is taken: a receive in ERR
+// completes flushed; an SGE outside a registered MR of the QP's PD with that
+// lkey completes with IBV_WC_LOC_PROT_ERR and puts the QP in ERR; else it is
+// queued (a send to the NIC's tx thread, which reads its buffer late).
+// 0 (taken), or the errno that refuses it and the WRs after it. ctx lock held.
+static int post_one(struct sim_qp * q, int send, uint64_t wr_id, const struct ibv_sge * sge, int num_sge) {
+    struct ibv_qp * qp = &q->qp;
+    int state_ok = send ? qp->state == IBV_QPS_RTS
+                        : qp->state != IBV_QPS_RESET && (!apple() || qp->state == IBV_QPS_RTS || qp->state == IBV_QPS_ERR);
+    if (!state_ok) return EINVAL;
+    if (num_sge > 1 || (num_sge != 1 && (apple() || !send))) return EINVAL;
+    uint32_t len = num_sge ? sge[0].length : 0;
+    if (apple() && len > APPLE_MAX_MSG) return EINVAL;
+    uint32_t cost = apple() ? (uint32_t) frames(len) : 1;
+    uint32_t * used = send ? &q->send_used : &q->recv_used;
+    if (*used + cost > (send ? q->max_send : q->max_recv)) return ENOMEM;
+    struct sim_cq * cq = (struct sim_cq *) (send ? qp->send_cq : qp->recv_cq);
+    enum ibv_wc_opcode op = send ? IBV_WC_SEND : IBV_WC_RECV;
+    if (qp->state == IBV_QPS_ERR) {   // a receive: a send in ERR was refused above
+        push_cqe(cq, wr_id, IBV_WC_WR_FLUSH_ERR, op, 0, qp->qp_num);
+        return 0;
+    }
+    if (num_sge && !sge_ok(qp->pd, &sge[0])) {
+        push_cqe(cq, wr_id, IBV_WC_LOC_PROT_ERR, op, 0, qp->qp_num);
+        to_error(q);
+        return 0;
+    }
+    struct sim_wr * w = calloc(1, sizeof *w);
+    if (!w) return ENOMEM;
+    w->wr_id = wr_id;
+    w->addr = num_sge ? (uintptr_t) sge[0].addr : 0;
+    w->len = len;
+    w->qp = q;
+    *used += cost;
+    if (!send) {
+        if (q->rq_tail) q->rq_tail->next = w; else q->rq_head = w;
+        q->rq_tail = w;
+        return 0;
+    }
+    struct sim_ctx * c = (struct sim_ctx *) qp->context;
+    w->hash = hash_bytes((void *) w->addr, len);
+    if (c->tx_tail) c->tx_tail->next = w; else c->tx_head = w;
+    c->tx_tail = w;
+    pthread_cond_signal(&c->tx_cond);
+    return 0;
+}
+
 static int sim_post_recv(struct ibv_qp * qp, struct ibv_recv_wr * wr, struct ibv_recv_wr ** bad) {
     struct sim_qp * q = (struct sim_qp *) qp;
     struct sim_ctx * c = (struct sim_ctx *) qp->context;
     pthread_mutex_lock(&c->lock);
     int rc = 0;
-    for (; wr; wr = wr->next) {
-        if (qp->state == IBV_QPS_RESET || (apple() && qp->state != IBV_QPS_RTS && qp->state != IBV_QPS_ERR)) { rc = EINVAL; break; }
-        if (wr->num_sge != 1) { rc = EINVAL; break; }
-        uint32_t len = wr->sg_list[0].length;
-        if (apple() && len > APPLE_MAX_MSG) { rc = EINVAL; break; }
-        uint32_t cost = apple() ? (uint32_t) frames(len) : 1;
-        if (q->recv_used + cost > q->max_recv) { rc = ENOMEM; break; }
-        if (qp->state == IBV_QPS_ERR) {
-            push_cqe((struct sim_cq *) qp->recv_cq, wr->wr_id, IBV_WC_WR_FLUSH_ERR, IBV_WC_RECV, 0, qp->qp_num);
-            continue;
-        }
-        if (!sge_ok(qp->pd, &wr->sg_list[0])) {
-            push_cqe((struct sim_cq *) qp->recv_cq, wr->wr_id, IBV_WC_LOC_PROT_ERR, IBV_WC_RECV, 0, qp->qp_num);
-            to_error(q);
-            continue;
-        }
-        struct sim_wr * w = calloc(1, sizeof *w);
-        w->wr_id = wr->wr_id;
-        w->addr = (uintptr_t) wr->sg_list[0].addr;
-        w->len = len;
-        q->recv_used += cost;
-        if (q->rq_tail) q->rq_tail->next = w; else q->rq_head = w;
-        q->rq_tail = w;
-    }
-    // held SENDs meet the receives now posted
-    while (q->held_head && q->rq_head && qp->state != IBV_QPS_ERR) {
-        struct sim_msg * h = q->held_head;
-        q->held_head = h->next;
-        if (!q->held_head) q->held_tail = NULL;
-        deliver(q, h);
-        free(h->data);
-        free(h);
-    }
+    while (wr && (rc = post_one(q, 0, wr->wr_id, wr->sg_list, wr->num_sge)) == 0) wr = wr->next;
+    deliver_held(q);   // held SENDs meet the receives now posted
     pthread_mutex_unlock(&c->lock);
     if (rc && bad) *bad = wr;
     return rc;
@@ -481,28 +506,9 @@ static int sim_post_send(struct ibv_qp * qp, struct ibv_send_wr * wr, struct ibv
     pthread_mutex_lock(&c->lock);
     int rc = 0;
     for (; wr; wr = wr->next) {
-        if (qp->state != IBV_QPS_RTS) { rc = EINVAL; break; }
-        if (wr->opcode != IBV_WR_SEND && (apple() || wr->opcode != IBV_WR_SEND_WITH_IMM)) { rc = EINVAL; break; }
-        if (wr->num_sge > 1 || (apple() && wr->num_sge != 1)) { rc = EINVAL; break; }
-        uint32_t len = wr->num_sge ? wr->sg_list[0].length : 0;
-        if (apple() && len > APPLE_MAX_MSG) { rc = EINVAL; break; }
-        uint32_t cost = apple() ? (uint32_t) frames(len) : 1;
-        if (q->send_used + cost > q->max_send) { rc = ENOMEM; break; }
-        if (wr->num_sge && !sge_ok(qp->pd, &wr->sg_list[0])) {
-            push_cqe((struct sim_cq *) qp->send_cq, wr->wr_id, IBV_WC_LOC_PROT_ERR, IBV_WC_SEND, 0, qp->qp_num);
-            to_error(q);
-            continue;
-        }
-        struct sim_wr * w = calloc(1, sizeof *w);
-        w->wr_id = wr->wr_id;
-        w->addr = wr->num_sge ? (uintptr_t) wr->sg_list[0].addr : 0;
-        w->len = len;
-        w->hash = hash_bytes((void *) w->addr, len);
-        w->qp = q;
-        q->send_used += cost;
-        if (c->tx_tail) c->tx_tail->next = w; else c->tx_head = w;
-        c->tx_tail = w;
-        pthread_cond_signal(&c->tx_cond);
+        int opcode_ok = wr->opcode == IBV_WR_SEND || (!apple() && wr->opcode == IBV_WR_SEND_WITH_IMM);
+        rc = opcode_ok ? post_one(q, 1, wr->wr_id, wr->sg_list, wr->num_sge) : EINVAL;
+        if (rc) break;
     }
     pthread_mutex_unlock(&c->lock);
     if (rc && bad) *bad = wr;
