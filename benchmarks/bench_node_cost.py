@@ -35,7 +35,9 @@ Per transport it prints the buckets in ms per token at 1, 2, 4 nodes, and
 the per-added-node cost ((4 nodes - 1 node) / 3) of each, TCP and shared
 memory side by side, with the load average. --node-python NAME=PATH runs
 every configuration once more with the nodes started by PATH (a wrapper
-that puts another tree first on PYTHONPATH): a node-side change measured
+that changes into another tree and runs python there with the tree on
+PYTHONPATH: `python -m` puts the working directory first on sys.path, so
+PYTHONPATH alone does not reach the nodes): a node-side change measured
 side by side with this tree, in turns. perf's own CPU perturbs phase 2:
 the wall figures come from phase 1, the split from phase 2 scaled to phase
 1's CPU totals per process.
@@ -256,8 +258,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="each configuration this often, in turns; medians")
     parser.add_argument("--top", type=int, default=30, help="list this many of the busiest symbols")
     parser.add_argument("--node-python", action="append", default=[], metavar="NAME=PATH",
-                        help="also run every configuration with nodes started by PATH (e.g. a wrapper that puts "
-                             "another tree first on PYTHONPATH): a change on the node side, measured side by side")
+                        help="also run every configuration with nodes started by PATH (a wrapper that changes into another "
+                             "tree and runs python there, that tree on PYTHONPATH): a node-side change, side by side")
     parser.add_argument("--call-graph", default="dwarf", choices=("fp", "dwarf"),
                         help="how perf walks stacks (dwarf: slower, but sees through libraries without frame pointers)")
     args = parser.parse_args()

@@ -130,6 +130,7 @@ def runner_for(base: split.Runner, contender: Contender) -> split.Runner:
         return base
     runner = split.Runner(base.python, base.rpc_python, base.log_dir, base.n_gen, base.n_ctx, base.repeats)
     runner.env["PYTHONPATH"] = str(contender.tree)   # its logs' names carry the contender's
+    runner.tree = contender.tree
     return runner
 
 
@@ -141,7 +142,7 @@ class Head:
         self.log = log
         with log.open("wb") as err:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         env=runner.env, cwd=split.REPO, text=True)
+                                         env=runner.env, cwd=runner.tree, text=True)
         if self._line() != READY:
             raise RuntimeError(f"{mode} head did not load; see {log}:\n{log.read_text()[-3000:]}")
 

@@ -570,6 +570,9 @@ class Runner:
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.env["GGML_RPC_NO_RDMA"] = "1"   # plain TCP, so the proxy sees everything
         self.env.setdefault("OMP_NUM_THREADS", "1")
+        # where heads and nodes start: `python -m` puts the working directory first on sys.path,
+        # ahead of PYTHONPATH, so a contender's tree must be the working directory as well
+        self.tree = REPO
         self._log_seq = 0
 
     def new_log(self, name: str) -> Path:
@@ -596,7 +599,7 @@ class Runner:
                     cmd = [self.python_for("rpc"), __file__, "rpc-server", "--endpoint", endpoint, "--threads", "1"]
                 log = self.new_log(f"{config.model}-{config.mode}{config.n_nodes}-server{i}")
                 with log.open("wb") as out:
-                    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
+                    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.tree)
                 procs.append(proc)
                 _wait_listening(endpoint, proc, log)
                 endpoints.append(endpoint)
@@ -626,7 +629,7 @@ class Runner:
             log = self.new_log(f"{config.model}-{config.mode}{config.n_nodes}-{'traffic' if proxy else 'timed'}")
             with log.open("wb") as err:
                 proc = subprocess.run([self.python_for(config.mode), __file__, "worker", json.dumps(asdict(spec))],
-                                      check=False, stdout=subprocess.PIPE, stderr=err, env=self.env, cwd=REPO,
+                                      check=False, stdout=subprocess.PIPE, stderr=err, env=self.env, cwd=self.tree,
                                       timeout=1800)
             for line in proc.stdout.decode(errors="replace").splitlines():
                 if line.startswith(RESULT_TAG):
