@@ -4,6 +4,8 @@ One model, one thread per process, in one run and in alternating order per
 round:
 
   single            the model in one process (n_threads=1, flash attention)
+  single-norepack   the same without the CPU backend's weight repacking: the
+                    kernels the nodes run (they hold weights in plain buffers)
   layer             head + 2 local nodes, llama.cpp's layer split
   tensor            head + 2 local nodes, split_mode=3 with tbrpc's ALLREDUCE
   tensor-butterfly  the same with TBRPC_NO_ALLREDUCE=1: llama.cpp's own butterfly
@@ -53,13 +55,14 @@ from typing import Any
 from tbrpc.node_processes import listening_port
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("single", "layer", "tensor", "tensor-butterfly", "ffn")
-MODES_OF = {"llama-f32": MODES, "gemma": ("single", "layer", "ffn"),
-            "deepseek2": ("single", "layer", "ffn"), "deepseek2-f32": ("single", "layer", "ffn")}
+MODES = ("single", "single-norepack", "layer", "tensor", "tensor-butterfly", "ffn")
+MODES_OF = {"llama-f32": MODES, "gemma": ("single", "single-norepack", "layer", "ffn"),
+            "deepseek2": ("single", "single-norepack", "layer", "ffn"),
+            "deepseek2-f32": ("single", "single-norepack", "layer", "ffn")}
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
 
 RUN = """
-import json, os, sys, time
+import contextlib, json, os, sys, time
 spec = json.loads(sys.argv[1])
 os.environ.update(spec["env"])
 import llama_cpp
@@ -78,7 +81,8 @@ if spec["nodes"]:
         kwargs.update(split_mode=1, tensor_split=None)
 else:
     kwargs.update(n_gpu_layers=0)
-with model_params_patch(devices):
+from tbrpc.head_buffers import plain_cpu_buffers
+with plain_cpu_buffers() if spec["norepack"] else contextlib.nullcontext(), model_params_patch(devices):
     llm = llama_cpp.Llama(spec["model"], **kwargs)
 prompt = llm.tokenize(spec["prompt"].encode())
 def status():
@@ -124,8 +128,8 @@ def start_node(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 def run(mode: str, model: str, nodes: list[tuple[subprocess.Popen[bytes], str]], n: int,
         granularity: int) -> dict[str, Any]:
-    remote = mode != "single"
-    spec = {"model": model, "prompt": PROMPT, "n": n, "nodes": [e for _, e in nodes] if remote else [],
+    remote = not mode.startswith("single")
+    spec = {"model": model, "norepack": mode == "single-norepack", "prompt": PROMPT, "n": n, "nodes": [e for _, e in nodes] if remote else [],
             "node_pgids": [p.pid for p, _ in nodes] if remote else [],
             "split_mode": 3 if mode.startswith("tensor") else 1, "ffn_granularity": granularity if mode == "ffn" else 0,
             "env": {"TBRPC_NO_ALLREDUCE": "1"} if mode == "tensor-butterfly" else {}}
@@ -164,10 +168,11 @@ def main() -> None:
         for proc, _ in nodes:
             proc.terminate()
     single = statistics.median(x["decode_tps"] for x in results["single"])
+    norepack = statistics.median(x["decode_tps"] for x in results["single-norepack"])
     print(f"{Path(model).name}, {args.nodes} local nodes, 1 thread each, {args.tokens} decoded tokens, "
           f"{args.rounds} rounds (medians); {os.cpu_count()} cores, load average "
           + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
-    print(f"{'mode':18} {'prompt t/s':>10} {'decode t/s':>10} {'vs single':>9} {'AR/token':>8} {'B/AR':>6} "
+    print(f"{'mode':18} {'prompt t/s':>10} {'decode t/s':>10} {'vs single':>9} {'vs norepack':>11} {'AR/token':>8} {'B/AR':>6} "
           f"{'AR ms/token':>11} {'CPU ms/token: head':>18} {'nodes':>6}")
     for mode in modes:
         rows = results[mode]
@@ -178,7 +183,7 @@ def main() -> None:
         bytes_per = rows[0]["n_embd"] * 4 if per_token else 0
         head_ms = statistics.median(x["cpu_s"][0] / args.tokens * 1e3 for x in rows)
         nodes_ms = statistics.median(sum(x["cpu_s"][1:]) / args.tokens * 1e3 for x in rows)
-        print(f"{mode:18} {prompt:10.1f} {decode:10.1f} {decode / single:9.2f} {per_token:8.1f} {bytes_per:6d} {ar_ms:11.3f}"
+        print(f"{mode:18} {prompt:10.1f} {decode:10.1f} {decode / single:9.2f} {decode / norepack:11.2f} {per_token:8.1f} {bytes_per:6d} {ar_ms:11.3f}"
               f" {head_ms:18.2f} {nodes_ms:6.2f}")
     texts = {mode: {tuple(x["tokens"]) for x in rows} for mode, rows in results.items()}
     same = len({t for ts in texts.values() for t in ts}) == 1
