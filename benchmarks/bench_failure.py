@@ -32,7 +32,9 @@ import llama_cpp, numpy as np, tbrpc
 tbrpc.connect(spec["nodes"], transport=spec["transport"], timeout=spec["timeout"])
 llm = llama_cpp.Llama(spec["model"], n_gpu_layers=-1, tensor_split=[1, 1], n_ctx=256, n_threads=1, verbose=False)
 llm.eval(llm.tokenize(b"Once upon a time"))
-token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+def next_token():   # llm.scores holds logits only with logits_all: read llama.cpp's last row
+    return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
+token = next_token()
 for step in range(64):
     if step == 3:
         os.killpg(spec["victim"], spec["signal"])
@@ -42,7 +44,7 @@ for step in range(64):
     except tbrpc.NodeError as exc:
         print(json.dumps({"seconds": time.perf_counter() - started, "error": type(exc).__name__}))
         break
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    token = next_token()
 else:
     print(json.dumps({"seconds": None, "error": None}))
 """

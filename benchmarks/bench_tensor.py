@@ -92,7 +92,9 @@ from bench_node_cost import cpu_s, group_pids
 def group_cpu_s(pgid):
     return sum(cpu_s(pid) for pid in group_pids(pgid))   # a node and its session workers
 t = time.perf_counter(); llm.eval(prompt); prompt_s = time.perf_counter() - t
-token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+def next_token():   # llm.scores holds logits only with logits_all: read llama.cpp's last row
+    return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
+token = next_token()
 before = status()
 cpu_before = [time.process_time()] + [group_cpu_s(g) for g in spec["node_pgids"]]
 tokens = []
@@ -100,7 +102,7 @@ t = time.perf_counter()
 for _ in range(spec["n"]):
     tokens.append(token)
     llm.eval([token])
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    token = next_token()
 decode_s = time.perf_counter() - t
 cpu_after = [time.process_time()] + [group_cpu_s(g) for g in spec["node_pgids"]]
 after = status()
