@@ -50,12 +50,12 @@ uint64_t node_call_send_locked(struct client_node * n, uint16_t cmd, const void 
     const uint64_t id = ++n->next_id;
     n->messages++;
     n->round_trips++;
-    if (tb_msg_send(n->tp, cmd, 0, id, a, a_len, NULL, 0) != 0 || tb_flush(n->tp) != 0) {
+    if (tb_msg_send(n->tp, cmd, 0, id, a, a_len, NULL, 0) != 0) {
         node_fail(n, tb_cmd_name(cmd), n->tp->error);
         return 0;
     }
-    tb_trace_mark(n->trace, TB_TRACE_FLUSH, cmd);
-    return id;
+    node_flush_locked(n, cmd);
+    return n->failed ? 0 : id;
 }
 
 // Wait for the reply to request `id`; `out` receives exactly out_len bytes.
@@ -108,12 +108,12 @@ int node_call_locked(struct client_node * n, uint16_t cmd, const void * a, size_
     const uint64_t id = ++n->next_id;
     n->messages++;
     n->round_trips++;
-    if (tb_msg_send(n->tp, cmd, 0, id, a, a_len, b, b_len) != 0 || tb_flush(n->tp) != 0) {
+    if (tb_msg_send(n->tp, cmd, 0, id, a, a_len, b, b_len) != 0) {
         node_fail(n, step, n->tp->error);
         return -1;
     }
-    tb_trace_mark(n->trace, TB_TRACE_FLUSH, cmd);
-    return node_call_reply_locked(n, cmd, id, out, out_len);
+    node_flush_locked(n, cmd);
+    return node_call_reply_locked(n, cmd, id, out, out_len);   // fails at once when the flush did
 }
 
 int node_call(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, void * out, size_t out_len) {
