@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import random
 import statistics
 import subprocess
@@ -69,7 +70,9 @@ def run_stepping_head(mode: str, endpoints: Sequence[str], gguf: str, n_ctx: int
     if mode in ("tbrpc", "tbrpc-tcp"):
         import tbrpc
 
-        tbrpc.connect(list(endpoints), transport="tcp" if mode == "tbrpc-tcp" else "auto")
+        # a tree from before the transport layer has no `transport` (and speaks only TCP)
+        asked = {"transport": "tcp" if mode == "tbrpc-tcp" else "auto"}
+        tbrpc.connect(list(endpoints), **(asked if "transport" in inspect.signature(tbrpc.connect).parameters else {}))
     else:
         split._register_rpc_servers(endpoints)
     llm = llama_cpp.Llama(model_path=gguf, n_gpu_layers=-1, tensor_split=[1.0] * len(endpoints), n_ctx=n_ctx,

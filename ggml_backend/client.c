@@ -731,6 +731,20 @@ int tbrpc_client_failed(struct tbrpc_client * c, char * err, size_t err_len) {
     return 0;
 }
 
+size_t tbrpc_client_failed_nodes(struct tbrpc_client * c, uint8_t * failed, size_t cap) {
+    size_t count = 0;
+    for (size_t i = 0; i < cap; i++) {
+        struct client_node * n = node_at(c, i);
+        failed[i] = 0;
+        if (!n) continue;
+        pthread_mutex_lock(&n->lock);
+        failed[i] = n->failed;
+        pthread_mutex_unlock(&n->lock);
+        count += failed[i];
+    }
+    return count;
+}
+
 void tbrpc_client_reset_stats(struct tbrpc_client * c) {
     for (size_t i = 0; i < tbrpc_client_node_count(c); i++) {
         struct client_node * n = node_at(c, i);

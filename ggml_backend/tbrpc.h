@@ -99,6 +99,10 @@ int    tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_no
 int    tbrpc_client_node_status(struct tbrpc_client * c, size_t i, struct tb_status * out, char * err, size_t err_len);
 // The kind (> 0) of the first node that failed, with its message in err; 0 when none did.
 int    tbrpc_client_failed(struct tbrpc_client * c, char * err, size_t err_len);
+// failed[i] = 1 for every node i < cap that has failed, else 0; returns how
+// many have. One lock per node and no strings: cheap enough to ask around
+// every decode at any node count.
+size_t tbrpc_client_failed_nodes(struct tbrpc_client * c, uint8_t * failed, size_t cap);
 void   tbrpc_client_reset_stats(struct tbrpc_client * c);
 // Ask node i every supports_op and allocation-size question (once per op
 // class) even where its HELLO lets the head answer them itself: for a device

@@ -286,9 +286,18 @@ class Cluster:
     def reset_stats(self) -> None:
         self._lib.tbrpc_client_reset_stats(self._client)
 
+    def failed_indexes(self) -> frozenset[int]:
+        """The indexes of the nodes that have failed: one C call and no strings,
+        so the check around every decode costs the same at any node count."""
+        n = len(self._endpoints)
+        flags = self._ffi.new("uint8_t[]", max(n, 1))
+        if self._lib.tbrpc_client_failed_nodes(self._client, flags, n) == 0:
+            return frozenset()
+        return frozenset(i for i in range(n) if flags[i])
+
     def failures(self) -> dict[str, NodeInfo]:
         """endpoint -> info of every node that has failed (``info.exception()`` is its NodeError)."""
-        return {n.endpoint: n for n in self.nodes() if n.failed}
+        return {info.endpoint: info for info in (self.info(i) for i in sorted(self.failed_indexes()))}
 
 
 def _check_visible_to_libllama(device_name: str, endpoint: str) -> None:
@@ -374,15 +383,15 @@ def _install_error_hooks(c: Cluster) -> None:
                 plain_cpu(args[1])   # extra buffer types abort split graphs on some CPUs (head_buffers.py)
             # Only failures of this call count: a node that failed under an
             # earlier model must not fail a later one that does not use it.
-            before = c.failures()
+            before = c.failed_indexes()
             result = original(*args)
-            new = [info for e, info in c.failures().items() if e not in before]
+            new = sorted(c.failed_indexes() - before)
             if new:
                 _free_result(llama_lib, name, result)
-                raise new[0].exception()
+                raise c.info(new[0]).exception()
             if before and _call_failed(name, result):   # it may have run on a node that failed earlier
-                first = next(iter(before.values()))
-                raise node_error(first.error_kind, "; ".join(info.error for info in before.values()), first.endpoint)
+                earlier = [c.info(i) for i in sorted(before)]
+                raise node_error(earlier[0].error_kind, "; ".join(info.error for info in earlier), earlier[0].endpoint)
             return result
 
         checked._tbrpc_wrapped = True  # type: ignore[attr-defined]

@@ -100,6 +100,7 @@ def main(spec_path: str, out_path: str) -> None:
     except Exception as e:  # the test asserts on type and message
         result["error"] = {"type": type(e).__name__, "message": str(e)}
         if nodes:  # are the nodes that did not fail still usable?
+            result["failed_indexes"] = sorted(tbrpc.cluster().failed_indexes())
             result["survivor_status"] = {}
             for i, node in enumerate(tbrpc.cluster().nodes()):
                 if node.failed:

@@ -99,6 +99,7 @@ def test_node_killed_mid_generation(model_name: str, transport: str, nodes: Any,
     assert b.endpoint in result["error"]["message"]
     assert "no answer within" not in result["error"]["message"]   # its end of file, not the head's timeout
     assert b.proc.wait(timeout=10) == -9
+    assert result["failed_indexes"] == [1]   # the cheap check around every decode knows which one
     # the other node is still usable, through the same head
     assert list(result["survivor_status"]) == [a.endpoint]
     assert result["survivor_status"][a.endpoint]["clients"] >= 1
