@@ -20,11 +20,12 @@ import json
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tbrpc import defaults
+from tbrpc.cables import Cable, cable_addresses, find_cables, machines_of
 from tbrpc import secret as cluster_secret
 from tbrpc.client import AuthenticationError, NodeError, NodeVersionMismatch, probe
 from tbrpc.facts import QP_PROBE, collect, model_identity, package_version, tbrpc_version
@@ -474,6 +475,64 @@ def rdma_checks(specs: Sequence[NodeSpec], head_facts: dict[str, Any],
     return machine_rows + link_rows
 
 
+# --- the cables between the nodes' machines (tbrpc/cables.py) ----------------------------------
+
+def _links_table(node: NodeSpec, cables: Sequence[Cable], machine_of: Mapping[str, str],
+                 specs: Sequence[NodeSpec]) -> str:
+    """The `links` line for `node`'s entry: every other node's name with node's end of their cable."""
+    entries = []
+    for other in specs:
+        if machine_of[other.name] == machine_of[node.name]:
+            continue
+        cable = next((c for c in cables if c.joins(machine_of[other.name], machine_of[node.name])), None)
+        end = cable.at(machine_of[node.name]) if cable else None
+        if end is not None:
+            entries.append(f'{other.name} = "{end.address}"')
+    return "links = { " + ", ".join(entries) + " }"
+
+
+def cable_checks(specs: Sequence[NodeSpec], node_facts: Mapping[str, Mapping[str, Any]]) -> list[Check]:
+    """Per machine the cables found to the other nodes' machines, and per pair of nodes that run
+    consecutive layers whether activations use the cable between them: the file's `links`, or
+    the node's `host` when that is the cable's end. Nothing when no machine has a cable."""
+    known = [s for s in specs if s.name in node_facts]
+    machines = machines_of({s.name: node_facts[s.name] for s in known})
+    machine_of = {name: first for first, names in machines.items() for name in names}
+    cables = find_cables({m: cable_addresses(node_facts[m]) for m in machines})
+    if not cables:
+        return []
+    checks: list[Check] = []
+    for m in machines:
+        mine = [(c.at(m), next(e for e in c.ends if e.machine != m), c) for c in cables if c.at(m)]
+        detail = "; ".join(f"to {', '.join(machines[o.machine])}: {e.interface} {e.address} - {o.interface} "
+                           f"{o.address} ({c.network})" for e, o, c in mine if e)
+        checks.append(Check(m, "cables", OK if mine else WARN, detail or "none to the other nodes' machines", "" if mine
+                            else "cable this machine to the next one (a ring: docs/cluster.md, Four Macs)"))
+    for a, b in zip(known, known[1:]):
+        ma, mb = machine_of[a.name], machine_of[b.name]
+        if ma == mb:
+            continue
+        cable = next((c for c in cables if c.joins(ma, mb)), None)
+        listed = dict(b.links).get(a.name)
+        target = listed or b.host
+        end = cable.at(mb) if cable else None
+        on = f"{end.interface} {end.address}, {cable.network}" if end and cable else ""
+        if end is None:
+            checks.append(Check(b.name, f"cable from {a.name}", WARN, f"no cable found between {a.name} and {b.name}: "
+                                f"activations go to {target} over the network", f"cable {a.name} to {b.name}, or "
+                                "order the nodes along the cables (`links`)"))
+        elif target == end.address:
+            how = "`links`" if listed else "`host`"
+            checks.append(Check(b.name, f"cable from {a.name}", OK,
+                                f"activations from {a.name} come over the cable ({on}; {how})"))
+        else:
+            said = f"`links` says {a.name} reaches it at {listed}" if listed else f"they go to its host {b.host}"
+            checks.append(Check(b.name, f"cable from {a.name}", WARN,
+                                f"activations from {a.name} miss the cable between them ({on}): {said}",
+                                f"in {b.name}'s entry of the cluster file: {_links_table(b, cables, machine_of, known)}"))
+    return checks
+
+
 # --- what a running launch negotiated ----------------------------------------------------------
 #
 # A launch records, per connection (head to node) and per node-to-node link, what carries it and
@@ -580,8 +639,8 @@ def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float 
         from tbrpc.status import running_launches   # status shows these fixes too: it imports this module
 
         launches = running_launches()
-    return checks + rdma_checks(specs, collect(None, None, toward.get(HEAD, [])), node_facts) + \
-        running_checks(specs, launches)
+    return checks + cable_checks(specs, node_facts) + \
+        rdma_checks(specs, collect(None, None, toward.get(HEAD, [])), node_facts) + running_checks(specs, launches)
 
 
 def format_checks(checks: Sequence[Check]) -> str:

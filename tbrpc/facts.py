@@ -5,7 +5,8 @@ Run on each node (over ssh, or in-process for nodes on this machine) as
 prints one JSON object: OS (and on macOS its build), tbrpc and
 llama-cpp-python versions, the model file's identity (size and a fast
 fingerprint), the RDMA devices as the verbs library sees them (rdma_facts),
-the address this machine sends from toward each --toward address, on Linux
+the address this machine sends from toward each --toward address, its
+IPv4 addresses per interface (for the cables between machines), on Linux
 the transparent-huge-page mode, the locked-memory limit and
 /dev/infiniband, and on macOS rdma_ctl, the Thunderbolt link of the node's
 address and the GPU wired-memory limit. Only rdma_facts needs tbrpc's C
@@ -153,6 +154,50 @@ def _bridge_members(interface: str) -> list[str]:
     return re.findall(r"member: (\S+)", out) if rc == 0 else []
 
 
+def _ipv4_kept(address: str) -> bool:
+    """Not loopback (127/8) and not link-local (169.254/16, self-assigned: no cable of a plan)."""
+    return not address.startswith("127.") and not address.startswith("169.254.")
+
+
+def parse_ip_addr_json(text: str) -> list[dict[str, Any]]:
+    """Linux's `ip -j -4 addr show`: [{"interface", "address", "prefix"}] of every IPv4 address kept."""
+    out: list[dict[str, Any]] = []
+    try:
+        links = json.loads(text)
+    except ValueError:
+        return out
+    for link in links if isinstance(links, list) else []:
+        for a in link.get("addr_info", []) if isinstance(link, dict) else []:
+            if a.get("family") == "inet" and isinstance(a.get("local"), str) and _ipv4_kept(a["local"]) and \
+                    isinstance(a.get("prefixlen"), int):
+                out.append({"interface": str(link.get("ifname", "?")), "address": a["local"], "prefix": a["prefixlen"]})
+    return out
+
+
+def parse_ifconfig(text: str) -> list[dict[str, Any]]:
+    """macOS's `ifconfig`: the same list, from "inet 10.0.12.1 netmask 0xffffff00 ..." under each interface."""
+    out: list[dict[str, Any]] = []
+    current = None
+    for line in text.splitlines():
+        if line and not line[0].isspace():
+            current = line.split(":", 1)[0]
+            continue
+        m = re.match(r"\s+inet (\d+\.\d+\.\d+\.\d+) netmask 0x([0-9a-fA-F]{8})\b", line)
+        if current and m and _ipv4_kept(m.group(1)):
+            out.append({"interface": current, "address": m.group(1), "prefix": bin(int(m.group(2), 16)).count("1")})
+    return out
+
+
+def interface_addresses() -> list[dict[str, Any]]:
+    """This machine's IPv4 addresses with their interfaces and prefix lengths (loopback and
+    link-local left out): what doctor finds the cables between machines from (tbrpc/cables.py)."""
+    if platform.system() == "Darwin":
+        rc, out = _run(["ifconfig"])
+        return parse_ifconfig(out) if rc == 0 else []
+    rc, out = _run(["ip", "-j", "-4", "addr", "show"])
+    return parse_ip_addr_json(out) if rc == 0 else []
+
+
 def macos_facts(host: str | None) -> dict[str, Any]:
     """RDMA, Thunderbolt link of `host`, and the GPU wired-memory limit on this Mac."""
     facts: dict[str, Any] = {}
@@ -256,9 +301,11 @@ def os_build() -> str | None:
 def collect(model: str | None = None, host: str | None = None, toward: Sequence[str] = ()) -> dict[str, Any]:
     facts: dict[str, Any] = {
         "os": platform.system(), "release": platform.release(), "machine": platform.machine(),
+        "hostname": socket.gethostname(),
         "os_build": os_build(), "python": sys.version.split()[0], "tbrpc": tbrpc_version(),
         "llama_cpp_python": package_version("llama_cpp_python"),
         "rdma": rdma_facts(), "sources": {address: source_address(address) for address in toward},
+        "interfaces": interface_addresses(),
     }
     if model:
         facts["model"] = model_identity(model)

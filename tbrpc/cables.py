@@ -1,0 +1,89 @@
+"""The cables between machines, found from the addresses each one holds.
+
+Thunderbolt links are point to point and do not route: each cable is its own
+subnet, with one address at each end (docs/cluster.md, Four Macs). So a
+subnet in which exactly two machines hold an address is taken for a cable
+between them; one that three or more share is a network (a LAN, a switch),
+not a cable. Loopback and link-local addresses never count (tbrpc/facts.py
+leaves them out), and on a Mac only the Thunderbolt ports do, when its
+facts list them: two Macs alone on one Ethernet switch would otherwise look
+cabled. Two nodes on one host are one machine here.
+
+`tbrpc doctor` shows what this finds and the `links` table each node's entry
+in the cluster file needs to use the cables (tbrpc/doctor.py, cable_checks).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class End:
+    machine: str
+    interface: str
+    address: str
+
+
+@dataclass(frozen=True)
+class Cable:
+    network: str             # "10.0.12.0/24"
+    ends: tuple[End, End]    # in the order the machines were given
+
+    def at(self, machine: str) -> End | None:
+        """This cable's end on `machine`, or None when it does not reach it."""
+        return next((e for e in self.ends if e.machine == machine), None)
+
+    def joins(self, a: str, b: str) -> bool:
+        return {a, b} == {e.machine for e in self.ends}
+
+
+def cable_addresses(facts: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The addresses of one machine's facts that may be a cable's end: every IPv4 address it
+    reported, or on a Mac whose facts name its Thunderbolt ports, those on the ports only."""
+    addresses = [a for a in facts.get("interfaces", []) if isinstance(a, Mapping)]
+    ports = facts.get("macos", {}).get("thunderbolt_ports")
+    return [a for a in addresses if a.get("interface") in ports] if ports else addresses
+
+
+def find_cables(machines: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Cable]:
+    """machine -> its addresses ({"interface", "address", "prefix"}); the cables between them,
+    one per subnet that exactly two of them hold an address in, in the order the machines come."""
+    order = {name: i for i, name in enumerate(machines)}
+    holders: dict[ipaddress.IPv4Network, dict[str, End]] = {}
+    for machine, addresses in machines.items():
+        for a in addresses:
+            try:
+                iface = ipaddress.IPv4Interface(f"{a['address']}/{a['prefix']}")
+            except (KeyError, TypeError, ValueError):
+                continue
+            if iface.network.prefixlen == 32:   # room for no other end
+                continue
+            holders.setdefault(iface.network, {}).setdefault(machine, End(machine, str(a.get("interface", "?")),
+                                                                          str(iface.ip)))
+    cables = []
+    for network, ends in holders.items():
+        if len(ends) == 2:
+            a, b = sorted(ends.values(), key=lambda e: order[e.machine])
+            cables.append(Cable(str(network), (a, b)))
+    return sorted(cables, key=lambda c: (order[c.ends[0].machine], order[c.ends[1].machine], c.network))
+
+
+def machines_of(facts: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
+    """name -> the names that run on the same host as it (its own first), one entry per host: facts
+    with the same host id (the RDMA report's, which the transports use to tell hosts apart; its
+    hostname where tbrpc's C library did not load) are one machine, named by the first."""
+    out: dict[str, list[str]] = {}
+    first_of: dict[str, str] = {}
+    for name, f in facts.items():
+        host_id = f.get("rdma", {}).get("host_id") or f.get("hostname")
+        if host_id and host_id in first_of:
+            out[first_of[host_id]].append(name)
+            continue
+        if host_id:
+            first_of[host_id] = name
+        out[name] = [name]
+    return out

@@ -1,0 +1,224 @@
+"""Cables between machines found from their addresses (tbrpc/cables.py), the addresses as the
+machines report them (tbrpc/facts.py), and doctor's rows about them (tbrpc/doctor.py,
+cable_checks), from recorded facts and from real interfaces in network namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tbrpc.cables import End, cable_addresses, find_cables, machines_of
+from tbrpc.doctor import OK, WARN, cable_checks
+from tbrpc.facts import parse_ifconfig, parse_ip_addr_json
+from tbrpc.spec import NodeSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+LAN = "192.168.1.0/24"
+
+
+def addr(interface: str, address: str, prefix: int = 24) -> dict[str, Any]:
+    return {"interface": interface, "address": address, "prefix": prefix}
+
+
+def ring_of_four() -> dict[str, list[dict[str, Any]]]:
+    """docs/cluster.md's four Macs: one subnet per cable, 10.0.12/24 between studio1 and studio2 and
+    so on round the ring, and every Mac on the LAN (en0) as well."""
+    return {
+        "studio1": [addr("en0", "192.168.1.11"), addr("en3", "10.0.12.1"), addr("en4", "10.0.41.1")],
+        "studio2": [addr("en0", "192.168.1.12"), addr("en3", "10.0.12.2"), addr("en4", "10.0.23.2")],
+        "studio3": [addr("en0", "192.168.1.13"), addr("en3", "10.0.23.3"), addr("en4", "10.0.34.3")],
+        "studio4": [addr("en0", "192.168.1.14"), addr("en3", "10.0.34.4"), addr("en4", "10.0.41.4")],
+    }
+
+
+def test_a_ring_of_four_cables_and_not_the_lan() -> None:
+    cables = find_cables(ring_of_four())
+    found = {(c.ends[0].machine, c.ends[1].machine, c.network) for c in cables}
+    assert found == {("studio1", "studio2", "10.0.12.0/24"), ("studio1", "studio4", "10.0.41.0/24"),
+                     ("studio2", "studio3", "10.0.23.0/24"), ("studio3", "studio4", "10.0.34.0/24")}
+    one_two = next(c for c in cables if c.joins("studio2", "studio1"))
+    assert one_two.at("studio1") == End("studio1", "en3", "10.0.12.1")
+    assert one_two.at("studio2") == End("studio2", "en3", "10.0.12.2")
+    assert one_two.at("studio3") is None
+
+
+def test_a_subnet_three_machines_share_is_a_network_not_a_cable() -> None:
+    three = {m: [addr("en0", f"10.9.0.{i}")] for i, m in enumerate(("a", "b", "c"), 1)}
+    assert find_cables(three) == []
+    two = {m: [addr("en0", f"10.9.0.{i}")] for i, m in enumerate(("a", "b"), 1)}
+    assert [c.network for c in find_cables(two)] == ["10.9.0.0/24"]
+
+
+def test_a_full_mesh_of_four_is_six_cables() -> None:
+    names = ["m0", "m1", "m2", "m3"]
+    machines: dict[str, list[dict[str, Any]]] = {m: [] for m in names}
+    for i in range(4):
+        for j in range(i + 1, 4):
+            machines[names[i]].append(addr(f"en{j}", f"10.1.{i * 4 + j}.1", 30))
+            machines[names[j]].append(addr(f"en{i}", f"10.1.{i * 4 + j}.2", 30))
+    assert len(find_cables(machines)) == 6
+
+
+def test_addresses_that_cannot_be_a_cable_end() -> None:
+    machines = {"a": [addr("x", "10.0.0.1", 32), addr("y", "not an address"), {"interface": "z"}, addr("p2p", "10.5.0.0", 31)],
+                "b": [addr("x", "10.0.0.2", 32), addr("p2p", "10.5.0.1", 31)]}
+    assert [(c.network, c.at("b")) for c in find_cables(machines)] == [("10.5.0.0/31", End("b", "p2p", "10.5.0.1"))]
+
+
+def test_a_mac_counts_its_thunderbolt_ports_only() -> None:
+    facts = {"interfaces": [addr("en0", "192.168.1.11"), addr("en3", "10.0.12.1")],
+             "macos": {"thunderbolt_ports": ["en3", "en4"]}}
+    assert [a["interface"] for a in cable_addresses(facts)] == ["en3"]
+    assert [a["interface"] for a in cable_addresses({"interfaces": facts["interfaces"]})] == ["en0", "en3"]
+    # two Macs alone on one Ethernet switch are not cabled
+    macs = {m: cable_addresses({"interfaces": [addr("en0", f"192.168.1.{i}")], "macos": {"thunderbolt_ports": ["en3"]}})
+            for i, m in ((1, "a"), (2, "b"))}
+    assert find_cables(macs) == []
+
+
+def test_nodes_on_one_host_are_one_machine() -> None:
+    facts = {"n0": {"rdma": {"host_id": "aa"}}, "n1": {"rdma": {"host_id": "aa"}}, "n2": {"rdma": {"host_id": "bb"}},
+             "n3": {}, "n4": {"rdma": {"kind": "unavailable"}, "hostname": "h"}, "n5": {"hostname": "h"}}
+    assert machines_of(facts) == {"n0": ["n0", "n1"], "n2": ["n2"], "n3": ["n3"], "n4": ["n4", "n5"]}
+
+
+IP_JSON = json.dumps([
+    {"ifindex": 1, "ifname": "lo", "addr_info": [{"family": "inet", "local": "127.0.0.1", "prefixlen": 8}]},
+    {"ifindex": 4, "ifname": "eth0", "addr_info": [{"family": "inet", "local": "192.0.2.2", "prefixlen": 24},
+                                                   {"family": "inet6", "local": "fe80::1", "prefixlen": 64}]},
+    {"ifindex": 5, "ifname": "tb0", "addr_info": [{"family": "inet", "local": "169.254.3.7", "prefixlen": 16},
+                                                  {"family": "inet", "local": "10.0.12.1", "prefixlen": 24}]},
+])
+
+IFCONFIG = """lo0: flags=8049<UP,LOOPBACK,RUNNING,MULTICAST> mtu 16384
+\tinet 127.0.0.1 netmask 0xff000000
+en0: flags=8863<UP,BROADCAST,SMART,RUNNING,SIMPLEX,MULTICAST> mtu 1500
+\tether 3c:a6:f6:00:00:01
+\tinet 192.168.1.11 netmask 0xffffff00 broadcast 192.168.1.255
+en3: flags=8863<UP,BROADCAST,SMART,RUNNING,SIMPLEX,MULTICAST> mtu 1500
+\tinet6 fe80::1%en3 prefixlen 64 scopeid 0x9
+\tinet 10.0.12.1 netmask 0xfffffffc broadcast 10.0.12.3
+\tstatus: active
+bridge0: flags=8863<UP,BROADCAST,SMART,RUNNING,SIMPLEX,MULTICAST> mtu 1500
+\tinet 169.254.10.20 netmask 0xffff0000 broadcast 169.254.255.255
+"""
+
+
+def test_addresses_from_linux_ip_json() -> None:
+    assert parse_ip_addr_json(IP_JSON) == [addr("eth0", "192.0.2.2"), addr("tb0", "10.0.12.1")]
+    assert parse_ip_addr_json("not json") == [] and parse_ip_addr_json('{"x": 1}') == []
+
+
+def test_addresses_from_macos_ifconfig() -> None:
+    assert parse_ifconfig(IFCONFIG) == [addr("en0", "192.168.1.11"), addr("en3", "10.0.12.1", 30)]
+
+
+def spec(name: str, host: str, **links: str) -> NodeSpec:
+    return NodeSpec(name=name, host=host, port=50052, links=tuple(links.items()))
+
+
+def ring_facts() -> dict[str, dict[str, Any]]:
+    return {m: {"interfaces": a, "rdma": {"host_id": f"host-{m}"}} for m, a in ring_of_four().items()}
+
+
+def rows(checks: list[Any]) -> dict[tuple[str, str], Any]:
+    return {(c.node, c.name): c for c in checks}
+
+
+def test_doctor_says_which_cables_a_file_without_links_misses() -> None:
+    """The nodes reached over the LAN, no `links`: every hop misses its cable, and the fix is
+    the `links` line for that node's entry, with the address of its end of each cable."""
+    specs = [spec(f"studio{i}", f"192.168.1.1{i}") for i in range(1, 5)]
+    got = rows(cable_checks(specs, ring_facts()))
+    assert got[("studio1", "cables")].status == OK
+    assert got[("studio1", "cables")].detail == ("to studio2: en3 10.0.12.1 - en3 10.0.12.2 (10.0.12.0/24); "
+                                                 "to studio4: en4 10.0.41.1 - en4 10.0.41.4 (10.0.41.0/24)")
+    hop = got[("studio2", "cable from studio1")]
+    assert hop.status == WARN and "they go to its host 192.168.1.12" in hop.detail
+    assert hop.fix == """in studio2's entry of the cluster file: links = { studio1 = "10.0.12.2", studio3 = "10.0.23.2" }"""
+    assert got[("studio4", "cable from studio3")].fix.endswith(
+        'links = { studio1 = "10.0.41.4", studio3 = "10.0.34.4" }')
+    assert ("studio1", "cable from studio4") not in got   # the head's hops are its connections, not cables
+
+
+def test_doctor_passes_links_on_the_cables_and_names_a_wrong_one() -> None:
+    specs = [spec("studio1", "192.168.1.11"), spec("studio2", "10.0.12.2"),
+             spec("studio3", "192.168.1.13", studio2="10.0.23.3"), spec("studio4", "192.168.1.14", studio3="10.0.23.9")]
+    got = rows(cable_checks(specs, ring_facts()))
+    assert got[("studio2", "cable from studio1")].status == OK and "`host`" in got[("studio2", "cable from studio1")].detail
+    assert got[("studio3", "cable from studio2")].status == OK and "`links`" in got[("studio3", "cable from studio2")].detail
+    wrong = got[("studio4", "cable from studio3")]
+    assert wrong.status == WARN and "`links` says studio3 reaches it at 10.0.23.9" in wrong.detail
+    assert "en3 10.0.34.4" in wrong.detail and 'studio3 = "10.0.34.4"' in wrong.fix
+
+
+def test_doctor_on_a_cabled_cluster_names_a_missing_cable() -> None:
+    facts = ring_facts()
+    facts["studio3"]["interfaces"] = [a for a in facts["studio3"]["interfaces"] if a["interface"] != "en3"]
+    got = rows(cable_checks([spec(f"studio{i}", f"192.168.1.1{i}") for i in range(1, 5)], facts))
+    assert got[("studio3", "cable from studio2")].status == WARN
+    assert "no cable found between studio2 and studio3" in got[("studio3", "cable from studio2")].detail
+
+
+def test_doctor_has_nothing_to_say_without_cables() -> None:
+    """Nodes on one LAN, or several on one host: no cable rows at all."""
+    lan = {m: {"interfaces": [addr("eth0", f"10.9.0.{i}")], "rdma": {"host_id": m}} for i, m in enumerate("abc", 1)}
+    assert cable_checks([spec(m, f"10.9.0.{i}") for i, m in enumerate("abc", 1)], lan) == []
+    one_host = {m: {"interfaces": [addr("eth0", "10.9.0.1")], "rdma": {"host_id": "same"}} for m in "ab"}
+    assert cable_checks([spec(m, "10.9.0.1") for m in "ab"], one_host) == []
+
+
+def _netns(*argv: str) -> None:
+    subprocess.run(["ip", *argv], check=True, capture_output=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                    reason="network namespaces need root and iproute2 (the parsing is tested above without them)")
+def test_cables_between_network_namespaces(tmp_path: Path) -> None:
+    """Three "machines" (network namespaces) in a line of veth "cables", each cable its own subnet,
+    all three on one more subnet (a bridge: the LAN): tbrpc.facts in each sees its real interfaces,
+    and the cables found are the two veth pairs, not the LAN."""
+    tag = f"tb{os.getpid() % 10000}"
+    spaces = [f"{tag}{i}" for i in range(3)]
+    try:
+        for ns in spaces:
+            _netns("netns", "add", ns)
+        _netns("netns", "exec", spaces[0], "ip", "link", "add", "lan", "type", "bridge")
+        _netns("netns", "exec", spaces[0], "ip", "link", "set", "lan", "up")
+        _netns("netns", "exec", spaces[0], "ip", "addr", "add", "10.77.0.1/24", "dev", "lan")
+        for i in (1, 2):   # the others' LAN ports on the bridge in namespace 0
+            _netns("link", "add", f"{tag}l{i}", "netns", spaces[i], "type", "veth", "peer", "name", f"{tag}p{i}",
+                   "netns", spaces[0])
+            _netns("netns", "exec", spaces[0], "ip", "link", "set", f"{tag}p{i}", "master", "lan", "up")
+            _netns("netns", "exec", spaces[i], "ip", "addr", "add", f"10.77.0.{i + 1}/24", "dev", f"{tag}l{i}")
+            _netns("netns", "exec", spaces[i], "ip", "link", "set", f"{tag}l{i}", "up")
+        for i in (0, 1):   # cables: 0-1 on 10.0.1x/24, 1-2 on 10.0.2x/24
+            a, b = spaces[i], spaces[i + 1]
+            _netns("link", "add", f"{tag}c{i}a", "netns", a, "type", "veth", "peer", "name", f"{tag}c{i}b", "netns", b)
+            _netns("netns", "exec", a, "ip", "addr", "add", f"10.0.{i + 1}{i + 2}.1/24", "dev", f"{tag}c{i}a")
+            _netns("netns", "exec", b, "ip", "addr", "add", f"10.0.{i + 1}{i + 2}.2/24", "dev", f"{tag}c{i}b")
+            _netns("netns", "exec", a, "ip", "link", "set", f"{tag}c{i}a", "up")
+            _netns("netns", "exec", b, "ip", "link", "set", f"{tag}c{i}b", "up")
+        seen = {}
+        for ns in spaces:
+            out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c",
+                                  "import json; from tbrpc.facts import interface_addresses; "
+                                  "print(json.dumps(interface_addresses()))"],
+                                 capture_output=True, text=True, check=True, cwd=ROOT,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+            seen[ns] = json.loads(out.stdout)
+        assert {a["address"] for a in seen[spaces[1]]} == {"10.77.0.2", "10.0.12.2", "10.0.23.1"}, seen
+        cables = find_cables(seen)
+        assert [(c.ends[0].machine, c.ends[1].machine, c.network) for c in cables] == [
+            (spaces[0], spaces[1], "10.0.12.0/24"), (spaces[1], spaces[2], "10.0.23.0/24")]
+        assert cables[0].at(spaces[1]) == End(spaces[1], f"{tag}c0b", "10.0.12.2")
+    finally:
+        for ns in spaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
