@@ -250,13 +250,23 @@ static int send_to_peer(struct node_conn * c, struct tb_transport * tp, const vo
 }
 
 // The next PEER_SEND frame on an incoming link, which must carry `size`
-// bytes, into dst. The sending node's keepalives reset our timeout while it computes.
+// bytes, into dst. The sending node's keepalives reset our timeout while it
+// computes. A frame flagged TB_FLAG_GAVE_UP fails the receive with the
+// sender's reason (give_up below).
 static int recv_from_peer(struct tb_transport * tp, void * dst, uint64_t size, char * err, size_t err_len) {
     struct tb_header ph;
     int rc;
     do {
         rc = tb_msg_recv_header(tp, &ph, err, err_len);
     } while (rc == 0 && ph.cmd == TB_CMD_KEEPALIVE && ph.len == 0);
+    if (rc == 0 && ph.cmd == TB_CMD_PEER_SEND && (ph.flags & TB_FLAG_GAVE_UP) && ph.len <= TB_GAVE_UP_MAX) {
+        char why[TB_GAVE_UP_MAX + 1];
+        if (tb_recv(tp, why, (size_t) ph.len) != 0) { snprintf(err, err_len, "%s", tp->error); return -1; }
+        why[ph.len] = '\0';
+        for (size_t i = 0; i < ph.len; i++) why[i] = why[i] >= 32 && why[i] < 127 ? why[i] : '?';   // text for a log
+        snprintf(err, err_len, "it gave up: %s", why);
+        return -1;
+    }
     if (rc == 0 && (ph.cmd != TB_CMD_PEER_SEND || ph.len != size)) {
         snprintf(err, err_len, "the peer sent %s of %llu bytes, expected %llu", tb_cmd_name(ph.cmd),
                  (unsigned long long) ph.len, (unsigned long long) size);
@@ -406,9 +416,25 @@ static struct ring_span ring_piece(uint64_t n_floats, uint32_t n, uint32_t chunk
     return (struct ring_span) { first + j * len / pieces, (j + 1) * len / pieces - j * len / pieces };
 }
 
+// A ring node that fails tells its next node why (a PEER_SEND frame flagged
+// TB_FLAG_GAVE_UP) before it goes on to its next request: the next node is
+// still in this all-reduce, waiting for a piece from it, and would
+// otherwise wait for the piece in vain, or take a frame of our next
+// all-reduce for it. The next node then gives up too and passes the reason
+// on, so every node's error names the first failure (a dead node, say).
+// Only where the frame fits without waiting: a link that is not being read
+// must not hold us.
+static void give_up(struct node_conn * c, struct tb_transport * out, const char * why) {
+    const size_t len = strlen(why) < TB_GAVE_UP_MAX ? strlen(why) : TB_GAVE_UP_MAX;
+    pthread_mutex_lock(&c->send_lock);
+    if (tb_room(out, sizeof(struct tb_header) + len) && tb_msg_send(out, TB_CMD_PEER_SEND, TB_FLAG_GAVE_UP, 0, why, len, NULL, 0) == 0)
+        tb_flush(out);
+    pthread_mutex_unlock(&c->send_lock);
+}
+
 // acc: our partial on entry, the sum on return; piece: room for one piece.
-static int ring_allreduce(struct node_conn * c, const struct tb_allreduce * req, float * acc, float * piece,
-                          char * err, size_t err_len) {
+static int ring_exchange(struct node_conn * c, const struct tb_allreduce * req, float * acc, float * piece,
+                         char * err, size_t err_len) {
     const uint32_t n = req->n, self = req->self, next = (self + 1) % n, prev = (self + n - 1) % n;
     const uint64_t n_floats = req->size / sizeof(float);
     const uint64_t biggest = (n_floats + n - 1) / n * sizeof(float);
@@ -439,6 +465,13 @@ static int ring_allreduce(struct node_conn * c, const struct tb_allreduce * req,
         tb_trace_mark(c->trace, TB_TRACE_PEER_DATA, TB_CMD_ALLREDUCE);
     }
     return 0;
+}
+
+static int ring_allreduce(struct node_conn * c, const struct tb_allreduce * req, float * acc, float * piece,
+                          char * err, size_t err_len) {
+    const int rc = ring_exchange(c, req, acc, piece, err, err_len);
+    if (rc != 0) give_up(c, c->peers[req->peer_out[(req->self + 1) % req->n] - 1].tp, err);
+    return rc;
 }
 
 // Peer id `id` names one of this session's links in the direction asked.

@@ -78,6 +78,8 @@ enum tb_cmd {
 
 enum tb_flags {
     TB_FLAG_REPLY = 1,       // this message answers request `id`
+    TB_FLAG_GAVE_UP = 2,     // a PEER_SEND frame on a peer link: its sender gave up the exchange (a ring
+                             // ALLREDUCE); the payload (up to TB_GAVE_UP_MAX bytes) says why, as text
 };
 
 struct tb_header {
@@ -270,6 +272,7 @@ struct tb_peer_range        { uint64_t peer_id, handle, offset, size; };
 #define TB_MAX_ALLREDUCE_NODES 16
 #define TB_ALLREDUCE_COMPUTED  1u
 #define TB_ALLREDUCE_RING      2u
+#define TB_GAVE_UP_MAX         1024u
 struct tb_allreduce {
     uint64_t handle, offset, size;
     uint32_t type;            // GGML_TYPE_F32, the only one yet

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 from typing import Any
@@ -401,3 +402,24 @@ def test_the_allreduce_choice() -> None:
     assert _choose(ring4, 4, "mesh") == ("mesh", "TBRPC_ALLREDUCE=mesh")
     kind, why = _choose(ring4, 4, "rign")
     assert kind == "ring" and "neither ring nor mesh: ignored" in why, why
+
+
+@pytest.mark.parametrize("env", [RING, {}], ids=["ring", "mesh"])
+def test_a_node_killed_during_allreduces_is_named_at_once(env: dict[str, str], nodes: Any, tmp_path: Path) -> None:
+    """Node 1 of 3 dies while they decode: the head's error names it at
+    once, not after the 30 s timeout, and the other nodes stay up. In the
+    ring node 0 never hears from node 1 (its previous node is 2): node 2,
+    which does, gives up with the reason and tells node 0 so (a PEER_SEND
+    frame flagged TB_FLAG_GAVE_UP), instead of going on to its next
+    all-reduce, whose frames node 0 would take for this one's."""
+    started = nodes(3)
+    t0 = time.monotonic()
+    result, _ = run_head(tmp_path, model=str(models.ensure("deepseek2-f32")), prompt=PROMPT, n_predict=N_PREDICT,
+                         flash_attn=True, nodes=[n.endpoint for n in started], ffn_split=1, env=env, timeout=30.0,
+                         kill={"pid": started[1].proc.pid, "after_tokens": 3})
+    assert time.monotonic() - t0 < 25, "the head waited out its timeout"
+    assert result["error"] is not None and result["error"]["type"] == "NodeFailed", result["error"]
+    message = result["error"]["message"]
+    assert started[1].endpoint in message and "no answer within" not in message, message
+    assert started[1].proc.wait(timeout=10) == -9
+    assert started[0].proc.poll() is None and started[2].proc.poll() is None
