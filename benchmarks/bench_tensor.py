@@ -10,9 +10,12 @@ round:
   tensor            head + 2 local nodes, split_mode=3 with tbrpc's ALLREDUCE
   tensor-butterfly  the same with TBRPC_NO_ALLREDUCE=1: llama.cpp's own butterfly
                     of node-to-node copies and one-node ADD graphs
+  tensor-ring       tensor with TBRPC_ALLREDUCE=ring: the ring all-reduce (links to
+                    the next node only) instead of the mesh local nodes get
   ffn               head + 2 local nodes, tbrpc's own split (split_rules.c: the
                     FFN cut, the rest whole on each node) as the only device of
                     a layer split
+  ffn-ring          ffn with TBRPC_ALLREDUCE=ring
 
 For each: prompt and decode tokens/s (greedy, fixed prompt), and for the
 tensor modes all-reduces per decoded token, bytes per all-reduce (n_embd
@@ -35,6 +38,10 @@ token), as Kimi K2's 2048-wide Q4_K experts are. On tiny models every mode measu
 compute; a two-core machine runs head and nodes on the same cores.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tensor.py --rounds 3 [--model gemma]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tensor.py --model deepseek2-f32 --nodes 4 --modes single,ffn,ffn-ring
+
+--modes runs only those (in that order, alternated per round); the ratio
+columns need single and single-norepack among them.
 
 A benchmark, not a test: nothing here asserts on timings.
 """
@@ -55,10 +62,12 @@ from typing import Any
 from tbrpc.node_processes import listening_port
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("single", "single-norepack", "layer", "tensor", "tensor-butterfly", "ffn")
-MODES_OF = {"llama-f32": MODES, "gemma": ("single", "single-norepack", "layer", "ffn"),
-            "deepseek2": ("single", "single-norepack", "layer", "ffn"),
-            "deepseek2-f32": ("single", "single-norepack", "layer", "ffn")}
+MODES = ("single", "single-norepack", "layer", "tensor", "tensor-butterfly", "tensor-ring", "ffn", "ffn-ring")
+MODES_OF = {"llama-f32": MODES, "gemma": ("single", "single-norepack", "layer", "ffn", "ffn-ring"),
+            "deepseek2": ("single", "single-norepack", "layer", "ffn", "ffn-ring"),
+            "deepseek2-f32": ("single", "single-norepack", "layer", "ffn", "ffn-ring")}
+ENV_OF = {"tensor-butterfly": {"TBRPC_NO_ALLREDUCE": "1"}, "tensor-ring": {"TBRPC_ALLREDUCE": "ring"},
+          "ffn-ring": {"TBRPC_ALLREDUCE": "ring"}}
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
 
 RUN = """
@@ -133,8 +142,8 @@ def run(mode: str, model: str, nodes: list[tuple[subprocess.Popen[bytes], str]],
     remote = not mode.startswith("single")
     spec = {"model": model, "norepack": mode == "single-norepack", "prompt": PROMPT, "n": n, "nodes": [e for _, e in nodes] if remote else [],
             "node_pgids": [p.pid for p, _ in nodes] if remote else [],
-            "split_mode": 3 if mode.startswith("tensor") else 1, "ffn_granularity": granularity if mode == "ffn" else 0,
-            "env": {"TBRPC_NO_ALLREDUCE": "1"} if mode == "tensor-butterfly" else {}}
+            "split_mode": 3 if mode.startswith("tensor") else 1,
+            "ffn_granularity": granularity if mode.startswith("ffn") else 0, "env": ENV_OF.get(mode, {})}
     proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(spec)], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     if proc.returncode != 0:
@@ -149,6 +158,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--model", choices=sorted(MODES_OF), default="llama-f32")
+    parser.add_argument("--modes", help="comma-separated modes to run (default: every mode the model has)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     import models
@@ -157,6 +167,11 @@ def main() -> None:
 
     model = str(models.ensure(args.model))
     modes = MODES_OF[args.model]
+    if args.modes:
+        wanted = tuple(args.modes.split(","))
+        if not set(wanted) <= set(modes):
+            parser.error(f"--modes: {args.model} has {', '.join(modes)}")
+        modes = wanted
     granularity = ffn_granularity(load_gguf(model))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-tensor-"))
     nodes = [start_node(log_dir) for _ in range(args.nodes)]
@@ -169,8 +184,9 @@ def main() -> None:
     finally:
         for proc, _ in nodes:
             proc.terminate()
-    single = statistics.median(x["decode_tps"] for x in results["single"])
-    norepack = statistics.median(x["decode_tps"] for x in results["single-norepack"])
+    single = statistics.median(x["decode_tps"] for x in results["single"]) if "single" in results else float("nan")
+    norepack = (statistics.median(x["decode_tps"] for x in results["single-norepack"]) if "single-norepack" in results
+                else float("nan"))
     print(f"{Path(model).name}, {args.nodes} local nodes, 1 thread each, {args.tokens} decoded tokens, "
           f"{args.rounds} rounds (medians); {os.cpu_count()} cores, load average "
           + ", ".join(f"{x:.2f}" for x in os.getloadavg()))

@@ -28,15 +28,16 @@ Routed experts in experts TP (--experts):
   benchmarks/bench_experts.py measures both kernels.
 
 An all-reduce of S bytes (--cabling):
-  mesh         a cable per pair (6 for 4 Macs, 3 per Mac). tbrpc's ALLREDUCE
+  mesh         a cable per pair (6 for 4 Macs, 3 per Mac). tbrpc's mesh ALLREDUCE
                sends each partial straight to every other node (node_links.c),
                all links at once: one message, latency + S / bandwidth, or,
                counting TB5's 4.6 us per 4 KiB frame, ceil(S / 4 KiB) frames
   ring         4 cables, each Mac cabled to two neighbours; no routing over
-               Thunderbolt, so a ring all-reduce (which tbrpc does not have):
-               reduce-scatter then all-gather, 2(N-1) steps one after another,
-               each a message of S/N to a neighbour
-  ring-direct  4 cables and tbrpc's ALLREDUCE as it is: neighbours over their
+               Thunderbolt, so tbrpc's ring ALLREDUCE (TB_ALLREDUCE_RING, what a
+               cluster file with a ring of `links` gets): reduce-scatter then
+               all-gather, 2(N-1) steps one after another, each a message of
+               S/N to a neighbour
+  ring-direct  4 cables and the mesh ALLREDUCE (TBRPC_ALLREDUCE=mesh): neighbours over their
                cable, the two non-neighbour pairs over the ordinary network
                (their peer link dials the node's `host`, TCP), so every
                all-reduce waits for that network: --lan-latency-us + S / --lan-gbit

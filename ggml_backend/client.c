@@ -313,7 +313,44 @@ static bool backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t 
 // false from allreduce) the meta backend falls back to its butterfly of
 // cpy_tensor_async copies and one-node ADD graphs.
 
-struct comm { struct client_node * nodes[TB_MAX_ALLREDUCE_NODES]; size_t n; };
+// Mesh or ring (node_links.c has both) is decided once per comm, from the
+// per-pair addresses the cluster file's `links` give (a cable between the
+// pair: Thunderbolt is point to point and does not route). A mesh needs a
+// link between every pair; on a ring of cables two pairs of four have none,
+// and their links would go over the ordinary network. So: a ring when every
+// link a ring dials (node i to node i+1 mod n, in node order) has an
+// address but not every pair's does; a mesh otherwise, including no
+// addresses at all (a switch, or one host: every pair reaches every other).
+// TBRPC_ALLREDUCE=ring|mesh forces one.
+int tbrpc_allreduce_choose(const uint8_t * addressed, size_t n, const char * forced, char * why, size_t why_len) {
+    if (forced && strcmp(forced, "ring") == 0) { snprintf(why, why_len, "TBRPC_ALLREDUCE=ring"); return TBRPC_ALLREDUCE_RING; }
+    if (forced && strcmp(forced, "mesh") == 0) { snprintf(why, why_len, "TBRPC_ALLREDUCE=mesh"); return TBRPC_ALLREDUCE_MESH; }
+    const char * ignored = forced && forced[0] ? " (TBRPC_ALLREDUCE is neither ring nor mesh: ignored)" : "";
+    size_t pairs = 0, ring = 0;
+    for (size_t a = 0; a < n; a++) {
+        for (size_t b = 0; b < n; b++) pairs += a != b && addressed[a * n + b];
+        ring += addressed[a * n + (a + 1) % n] != 0;
+    }
+    if (n > 2 && ring == n && pairs < n * (n - 1)) {
+        snprintf(why, why_len, "the cluster's links give an address for each node's link to the next, not for every pair%s", ignored);
+        return TBRPC_ALLREDUCE_RING;
+    }
+    snprintf(why, why_len, "%s%s", pairs == 0 ? "no links in the cluster: every node reaches every other"
+             : pairs == n * (n - 1) ? "the cluster's links give an address for every pair"
+             : "the cluster's links give addresses for some pairs but no ring in node order", ignored);
+    return TBRPC_ALLREDUCE_MESH;
+}
+
+struct comm { struct client_node * nodes[TB_MAX_ALLREDUCE_NODES]; size_t n; bool ring; };
+
+// Whether b has an address at which a dials it (tbrpc_client_set_peer_address).
+static bool has_address(struct client_node * a, struct client_node * b) {
+    pthread_mutex_lock(&b->lock);
+    bool found = false;
+    for (size_t i = 0; i < b->n_addresses && !found; i++) found = b->addresses[i].from == a;
+    pthread_mutex_unlock(&b->lock);
+    return found;
+}
 
 static void * comm_init(ggml_backend_t * backends, size_t n) {
     if (n < 2 || n > TB_MAX_ALLREDUCE_NODES || getenv("TBRPC_NO_ALLREDUCE")) return NULL;
@@ -327,10 +364,23 @@ static void * comm_init(ggml_backend_t * backends, size_t n) {
             if (cm->nodes[k] == cm->nodes[i]) { free(cm); return NULL; }
         }
     }
-    for (size_t i = 0; i < n; i++) {       // the whole mesh now, not on the first token
+    uint8_t addressed[TB_MAX_ALLREDUCE_NODES * TB_MAX_ALLREDUCE_NODES] = { 0 };
+    for (size_t i = 0; i < n; i++) {
+        for (size_t k = 0; k < n; k++) addressed[i * n + k] = i != k && has_address(cm->nodes[i], cm->nodes[k]);
+    }
+    char why[256];
+    cm->ring = tbrpc_allreduce_choose(addressed, n, getenv("TBRPC_ALLREDUCE"), why, sizeof why) == TBRPC_ALLREDUCE_RING;
+    fprintf(stderr, "tbrpc: tensor-split all-reduce over %zu nodes: %s (%s)\n", n, cm->ring ? "ring" : "mesh", why);
+    for (size_t i = 0; i < n; i++) {       // every link it uses now, not on the first token
         for (size_t k = 0; k < n; k++) {
-            if (i != k && !peer_link(cm->nodes[i], cm->nodes[k])) { free(cm); return NULL; }
+            const bool used = cm->ring ? k == (i + 1) % n : i != k;   // a ring: node i to i+1 only
+            if (used && !peer_link(cm->nodes[i], cm->nodes[k])) { free(cm); return NULL; }
         }
+    }
+    for (size_t i = 0; i < n; i++) {
+        pthread_mutex_lock(&cm->nodes[i]->lock);
+        snprintf(cm->nodes[i]->allreduce, sizeof cm->nodes[i]->allreduce, "%s", cm->ring ? "ring" : "mesh");
+        pthread_mutex_unlock(&cm->nodes[i]->lock);
     }
     return cm;
 }
@@ -359,11 +409,16 @@ static bool comm_allreduce_tensor(void * ctx, struct ggml_tensor ** tensors) {
         req.flags = (tensors[j]->flags & GGML_TENSOR_FLAG_COMPUTE) ? TB_ALLREDUCE_COMPUTED : 0;
         req.n = (uint32_t) cm->n;
         req.self = (uint32_t) j;
+        // the links comm_init made, so never NULL here
         for (size_t k = 0; k < cm->n; k++) {
-            if (k == j) continue;
-            req.peer_out[k] = peer_link(n, cm->nodes[k])->out_id;      // made by comm_init, so never NULL here
+            if (k == j || (cm->ring && k != (j + 1) % cm->n)) continue;
+            req.peer_out[k] = peer_link(n, cm->nodes[k])->out_id;
+        }
+        for (size_t k = 0; k < cm->n; k++) {
+            if (k == j || (cm->ring && k != (j + cm->n - 1) % cm->n)) continue;
             req.peer_in[k] = peer_link(cm->nodes[k], n)->in_id;
         }
+        if (cm->ring) req.flags |= TB_ALLREDUCE_RING;
         pthread_mutex_lock(&n->lock);
         node_post_locked(n, TB_CMD_ALLREDUCE, &req, sizeof req, NULL, 0);
         node_flush_locked(n, TB_CMD_ALLREDUCE);
@@ -687,6 +742,7 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
     snprintf(out->device_name, sizeof out->device_name, "%s", n->name);
     snprintf(out->error, sizeof out->error, "%s", n->error);
     snprintf(out->transport, sizeof out->transport, "%s", n->tp->describe);
+    snprintf(out->allreduce, sizeof out->allreduce, "%s", n->allreduce);
     out->transport_why = n->tp->why;
     for (size_t k = 0; k < n->n_links && k < sizeof out->link_info / sizeof out->link_info[0]; k++) {
         struct tbrpc_link_info * l = &out->link_info[out->n_link_info++];

@@ -67,6 +67,7 @@ struct client_node {
     struct peer_address { struct client_node * from; char host[256]; } addresses[16];
     size_t n_addresses;
 
+    char   allreduce[8];                     // the tensor split's all-reduce it takes part in: "mesh", "ring"; "" none
     uint64_t round_trips, messages, graphs_sent, graphs_reused, bytes_from_files, peer_copies, allreduces;
     uint64_t live_buffers;                   // buffers allocated and not yet freed (atomic)
     uint64_t live_bytes;                     // their sizes (atomic)

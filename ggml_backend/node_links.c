@@ -250,13 +250,23 @@ static int send_to_peer(struct node_conn * c, struct tb_transport * tp, const vo
 }
 
 // The next PEER_SEND frame on an incoming link, which must carry `size`
-// bytes, into dst. The sending node's keepalives reset our timeout while it computes.
+// bytes, into dst. The sending node's keepalives reset our timeout while it
+// computes. A frame flagged TB_FLAG_GAVE_UP fails the receive with the
+// sender's reason (give_up below).
 static int recv_from_peer(struct tb_transport * tp, void * dst, uint64_t size, char * err, size_t err_len) {
     struct tb_header ph;
     int rc;
     do {
         rc = tb_msg_recv_header(tp, &ph, err, err_len);
     } while (rc == 0 && ph.cmd == TB_CMD_KEEPALIVE && ph.len == 0);
+    if (rc == 0 && ph.cmd == TB_CMD_PEER_SEND && (ph.flags & TB_FLAG_GAVE_UP) && ph.len <= TB_GAVE_UP_MAX) {
+        char why[TB_GAVE_UP_MAX + 1];
+        if (tb_recv(tp, why, (size_t) ph.len) != 0) { snprintf(err, err_len, "%s", tp->error); return -1; }
+        why[ph.len] = '\0';
+        for (size_t i = 0; i < ph.len; i++) why[i] = why[i] >= 32 && why[i] < 127 ? why[i] : '?';   // text for a log
+        snprintf(err, err_len, "it gave up: %s", why);
+        return -1;
+    }
     if (rc == 0 && (ph.cmd != TB_CMD_PEER_SEND || ph.len != size)) {
         snprintf(err, err_len, "the peer sent %s of %llu bytes, expected %llu", tb_cmd_name(ph.cmd),
                  (unsigned long long) ph.len, (unsigned long long) size);
@@ -303,18 +313,27 @@ int handle_peer_recv(struct node_conn * c, const struct tb_header * h, char * er
     return rc;
 }
 
-// ALLREDUCE: a thread sends our partial to every peer, in node order, while
-// this one receives theirs in node order and adds all of them, ours at our
+// ---- ALLREDUCE -------------------------------------------------------------------
+// Two ways to sum n nodes' F32 partials so that every node ends with the
+// same bits; the head picks one per comm (client.c, comm_init) and says so
+// with TB_ALLREDUCE_RING. What both share (the checks, the partial read
+// from the range, the busy state, the sum written back, the counters) is in
+// handle_allreduce; only the exchange differs.
+
+// Sends of up to this size go before the matching receive, from this
+// thread: each fits the kernel's socket buffers (or one frame of a
+// shared-memory or RDMA ring) without the peer reading yet. A decoded
+// token's partials (n_embd floats: 28 KiB for Kimi K2) thus skip a thread
+// start in the mesh, and a ring step never waits for its neighbour's read.
+#define ALLREDUCE_INLINE (32u << 10)
+
+// Mesh: a thread sends our partial to every peer, in node order, while this
+// one receives theirs in node order and adds all of them, ours at our
 // place, in node order: the same additions on every node, so the same bits.
 // Sending and receiving in ascending node order on every node cannot
 // deadlock: node 0 is every sender's first target and reads them in turn,
-// and so on up.
-// Partials up to this size are sent before receiving, from this thread:
-// each fits the kernel's socket buffers (or a shared-memory ring) without
-// the peer reading yet, and a decoded token's partials (n_embd floats: 28 KiB
-// for Kimi K2) skip a thread start. Larger ones (prompts) use the thread.
-#define ALLREDUCE_INLINE (32u << 10)
-
+// and so on up. Partials up to ALLREDUCE_INLINE are sent before receiving,
+// from this thread; larger ones (prompts) use the thread.
 struct reduce_send {
     struct node_conn * c;
     const struct tb_allreduce * req;
@@ -336,9 +355,133 @@ static void * reduce_send_thread(void * arg) {
     return NULL;
 }
 
+// mine: our partial (a copy); part_buf: room for one peer's; acc: where the sum goes.
+static int mesh_allreduce(struct node_conn * c, const struct tb_allreduce * req, const float * mine, float * part_buf,
+                          float * acc, char * err, size_t err_len) {
+    const size_t size = (size_t) req->size, n_floats = size / sizeof(float);
+    struct reduce_send s = { .c = c, .req = req, .mine = mine, .rc = 0 };
+    pthread_t sender;
+    const bool inline_send = size <= ALLREDUCE_INLINE;
+    if (inline_send) {
+        reduce_send_thread(&s);
+    } else if (pthread_create(&sender, NULL, reduce_send_thread, &s) != 0) {
+        snprintf(err, err_len, "ALLREDUCE: cannot start a thread");
+        return -1;
+    }
+    int rc = 0;
+    for (uint32_t k = 0; k < req->n && rc == 0; k++) {
+        const float * part = mine;
+        if (k != req->self) {
+            char why[256] = "";
+            rc = recv_from_peer(c->peers[req->peer_in[k] - 1].tp, part_buf, req->size, why, sizeof why);
+            if (rc != 0) { snprintf(err, err_len, "ALLREDUCE: from node %s: %s", c->peers[req->peer_in[k] - 1].name, why); break; }
+            tb_trace_mark(c->trace, TB_TRACE_PEER_DATA, TB_CMD_ALLREDUCE);
+            part = part_buf;
+        }
+        if (k == 0) memcpy(acc, part, size);
+        else for (size_t i = 0; i < n_floats; i++) acc[i] += part[i];
+    }
+    if (!inline_send) pthread_join(sender, NULL);
+    if (rc == 0 && s.rc != 0) { snprintf(err, err_len, "ALLREDUCE: %s", s.err); rc = -1; }
+    return rc;
+}
+
+// Ring (TB_ALLREDUCE_RING): links to the next node and from the previous
+// one only, so a ring of cables carries it. The range is cut into n chunks
+// (chunk k: floats [k*N/n, (k+1)*N/n), sizes differing by at most one, empty
+// ones allowed). Reduce-scatter, n-1 steps: at step s node i sends chunk
+// i-s and receives chunk i-s-1, adding its own partial to it; chunk k's
+// sum is thus made along the ring from node k on, and after the last step
+// node i holds the whole sum of chunk i+1. All-gather, n-1 steps: node i
+// sends chunk i+1-s and receives chunk i-s, which replaces its own. Each
+// chunk's sum is made on one node and only copied after that, so every
+// node ends with the same bits (another order of additions than the mesh's:
+// the two modes agree to rounding, not bitwise).
+//
+// No deadlock, whatever the size: every step is cut into the same number of
+// pieces on every node (none larger than ALLREDUCE_INLINE; empty pieces
+// still go, as empty frames), and each piece is sent, then the matching one
+// received. A send returns once its frame is in the link's buffer, which
+// holds at least one piece unread; so a node blocked in a send would need
+// its next node to be blocked in a send with a full link too, and so on
+// around the ring: each node then has sent at least one piece more than its
+// next, which cannot hold all the way round. No sender thread is needed (a
+// thread per step would cost more than it saves for a decoded token's 7 KiB
+// chunks), and a prompt's large chunks still flow piece by piece on all
+// links at once.
+struct ring_span { uint64_t first, count; };
+
+static struct ring_span ring_piece(uint64_t n_floats, uint32_t n, uint32_t chunk, uint64_t pieces, uint64_t j) {
+    const uint64_t first = chunk * n_floats / n, len = (chunk + 1) * n_floats / n - first;
+    return (struct ring_span) { first + j * len / pieces, (j + 1) * len / pieces - j * len / pieces };
+}
+
+// A ring node that fails tells its next node why (a PEER_SEND frame flagged
+// TB_FLAG_GAVE_UP) before it goes on to its next request: the next node is
+// still in this all-reduce, waiting for a piece from it, and would
+// otherwise wait for the piece in vain, or take a frame of our next
+// all-reduce for it. The next node then gives up too and passes the reason
+// on, so every node's error names the first failure (a dead node, say).
+// Only where the frame fits without waiting: a link that is not being read
+// must not hold us.
+static void give_up(struct node_conn * c, struct tb_transport * out, const char * why) {
+    const size_t len = strlen(why) < TB_GAVE_UP_MAX ? strlen(why) : TB_GAVE_UP_MAX;
+    pthread_mutex_lock(&c->send_lock);
+    if (tb_room(out, sizeof(struct tb_header) + len) && tb_msg_send(out, TB_CMD_PEER_SEND, TB_FLAG_GAVE_UP, 0, why, len, NULL, 0) == 0)
+        tb_flush(out);
+    pthread_mutex_unlock(&c->send_lock);
+}
+
+// acc: our partial on entry, the sum on return; piece: room for one piece.
+static int ring_exchange(struct node_conn * c, const struct tb_allreduce * req, float * acc, float * piece,
+                         char * err, size_t err_len) {
+    const uint32_t n = req->n, self = req->self, next = (self + 1) % n, prev = (self + n - 1) % n;
+    const uint64_t n_floats = req->size / sizeof(float);
+    const uint64_t biggest = (n_floats + n - 1) / n * sizeof(float);
+    const uint64_t pieces = biggest > ALLREDUCE_INLINE ? (biggest + ALLREDUCE_INLINE - 1) / ALLREDUCE_INLINE : 1;
+    struct tb_transport * out = c->peers[req->peer_out[next] - 1].tp, * in = c->peers[req->peer_in[prev] - 1].tp;
+    for (uint32_t step = 0; step < 2 * (n - 1); step++) {
+        const bool gather = step >= n - 1;
+        const uint32_t s = gather ? step - (n - 1) : step;
+        // reduce-scatter: send i-s, receive i-s-1; all-gather: send i+1-s, receive i-s
+        const uint32_t send_chunk = (self + (gather ? 1 : 0) + n - s) % n;
+        const uint32_t recv_chunk = (send_chunk + n - 1) % n;
+        for (uint64_t j = 0; j < pieces; j++) {
+            const struct ring_span snd = ring_piece(n_floats, n, send_chunk, pieces, j);
+            const struct ring_span rcv = ring_piece(n_floats, n, recv_chunk, pieces, j);
+            if (send_to_peer(c, out, acc + snd.first, snd.count * sizeof(float)) != 0) {
+                snprintf(err, err_len, "ALLREDUCE (ring): sending to node %s: %s", c->peers[req->peer_out[next] - 1].name,
+                         out->error);
+                return -1;
+            }
+            char why[256] = "";
+            float * dst = gather ? acc + rcv.first : piece;   // a gathered chunk is the sum: it replaces ours
+            if (recv_from_peer(in, dst, rcv.count * sizeof(float), why, sizeof why) != 0) {
+                snprintf(err, err_len, "ALLREDUCE (ring): from node %s: %s", c->peers[req->peer_in[prev] - 1].name, why);
+                return -1;
+            }
+            if (!gather) for (uint64_t i = 0; i < rcv.count; i++) acc[rcv.first + i] += piece[i];
+        }
+        tb_trace_mark(c->trace, TB_TRACE_PEER_DATA, TB_CMD_ALLREDUCE);
+    }
+    return 0;
+}
+
+static int ring_allreduce(struct node_conn * c, const struct tb_allreduce * req, float * acc, float * piece,
+                          char * err, size_t err_len) {
+    const int rc = ring_exchange(c, req, acc, piece, err, err_len);
+    if (rc != 0) give_up(c, c->peers[req->peer_out[(req->self + 1) % req->n] - 1].tp, err);
+    return rc;
+}
+
+// Peer id `id` names one of this session's links in the direction asked.
+static bool allreduce_link_ok(const struct node_conn * c, uint64_t id, bool outgoing) {
+    return id != 0 && id <= c->n_peers && c->peers[id - 1].outgoing == outgoing;
+}
+
 static int allreduce_check(struct node_conn * c, const struct tb_allreduce * req, char * err, size_t err_len) {
     if (req->n < 2 || req->n > TB_MAX_ALLREDUCE_NODES || req->self >= req->n) {
-        snprintf(err, err_len, "ALLREDUCE: node %u of %u", req->self, req->n);
+        snprintf(err, err_len, "ALLREDUCE: node %u of %u (2 to %u nodes)", req->self, req->n, TB_MAX_ALLREDUCE_NODES);
         return -1;
     }
     if (req->type != GGML_TYPE_F32 || req->size % sizeof(float) != 0 || req->size > TB_MAX_PAYLOAD) {
@@ -346,13 +489,25 @@ static int allreduce_check(struct node_conn * c, const struct tb_allreduce * req
                  (unsigned long long) req->size, req->type);
         return -1;
     }
+    if (req->flags & ~(TB_ALLREDUCE_COMPUTED | TB_ALLREDUCE_RING)) {
+        snprintf(err, err_len, "ALLREDUCE: unknown flags 0x%x", req->flags);
+        return -1;
+    }
+    if (req->flags & TB_ALLREDUCE_RING) {   // only the links to the next node and from the previous one
+        const uint32_t next = (req->self + 1) % req->n, prev = (req->self + req->n - 1) % req->n;
+        if (!allreduce_link_ok(c, req->peer_out[next], true) || !allreduce_link_ok(c, req->peer_in[prev], false)) {
+            snprintf(err, err_len, "ALLREDUCE (ring): node %u of %u has no link to the next node %u (peer id %llu) "
+                     "or from the previous node %u (peer id %llu)", req->self, req->n, next,
+                     (unsigned long long) req->peer_out[next], prev, (unsigned long long) req->peer_in[prev]);
+            return -1;
+        }
+        return 0;
+    }
     for (uint32_t k = 0; k < req->n; k++) {
         if (k == req->self) continue;
-        const uint64_t out = req->peer_out[k], in = req->peer_in[k];
-        if (out == 0 || out > c->n_peers || !c->peers[out - 1].outgoing || in == 0 || in > c->n_peers ||
-            c->peers[in - 1].outgoing) {
+        if (!allreduce_link_ok(c, req->peer_out[k], true) || !allreduce_link_ok(c, req->peer_in[k], false)) {
             snprintf(err, err_len, "ALLREDUCE: no link to and from node %u (peer ids %llu, %llu)", k,
-                     (unsigned long long) out, (unsigned long long) in);
+                     (unsigned long long) req->peer_out[k], (unsigned long long) req->peer_in[k]);
             return -1;
         }
     }
@@ -364,44 +519,27 @@ int handle_allreduce(struct node_conn * c, const struct tb_header * h, char * er
     if (allreduce_check(c, &req, err, err_len) != 0) return -1;
     struct node_buffer * b = checked_range(c, req.handle, req.offset, req.size, err, err_len);
     if (!b) return -1;
-    // Scratch: ours, then a peer's, then (for device memory) the sum. In host
-    // memory the sum is made in the buffer itself, ours having been copied out.
+    const bool ring = (req.flags & TB_ALLREDUCE_RING) != 0;
     const bool host = ggml_backend_buffer_is_host(b->buf);
     const size_t size = (size_t) req.size, n_floats = size / sizeof(float);
-    if (scratch_reserve(c, (host ? 2 : 3) * size) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
-    float * mine = (float *) c->payload, * part_buf = mine + n_floats;
-    float * acc = host ? (float *) (b->base + req.offset) : part_buf + n_floats;
+    // Scratch. Mesh: ours, then a peer's, then (for device memory) the sum;
+    // in host memory the sum is made in the buffer itself, ours having been
+    // copied out. Ring: (for device memory) the sum, then one piece; in host
+    // memory the sum is made in the buffer itself, which holds ours.
+    const size_t piece = ALLREDUCE_INLINE;
+    const size_t need = ring ? (host ? 0 : size) + piece : (host ? 2 : 3) * size;
+    if (scratch_reserve(c, need) != 0) { snprintf(err, err_len, "out of memory"); return -1; }
+    float * scratch = (float *) c->payload;
+    float * mine = ring ? (host ? (float *) (b->base + req.offset) : scratch) : scratch;
+    float * acc = host ? (float *) (b->base + req.offset) : ring ? scratch : scratch + 2 * n_floats;
     struct ggml_tensor t = byte_view(b, req.offset, req.size);
-    if (req.flags & TB_ALLREDUCE_COMPUTED) ggml_backend_tensor_get(&t, mine, 0, size);
-    else memset(mine, 0, size);
+    if (!(req.flags & TB_ALLREDUCE_COMPUTED)) memset(mine, 0, size);
+    else if (!(ring && host)) ggml_backend_tensor_get(&t, mine, 0, size);
     const int64_t started = tb_now_ns();
     set_busy(c, COMPUTING);   // peers waiting for our partial hear keepalives, as during a graph
-    struct reduce_send s = { .c = c, .req = &req, .mine = mine, .rc = 0 };
-    pthread_t sender;
-    const bool inline_send = size <= ALLREDUCE_INLINE;
-    if (inline_send) {
-        reduce_send_thread(&s);
-    } else if (pthread_create(&sender, NULL, reduce_send_thread, &s) != 0) {
-        set_busy(c, IDLE);
-        snprintf(err, err_len, "ALLREDUCE: cannot start a thread");
-        return -1;
-    }
-    int rc = 0;
-    for (uint32_t k = 0; k < req.n && rc == 0; k++) {
-        const float * part = mine;
-        if (k != req.self) {
-            char why[256] = "";
-            rc = recv_from_peer(c->peers[req.peer_in[k] - 1].tp, part_buf, req.size, why, sizeof why);
-            if (rc != 0) { snprintf(err, err_len, "ALLREDUCE: from node %s: %s", c->peers[req.peer_in[k] - 1].name, why); break; }
-            tb_trace_mark(c->trace, TB_TRACE_PEER_DATA, TB_CMD_ALLREDUCE);
-            part = part_buf;
-        }
-        if (k == 0) memcpy(acc, part, size);
-        else for (size_t i = 0; i < n_floats; i++) acc[i] += part[i];
-    }
-    if (!inline_send) pthread_join(sender, NULL);
+    const int rc = ring ? ring_allreduce(c, &req, acc, (float *) ((uint8_t *) c->payload + (host ? 0 : size)), err, err_len)
+                        : mesh_allreduce(c, &req, mine, scratch + n_floats, acc, err, err_len);
     set_busy(c, IDLE);
-    if (rc == 0 && s.rc != 0) { snprintf(err, err_len, "ALLREDUCE: %s", s.err); rc = -1; }
     if (rc == 0 && !host) ggml_backend_tensor_set(&t, acc, 0, size);
     count(&c->slot->allreduces, 1);
     count(&c->slot->allreduce_ns, tb_now_ns() - started);

@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 #define TB_MAGIC            0x43504254u   // "TBPC" on the wire
-#define TB_PROTO_VERSION    6u
+#define TB_PROTO_VERSION    7u
 #define TB_MAX_PAYLOAD      (256ull << 20) // one message; larger tensor writes are split by the client
 #define TB_MAX_GRAPH_TENSORS (1u << 20)
 #define TB_MAX_GRAPH_NODES   (1u << 20)
@@ -78,6 +78,8 @@ enum tb_cmd {
 
 enum tb_flags {
     TB_FLAG_REPLY = 1,       // this message answers request `id`
+    TB_FLAG_GAVE_UP = 2,     // a PEER_SEND frame on a peer link: its sender gave up the exchange (a ring
+                             // ALLREDUCE); the payload (up to TB_GAVE_UP_MAX bytes) says why, as text
 };
 
 struct tb_header {
@@ -258,13 +260,19 @@ struct tb_peer_connect_reply { uint64_t peer_id; char transport[96]; uint32_t wh
 struct tb_peer_range        { uint64_t peer_id, handle, offset, size; };
 
 // llama.cpp's tensor split: each of `n` nodes holds a partial F32 sum in a
-// buffer range; every node sends its partial to every other one, receives
-// theirs, and adds all n in node order (so every node ends with the same
-// bits). peer_out[k]/peer_in[k]: this session's peer ids of the links to and
-// from node k (unused at k == self). Without TB_ALLREDUCE_COMPUTED the range
-// holds nothing computed and counts as zeros.
+// buffer range, and every node ends with the same bits of the sum. Mesh
+// (the default): every node sends its partial to every other one, receives
+// theirs, and adds all n in node order. TB_ALLREDUCE_RING: a ring
+// all-reduce (reduce-scatter, then all-gather) over the links to node
+// self+1 and from node self-1 (mod n) only. peer_out[k]/peer_in[k]: this
+// session's peer ids of the links to and from node k (unused at k == self;
+// in a ring, all but peer_out[self+1] and peer_in[self-1] are unused).
+// Without TB_ALLREDUCE_COMPUTED the range holds nothing computed and counts
+// as zeros. Other flag bits are refused.
 #define TB_MAX_ALLREDUCE_NODES 16
 #define TB_ALLREDUCE_COMPUTED  1u
+#define TB_ALLREDUCE_RING      2u
+#define TB_GAVE_UP_MAX         1024u
 struct tb_allreduce {
     uint64_t handle, offset, size;
     uint32_t type;            // GGML_TYPE_F32, the only one yet

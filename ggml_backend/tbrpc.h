@@ -61,6 +61,7 @@ struct tbrpc_node_info {
     uint64_t bytes_from_files;       // weights the node read from its own copy of the model
     uint64_t peer_copies;            // activations this node sent straight to another node
     uint64_t allreduces;             // ALLREDUCE requests posted to it (tensor split)
+    char     allreduce[8];           // which all-reduce those are: "mesh", "ring" ("" before a tensor split's first)
     uint64_t bytes_allocated;        // this head's buffers on it, now
 };
 
@@ -82,6 +83,13 @@ int    tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char
 // before the first link between them is made. 0, or -1 with err.
 int    tbrpc_client_set_peer_address(struct tbrpc_client * c, size_t from, size_t to, const char * host, char * err,
                                      size_t err_len);
+// Which all-reduce a tensor split over n nodes uses (client.c, comm_init).
+// addressed[a * n + b] != 0 when node a dials node b at an address of its
+// own for the pair (tbrpc_client_set_peer_address: a cable). forced: the
+// value of TBRPC_ALLREDUCE ("ring", "mesh"; NULL or anything else: decide).
+// Returns the kind; why says why, for the log.
+enum tbrpc_allreduce_kind { TBRPC_ALLREDUCE_MESH = 0, TBRPC_ALLREDUCE_RING = 1 };
+int    tbrpc_allreduce_choose(const uint8_t * addressed, size_t n, const char * forced, char * why, size_t why_len);
 // One ggml "meta" device over nodes `nodes` that cuts only the feed-forward
 // weights, in `shares` and in multiples of `granularity` (the largest
 // quantization block of those weights), and keeps every other tensor whole

@@ -77,6 +77,11 @@ struct tb_auth_reply { uint8_t mac[32]; struct tb_hello hello; };
 struct tb_peer_listen_reply { uint64_t token, port; };
 struct tb_peer_connect { char host[256]; uint64_t port, token, caps, flags; };
 struct tb_peer_connect_reply { uint64_t peer_id; char transport[96]; uint32_t why_kind; uint32_t reserved; };
+struct tb_allreduce { uint64_t handle, offset, size; uint32_t type; uint32_t flags; uint32_t n, self;
+                      uint64_t peer_out[16]; uint64_t peer_in[16]; };
+#define TB_MAX_ALLREDUCE_NODES ...
+#define TB_ALLREDUCE_COMPUTED ...
+#define TB_ALLREDUCE_RING ...
 enum tb_why { TB_WHY_NONE, TB_WHY_ASKED, TB_WHY_PEER_NO_RDMA, TB_WHY_NO_RDMA_HERE, TB_WHY_QP_BUDGET, TB_WHY_NO_SHM,
               TB_WHY_SHM_FAILED, TB_WHY_RDMA_FAILED, TB_WHY_PEER_OLD, TB_WHY_NO_LINK, ... };
 enum tb_trace_what { TB_TRACE_FLUSH = 1, TB_TRACE_REPLY, TB_TRACE_REQUEST, TB_TRACE_DONE, TB_TRACE_GRAPH_START,

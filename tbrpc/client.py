@@ -132,6 +132,7 @@ class NodeInfo:
     transport: str = ""       # what carries the bytes, and why: "shm 16x256K", "tcp: the node is on another host"
     links: str = ""           # its links to other nodes and what carries each: "127.0.0.1:5001 shm 16x256K; ..."
     allreduces: int = 0       # tensor split: all-reduces it took part in, node to node
+    allreduce: str = ""       # which: "mesh" (a link per pair) or "ring" (neighbours only); "" before the first
     bytes_allocated: int = 0  # this process's buffers on the node, now
     error_kind: int = 0       # enum tbrpc_error_kind of the failure (tbrpc.h); node_error() makes its exception
     transport_why: str = ""   # the kind of the reason in `transport` when it is TCP (WHY_NAMES); "" when it moved
@@ -263,7 +264,7 @@ class Cluster:
             messages=out.messages, graphs_sent=out.graphs_sent, graphs_reused=out.graphs_reused,
             bytes_from_files=out.bytes_from_files, peer_copies=out.peer_copies, transport=text(out.transport), links=text(out.links),
             error_kind=out.error_kind,
-            allreduces=out.allreduces, bytes_allocated=out.bytes_allocated,
+            allreduces=out.allreduces, allreduce=text(out.allreduce), bytes_allocated=out.bytes_allocated,
             transport_why=why_name(out.transport_why), peer_links=links,
         )
 

@@ -92,6 +92,7 @@ def main(spec_path: str, out_path: str) -> None:
         np.save(spec["logits_path"], logits)
         if nodes:
             result["nodes"] = [asdict(n) for n in tbrpc.cluster().nodes()]
+            result["status"] = [vars(tbrpc.cluster().status(i)) for i in range(len(nodes))]   # the nodes' own counters
         if spec.get("then_run"):   # another program, while this head still holds its connections and links
             run = spec["then_run"]
             proc = subprocess.run(run["argv"], capture_output=True, text=True, timeout=300,

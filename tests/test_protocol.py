@@ -610,3 +610,33 @@ def test_a_graph_stops_when_its_client_goes(node: Any) -> None:
         time.sleep(0.2)
     assert tbrpc.probe(node.endpoint, timeout=5)[1].bytes_allocated == 0, "still computing for a client that left"
     assert "graph compute stopped: the client has gone" in node.log_text()
+
+
+def test_allreduce_refuses_missing_links_and_ids_out_of_range(node: Any) -> None:
+    """ALLREDUCE on a session without links: a ring names the two links it
+    needs (to the next node, from the previous one) and their ids; a mesh the
+    first pair it lacks; node counts, places, sizes and flags out of range are
+    refused by name; the session serves on."""
+    w = ready(node)
+    handle = w.alloc(64)
+    ring = lib.TB_ALLREDUCE_COMPUTED | lib.TB_ALLREDUCE_RING
+
+    def allreduce(**changes: Any) -> str:
+        fields: dict[str, Any] = dict(handle=handle, offset=0, size=64, type=0, flags=ring, n=4, self=1)
+        w.send(lib.TB_CMD_ALLREDUCE, pack("struct tb_allreduce", **{**fields, **changes}))
+        error = w.sync_error()   # "earlier ALLREDUCE (request N) failed: <the error>"
+        assert error.startswith("earlier ALLREDUCE (request "), error
+        return error.split(" failed: ", 1)[1]
+
+    assert allreduce() == ("ALLREDUCE (ring): node 1 of 4 has no link to the next node 2 (peer id 0) "
+                           "or from the previous node 0 (peer id 0)")
+    assert "next node 2 (peer id 7) or from the previous node 0 (peer id 1)" in allreduce(
+        peer_out=[0, 0, 7] + [0] * 13, peer_in=[1] + [0] * 15)
+    assert "node 3 of 4 has no link to the next node 0 (peer id 0) or from the previous node 2" in allreduce(self=3)
+    assert allreduce(flags=lib.TB_ALLREDUCE_COMPUTED) == "ALLREDUCE: no link to and from node 0 (peer ids 0, 0)"
+    assert allreduce(n=lib.TB_MAX_ALLREDUCE_NODES + 1) == "ALLREDUCE: node 1 of 17 (2 to 16 nodes)"
+    assert allreduce(self=4) == "ALLREDUCE: node 4 of 4 (2 to 16 nodes)"
+    assert allreduce(n=1, self=0) == "ALLREDUCE: node 0 of 1 (2 to 16 nodes)"
+    assert allreduce(flags=ring | 4) == "ALLREDUCE: unknown flags 0x7"
+    assert "ALLREDUCE: 62 bytes of type 0" in allreduce(size=62)
+    assert w.sync_error() == ""   # the session serves on

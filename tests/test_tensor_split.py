@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 from typing import Any
@@ -295,3 +296,130 @@ def test_gemma3_with_its_ffn_split_across_nodes(n_nodes: int, nodes: Any, tmp_pa
     for node in result["nodes"]:
         assert node["allreduces"] == GEMMA3_LAYERS * STEADY_TOKENS, node
         assert not node["failed"], node["error"]
+
+
+# ---- the ring all-reduce (TB_ALLREDUCE_RING) ---------------------------------------------------
+# TBRPC_ALLREDUCE=ring forces it on one host; a cluster file whose `links` give a cable for each node's
+# link to the next but not for every pair chooses it (test_the_allreduce_choice below).
+RING = {"TBRPC_ALLREDUCE": "ring"}
+# A prompt long enough that its all-reduce (n_tokens x n_embd floats, 1 KiB per token for the tiny deepseek2)
+# cuts each ring step into several 32 KiB pieces, with a token count that 3 does not divide (uneven chunks).
+LONG_PROMPT = " ".join(["The capital of France is Paris, and the capital of Italy is Rome."] * 5) + " The capital of France is"
+
+
+def assert_ring_linked(result: dict[str, Any], kind: str) -> None:
+    """Each node of a head's result has exactly one link, to the next node in
+    node order (the last to the first), carried by `kind`; its all-reduce is a ring."""
+    endpoints = [n["endpoint"] for n in result["nodes"]]
+    for i, node in enumerate(result["nodes"]):
+        links = {link["to"]: (link["usable"], link["transport"]) for link in node["peer_links"]}
+        assert links == {endpoints[(i + 1) % len(endpoints)]: (True, kind)}, (node["endpoint"], node["peer_links"])
+        assert node["allreduce"] == "ring", node
+
+
+def _ring_matches_single_process(tmp_path: Path, started: list[Any], model: str, prompt: str, per_token: int,
+                                 **split: Any) -> None:
+    base, base_logits = run_head(tmp_path, model=model, prompt=prompt, n_predict=N_PREDICT, flash_attn=True)
+    assert base["error"] is None, base["error"]
+    result, logits = run_head(tmp_path, model=model, prompt=prompt, n_predict=N_PREDICT, flash_attn=True,
+                              nodes=[n.endpoint for n in started], env=RING, **split)
+    assert result["error"] is None, result["error"]
+    assert "all-reduce over %d nodes: ring (TBRPC_ALLREDUCE=ring)" % len(started) in result["stderr"], result["stderr"][-2000:]
+    assert result["tokens"] == base["tokens"]
+    assert logits is not None and logits.shape == base_logits.shape
+    diff = float(np.max(np.abs(logits - base_logits)))
+    assert diff <= LOGIT_TOLERANCE, diff
+    assert_ring_linked(result, SHM)
+    for node, status in zip(result["nodes"], result["status"]):
+        assert node["allreduces"] == per_token * STEADY_TOKENS, node
+        assert node["peer_copies"] == 0, node
+        assert status["allreduces"] >= per_token * STEADY_TOKENS, status   # counted by the node: they ran there
+        assert not node["failed"], node["error"]
+
+
+@pytest.mark.parametrize("n_nodes", [3, 4])
+def test_deepseek2_ffn_split_over_a_ring(n_nodes: int, nodes: Any, tmp_path: Path) -> None:
+    """The tiny deepseek2's FFN split with the ring all-reduce: links to the
+    next node only, one process's greedy tokens, logits within the mesh's
+    tolerance, one ALLREDUCE per layer per token, run on every node."""
+    _ring_matches_single_process(tmp_path, nodes(n_nodes), str(models.ensure("deepseek2-f32")), PROMPT,
+                                 DEEPSEEK2_LAYERS, ffn_split=1)
+
+
+def test_deepseek2_ring_with_a_long_prompt(nodes: Any, tmp_path: Path) -> None:
+    """A prompt whose all-reduces are larger than 3 x 32 KiB: each ring step
+    goes as several pieces, over chunks of unequal size."""
+    model = str(models.ensure("deepseek2-f32"))
+    from llama_cpp import Llama
+    n_tokens = len(Llama(model, vocab_only=True, verbose=False).tokenize(LONG_PROMPT.encode(), add_bos=True))
+    n_embd = int(gguf.GGUFReader(model).fields["deepseek2.embedding_length"].parts[-1][0])
+    assert n_tokens * n_embd * 4 > 3 * 2 * 32 * 1024 and n_tokens * n_embd % 3 != 0, n_tokens   # several pieces, uneven chunks
+    _ring_matches_single_process(tmp_path, nodes(3), model, LONG_PROMPT, DEEPSEEK2_LAYERS, ffn_split=1)
+
+
+def test_llama_tensor_split_over_a_ring(nodes: Any, tmp_path: Path) -> None:
+    """llama.cpp's own tensor split of the tiny llama over 4 nodes with the
+    ring all-reduce: two ALLREDUCEs per layer per token, neighbours only."""
+    _ring_matches_single_process(tmp_path, nodes(4), str(models.ensure("llama-f32")), PROMPT, 2 * N_LAYER,
+                                 split_mode=3)
+
+
+def test_mesh_is_said_too(nodes: Any, tmp_path: Path) -> None:
+    """Nodes on one host with no links in a cluster file: a mesh, and NodeInfo and the log say so."""
+    started = nodes(3)
+    result, _ = run_head(tmp_path, model=str(models.ensure("deepseek2-f32")), prompt=PROMPT, n_predict=3,
+                         flash_attn=True, nodes=[n.endpoint for n in started], ffn_split=1)
+    assert result["error"] is None, result["error"]
+    assert "all-reduce over 3 nodes: mesh (no links in the cluster" in result["stderr"], result["stderr"][-2000:]
+    assert [n["allreduce"] for n in result["nodes"]] == ["mesh"] * 3
+    assert_every_pair_linked(result, SHM)
+
+
+def _choose(addressed: set[tuple[int, int]], n: int, forced: str | None = None) -> tuple[str, str]:
+    ffi, lib = load_native()
+    matrix = ffi.new("uint8_t[]", [1 if (a, b) in addressed else 0 for a in range(n) for b in range(n)])
+    why = ffi.new("char[256]")
+    kind = lib.tbrpc_allreduce_choose(matrix, n, forced.encode() if forced is not None else ffi.NULL, why, len(why))
+    return {lib.TBRPC_ALLREDUCE_MESH: "mesh", lib.TBRPC_ALLREDUCE_RING: "ring"}[kind], ffi.string(why).decode()
+
+
+def test_the_allreduce_choice() -> None:
+    """comm_init's rule (client.c): a ring when the cluster gives an address
+    (a cable) for each node's link to the next (node i dials i+1 mod n) but
+    not for every pair; a mesh with addresses for every pair, with none, or
+    with some that make no ring; TBRPC_ALLREDUCE forces either."""
+    ring4 = {(0, 1), (1, 2), (2, 3), (3, 0)}
+    every4 = {(a, b) for a in range(4) for b in range(4) if a != b}
+    assert _choose(ring4, 4)[0] == "ring"
+    assert _choose(ring4 | {(1, 0), (2, 1)}, 4)[0] == "ring"            # more cables than the ring's, not all
+    assert _choose(every4, 4) == ("mesh", "the cluster's links give an address for every pair")
+    assert _choose(set(), 4) == ("mesh", "no links in the cluster: every node reaches every other")
+    assert _choose(ring4 - {(3, 0)}, 4)[0] == "mesh"                      # a layer split's cables: no way back
+    assert _choose({(1, 0), (2, 1), (3, 2), (0, 3)}, 4)[0] == "mesh"      # a ring the other way round
+    assert _choose({(0, 1), (1, 2), (2, 0)}, 3)[0] == "ring"
+    assert _choose({(0, 1), (1, 0)}, 2)[0] == "mesh"                      # two nodes: the ring is every pair
+    assert _choose(set(), 4, "ring") == ("ring", "TBRPC_ALLREDUCE=ring")
+    assert _choose(ring4, 4, "mesh") == ("mesh", "TBRPC_ALLREDUCE=mesh")
+    kind, why = _choose(ring4, 4, "rign")
+    assert kind == "ring" and "neither ring nor mesh: ignored" in why, why
+
+
+@pytest.mark.parametrize("env", [RING, {}], ids=["ring", "mesh"])
+def test_a_node_killed_during_allreduces_is_named_at_once(env: dict[str, str], nodes: Any, tmp_path: Path) -> None:
+    """Node 1 of 3 dies while they decode: the head's error names it at
+    once, not after the 30 s timeout, and the other nodes stay up. In the
+    ring node 0 never hears from node 1 (its previous node is 2): node 2,
+    which does, gives up with the reason and tells node 0 so (a PEER_SEND
+    frame flagged TB_FLAG_GAVE_UP), instead of going on to its next
+    all-reduce, whose frames node 0 would take for this one's."""
+    started = nodes(3)
+    t0 = time.monotonic()
+    result, _ = run_head(tmp_path, model=str(models.ensure("deepseek2-f32")), prompt=PROMPT, n_predict=N_PREDICT,
+                         flash_attn=True, nodes=[n.endpoint for n in started], ffn_split=1, env=env, timeout=30.0,
+                         kill={"pid": started[1].proc.pid, "after_tokens": 3})
+    assert time.monotonic() - t0 < 25, "the head waited out its timeout"
+    assert result["error"] is not None and result["error"]["type"] == "NodeFailed", result["error"]
+    message = result["error"]["message"]
+    assert started[1].endpoint in message and "no answer within" not in message, message
+    assert started[1].proc.wait(timeout=10) == -9
+    assert started[0].proc.poll() is None and started[2].proc.poll() is None
