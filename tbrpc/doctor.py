@@ -508,7 +508,9 @@ def cable_checks(specs: Sequence[NodeSpec], node_facts: Mapping[str, Mapping[str
                            f"{o.address} ({c.network})" for e, o, c in mine if e)
         checks.append(Check(m, "cables", OK if mine else WARN, detail or "none to the other nodes' machines", "" if mine
                             else "cable this machine to the next one (a ring: docs/cluster.md, Four Macs)"))
-    for a, b in zip(known, known[1:]):
+    for a, b in zip(specs, specs[1:]):   # consecutive layers: a node without facts leaves its pairs out
+        if a.name not in machine_of or b.name not in machine_of:
+            continue
         ma, mb = machine_of[a.name], machine_of[b.name]
         if ma == mb:
             continue

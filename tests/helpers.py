@@ -380,6 +380,16 @@ def assert_every_pair_linked(result: dict[str, Any], kind: str) -> None:
         assert links == want, (node["endpoint"], node["peer_links"])
 
 
+def assert_ring_linked(result: dict[str, Any], kind: str) -> None:
+    """Each node of a head's result has exactly one link, to the next node in
+    node order (the last to the first), carried by `kind`; its all-reduce is a ring."""
+    endpoints = [n["endpoint"] for n in result["nodes"]]
+    for i, node in enumerate(result["nodes"]):
+        links = {link["to"]: (link["usable"], link["transport"]) for link in node["peer_links"]}
+        assert links == {endpoints[(i + 1) % len(endpoints)]: (True, kind)}, (node["endpoint"], node["peer_links"])
+        assert node["allreduce"] == "ring", node
+
+
 def head_process(tmp_path: Path, **spec: Any) -> tuple[subprocess.CompletedProcess[bytes], Path]:
     """Run tests/head.py in a fresh process, whatever becomes of it: the finished
     process and the path its result is written to (absent if it died)."""

@@ -167,6 +167,15 @@ def test_doctor_on_a_cabled_cluster_names_a_missing_cable() -> None:
     assert "no cable found between studio2 and studio3" in got[("studio3", "cable from studio2")].detail
 
 
+def test_doctor_checks_only_consecutive_nodes_it_has_facts_for() -> None:
+    """studio3 did not answer: no row for the hops into or out of it, and studio4's hop is not
+    taken for one from studio2 (they run no consecutive layers)."""
+    facts = ring_facts()
+    del facts["studio3"]
+    got = rows(cable_checks([spec(f"studio{i}", f"192.168.1.1{i}") for i in range(1, 5)], facts))
+    assert [k for k in got if k[1].startswith("cable from")] == [("studio2", "cable from studio1")]
+
+
 def test_doctor_has_nothing_to_say_without_cables() -> None:
     """Nodes on one LAN, or several on one host: no cable rows at all."""
     lan = {m: {"interfaces": [addr("eth0", f"10.9.0.{i}")], "rdma": {"host_id": m}} for i, m in enumerate("abc", 1)}

@@ -701,16 +701,18 @@ def test_node_killed_across_an_rdma_link_is_named_at_once(built, sim_nodes, monk
 
 # --- tensor split: the all-reduce over RDMA links ------------------------------------------
 
-@pytest.mark.parametrize("n_nodes", [2, 4])
-def test_tensor_split_allreduce_over_rdma_links(built, sim_nodes, monkeypatch, n_nodes, tmp_path) -> None:
+@pytest.mark.parametrize("n_nodes,allreduce", [(2, "mesh"), (4, "mesh"), (4, "ring")])
+def test_tensor_split_allreduce_over_rdma_links(built, sim_nodes, monkeypatch, n_nodes, allreduce, tmp_path) -> None:
     """tests/test_tensor_split.py's check over the stand-in's Apple profile, each node its own "host"
     (address, GID, host id): llama.cpp's split_mode=3 on the tiny F32 llama, every node linked to every
     other over RDMA, the partial sums all-reduced over those links (two ALLREDUCEs per layer per token,
-    no copies through the head), and one process's greedy tokens with logits within the same 1e-2."""
+    no copies through the head), and one process's greedy tokens with logits within the same 1e-2. The
+    ring all-reduce the same way over the links to the next node only (each step in pieces of at most
+    32 KiB: a few Apple frames per message)."""
     import numpy as np
 
     import models
-    from helpers import assert_every_pair_linked, run_head
+    from helpers import assert_every_pair_linked, assert_ring_linked, run_head
 
     addresses = [f"127.0.0.{3 + i}" for i in range(n_nodes)]
     started = sim_nodes(n_nodes, "apple-uc", addresses=addresses)
@@ -719,10 +721,13 @@ def test_tensor_split_allreduce_over_rdma_links(built, sim_nodes, monkeypatch, n
     alone, alone_logits = run_head(tmp_path, **spec)
     assert alone["error"] is None, alone["error"]
     result, logits = run_head(tmp_path, split_mode=3, nodes=[f"{a}:{n.port}" for a, n in zip(addresses, started)],
-                              **spec)
+                              env={"TBRPC_ALLREDUCE": allreduce}, **spec)
     assert result["error"] is None, result["error"]
     assert [n["transport"] for n in result["nodes"]] == [APPLE] * n_nodes, result["nodes"]
-    assert_every_pair_linked(result, APPLE)
+    if allreduce == "ring":
+        assert_ring_linked(result, APPLE)
+    else:
+        assert_every_pair_linked(result, APPLE)
     assert result["tokens"] == alone["tokens"]
     assert logits is not None and float(np.max(np.abs(logits - alone_logits))) <= 1e-2
     for node in result["nodes"]:

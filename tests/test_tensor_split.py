@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 import models
-from helpers import assert_every_pair_linked, head_process, run_head
+from helpers import assert_every_pair_linked, assert_ring_linked, head_process, run_head
 from tbrpc.native import load as load_native
 from tbrpc.node_memory import make_node
 from tbrpc.plan import plan
@@ -305,16 +305,6 @@ RING = {"TBRPC_ALLREDUCE": "ring"}
 # A prompt long enough that its all-reduce (n_tokens x n_embd floats, 1 KiB per token for the tiny deepseek2)
 # cuts each ring step into several 32 KiB pieces, with a token count that 3 does not divide (uneven chunks).
 LONG_PROMPT = " ".join(["The capital of France is Paris, and the capital of Italy is Rome."] * 5) + " The capital of France is"
-
-
-def assert_ring_linked(result: dict[str, Any], kind: str) -> None:
-    """Each node of a head's result has exactly one link, to the next node in
-    node order (the last to the first), carried by `kind`; its all-reduce is a ring."""
-    endpoints = [n["endpoint"] for n in result["nodes"]]
-    for i, node in enumerate(result["nodes"]):
-        links = {link["to"]: (link["usable"], link["transport"]) for link in node["peer_links"]}
-        assert links == {endpoints[(i + 1) % len(endpoints)]: (True, kind)}, (node["endpoint"], node["peer_links"])
-        assert node["allreduce"] == "ring", node
 
 
 def _ring_matches_single_process(tmp_path: Path, started: list[Any], model: str, prompt: str, per_token: int,
