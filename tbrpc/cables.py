@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from tbrpc.spec import NodeSpec
 
 
 @dataclass(frozen=True)
@@ -87,3 +89,44 @@ def machines_of(facts: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
             first_of[host_id] = name
         out[name] = [name]
     return out
+
+
+
+_ANY_ADDRESS = ("0.0.0.0", "::")
+
+
+@dataclass(frozen=True)
+class Discovered:
+    specs: list[NodeSpec]     # the nodes with a `links` entry for each cable into them
+    added: list[str]          # "studio2 <- studio1 at 10.0.12.2 (en3, 10.0.12.0/24)", one per entry added
+    unused: list[str]         # cables a node cannot take: it listens on its `host` only
+
+
+def links_from_cables(specs: Sequence[NodeSpec], facts: Mapping[str, Mapping[str, Any]]) -> Discovered:
+    """The nodes with `links` filled from the cables between their machines: for each cable
+    between the machines of nodes a and b, b's entry gets a = b's end of it (where b names no
+    address for a already), so a dials b over the cable. Only a node that listens on every
+    address (`listen = "0.0.0.0"`) takes connections on its cables; for the others `unused`
+    says which cable they leave aside. Nodes without facts keep their entries."""
+    known = [s for s in specs if s.name in facts]
+    machines = machines_of({s.name: facts[s.name] for s in known})
+    machine_of = {name: first for first, names in machines.items() for name in names}
+    cables = find_cables({m: cable_addresses(facts[m]) for m in machines})
+    out, added, unused = [], [], []
+    for b in specs:
+        links = dict(b.links)
+        for a in known:
+            if b.name not in machine_of or machine_of[a.name] == machine_of[b.name] or a.name in links:
+                continue
+            cable = next((c for c in cables if c.joins(machine_of[a.name], machine_of[b.name])), None)
+            end = cable.at(machine_of[b.name]) if cable else None
+            if cable is None or end is None:
+                continue
+            if b.listen not in _ANY_ADDRESS and end.address != b.host:
+                unused.append(f"{a.name} - {b.name} ({cable.network}): {b.name} listens on {b.listen_address} only; "
+                              f'listen = "0.0.0.0" in its entry lets {a.name} reach it at {end.address}')
+                continue
+            links[a.name] = end.address
+            added.append(f"{b.name} <- {a.name} at {end.address} ({end.interface}, {cable.network})")
+        out.append(replace(b, links=tuple(links.items())))
+    return Discovered(out, added, unused)

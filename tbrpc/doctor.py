@@ -79,7 +79,7 @@ def _start_command(spec: NodeSpec) -> str:
     return f"tbrpc node --host {spec.listen_address} --port {spec.port} --name {spec.name}"
 
 
-def _facts(spec: NodeSpec, model: str | None, timeout: float,
+def gather_facts(spec: NodeSpec, model: str | None, timeout: float,
            toward: Sequence[str] = ()) -> tuple[dict[str, Any] | None, str, str]:
     """(facts, "", "") or (None, why, the check that failed: "ssh", "node facts" or "")."""
     if spec.start == "ssh" and spec.ssh is not None:
@@ -616,7 +616,8 @@ def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float 
         if up:
             _check_device(n, answer[0])
         model = spec.model or gguf
-        facts, why, failing = _facts(spec, model, timeout=max(30.0, timeout), toward=toward.get(spec.name, []))
+        facts, why, failing = gather_facts(spec, model, timeout=max(defaults.FACTS_TIMEOUT_S, timeout),
+                                           toward=toward.get(spec.name, []))
         if facts is None:
             if failing == "ssh":
                 n.add("ssh", FAIL, why, f"`{spec.ssh.human() if spec.ssh else 'ssh'}` must work without a password "

@@ -8,6 +8,7 @@ stop it: it waits for the node and reloads (tbrpc/outage.py).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import tempfile
@@ -26,7 +27,8 @@ from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
 from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_model_tensor_mode
-from tbrpc.llama import ClusterArg, DoesNotFitError, Llama, ProgressBar, resolve_cluster, say_cable_order, with_secret
+from tbrpc.llama import (ClusterArg, DoesNotFitError, Llama, ProgressBar, discover_links, resolve_cluster,
+                         say_cable_order, with_secret)
 from tbrpc.native import TbrpcError
 from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
 from tbrpc.outage import Serving
@@ -175,6 +177,8 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     with _Signals() as signals, ExitStack() as records:
         try:
             specs = with_secret(opts.cluster, resolve_cluster(opts.cluster, opts.threads), log_dir)
+            if isinstance(opts.cluster, (str, os.PathLike)):
+                specs = discover_links(specs, say)
             say_cable_order(specs, say)
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything

@@ -49,7 +49,8 @@ from tbrpc.plan import (
     format_table,
     plan,
 )
-from tbrpc.spec import NodeSpec, cable_gaps, cable_order_note, endpoint_specs, local_specs
+from tbrpc.cables import links_from_cables
+from tbrpc.spec import NodeSpec, cable_gaps, cable_order, cable_order_note, endpoint_specs, local_specs
 from tbrpc.units import format_size
 
 ClusterArg = str | os.PathLike[str] | Sequence[str] | int | Nodes
@@ -79,6 +80,41 @@ def resolve_cluster(cluster: ClusterArg, threads: int | None = None) -> list[Nod
         return list(cluster.specs)
     specs = load_specs(os.fspath(cluster)) if isinstance(cluster, (str, os.PathLike)) else endpoint_specs(list(cluster))
     return [replace(s, threads=s.threads or threads or 0) for s in specs]
+
+
+Gather = Callable[[NodeSpec], "tuple[dict[str, Any] | None, str, str]"]
+
+
+def discover_links(specs: list[NodeSpec], say: Say, gather: Gather | None = None) -> list[NodeSpec]:
+    """For a cluster file that lists no `links`: the cables between its nodes' machines, found
+    from the addresses each one reports (tbrpc/cables.py), become their `links`, and the nodes
+    are ordered along them (``spec.cable_order``). A file with `links` is taken as written, and
+    nodes started by hand are not asked. Each node's facts come as doctor's do (`python -m
+    tbrpc.facts`, over ssh for a remote node; `gather`: how), all at once; a node that gives
+    none keeps its entry, and the run goes on over `host`."""
+    askable = [s for s in specs if s.start in ("ssh", "local")]
+    if any(s.links for s in specs) or not any(s.start == "ssh" for s in askable):
+        return specs
+    if gather is None:
+        from tbrpc.doctor import gather_facts   # doctor imports this module's neighbours
+
+        def gather(spec: NodeSpec) -> tuple[dict[str, Any] | None, str, str]:
+            return gather_facts(spec, None, timeout=defaults.FACTS_TIMEOUT_S)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(askable)) as pool:
+        answers = dict(zip((s.name for s in askable), pool.map(gather, askable)))
+    facts = {name: f for name, (f, _, _) in answers.items() if f is not None}
+    for name, (f, why, _) in answers.items():
+        if f is None:
+            say(f"warning: no cables looked for from {name} ({why}): its activations go to its `host`")
+    found = links_from_cables(specs, facts)
+    for line in found.unused:
+        say(f"warning: cable not used: {line}")
+    if not found.added:
+        return specs
+    say("links from the cables found (none in the cluster file): " + "; ".join(found.added))
+    return cable_order(found.specs)
 
 
 def say_cable_order(specs: Sequence[NodeSpec], say: Say) -> None:
@@ -312,6 +348,8 @@ class Llama(llama_cpp.Llama):
                 cluster_secret.use(secret_file)
             logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="tbrpc-logs-"))
             specs = resolve_cluster(cluster)
+            if isinstance(cluster, (str, os.PathLike)):
+                specs = discover_links(specs, say)
             say_cable_order(specs, say)
             nodes = start_nodes(with_secret(cluster, specs, logs), logs, timeout=start_timeout,
                                 on_event=say, head_model=str(model_path))
@@ -441,4 +479,4 @@ def _progress_callback(progress: bool | Progress) -> Any:
     return llama_lib.llama_progress_callback(on_progress)
 
 
-__all__ = ["DoesNotFitError", "LaunchError", "Llama", "context_kwargs", "make_plan", "resolve_cluster"]
+__all__ = ["DoesNotFitError", "LaunchError", "Llama", "context_kwargs", "discover_links", "make_plan", "resolve_cluster"]

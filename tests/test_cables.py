@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dataclasses import replace
 
 from tbrpc.cables import End, cable_addresses, find_cables, machines_of
 from tbrpc.doctor import OK, WARN, cable_checks
 from tbrpc.facts import parse_ifconfig, parse_ip_addr_json
-from tbrpc.spec import NodeSpec
+from tbrpc.llama import discover_links
+from tbrpc.spec import NodeSpec, SshTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 LAN = "192.168.1.0/24"
@@ -231,3 +233,69 @@ def test_cables_between_network_namespaces(tmp_path: Path) -> None:
     finally:
         for ns in spaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+# ---- launch and tbrpc.Llama: a cluster file without `links` takes them from the cables found ----
+
+def ssh_spec(name: str, host: str, position: int, listen: str | None = "0.0.0.0") -> NodeSpec:
+    return NodeSpec(name=name, host=host, port=50052, start="ssh", ssh=SshTarget(host=host), listen=listen,
+                    file_position=position)
+
+
+def recorded(facts: dict[str, dict[str, Any]], asked: list[str]) -> Any:
+    def gather(spec: NodeSpec) -> tuple[dict[str, Any] | None, str, str]:
+        asked.append(spec.name)
+        return (facts[spec.name], "", "") if spec.name in facts else (None, f"ssh {spec.host} failed", "ssh")
+    return gather
+
+
+def test_links_and_order_come_from_the_cables_found() -> None:
+    """The file lists the Macs out of ring order and names no cable: the links become each node's end of
+    each of its cables, and the nodes go round the ring (cable_order), as a file with those links would."""
+    hosts = {f"studio{i}": f"192.168.1.1{i}" for i in range(1, 5)}
+    specs = [ssh_spec(n, hosts[n], i) for i, n in enumerate(["studio1", "studio3", "studio2", "studio4"])]
+    said: list[str] = []
+    asked: list[str] = []
+    got = discover_links(specs, said.append, recorded(ring_facts(), asked))
+    assert sorted(asked) == sorted(hosts)
+    assert [s.name for s in got] == ["studio1", "studio2", "studio3", "studio4"]
+    assert {s.name: dict(s.links) for s in got} == {
+        "studio1": {"studio2": "10.0.12.1", "studio4": "10.0.41.1"},
+        "studio2": {"studio1": "10.0.12.2", "studio3": "10.0.23.2"},
+        "studio3": {"studio2": "10.0.23.3", "studio4": "10.0.34.3"},
+        "studio4": {"studio3": "10.0.34.4", "studio1": "10.0.41.4"}}
+    assert any(line.startswith("links from the cables found") and "studio2 <- studio1 at 10.0.12.2 (en3, 10.0.12.0/24)"
+               in line for line in said), said
+    # doctor then finds every hop on its cable
+    assert {c.status for c in cable_checks(got, ring_facts())} == {OK}
+
+
+def test_a_node_listening_on_its_host_only_keeps_its_cables_unused() -> None:
+    specs = [ssh_spec("studio1", "192.168.1.11", 0), ssh_spec("studio2", "192.168.1.12", 1, listen=None)]
+    facts = {k: v for k, v in ring_facts().items() if k in ("studio1", "studio2")}
+    said: list[str] = []
+    got = discover_links(specs, said.append, recorded(facts, []))
+    # studio1 takes its cable, so studio2 goes first: its activations reach studio1 over it
+    assert [(s.name, dict(s.links)) for s in got] == [("studio2", {}), ("studio1", {"studio2": "10.0.12.1"})]
+    assert any("cable not used: studio1 - studio2 (10.0.12.0/24): studio2 listens on 192.168.1.12 only; "
+               'listen = "0.0.0.0" in its entry lets studio1 reach it at 10.0.12.2' in line for line in said), said
+
+
+def test_a_file_with_links_or_without_ssh_nodes_is_taken_as_written() -> None:
+    asked: list[str] = []
+    written = [ssh_spec("studio1", "192.168.1.11", 0), replace(ssh_spec("studio2", "192.168.1.12", 1), links=(("studio1", "10.9.9.9"),))]
+    assert discover_links(written, lambda m: None, recorded(ring_facts(), asked)) == written
+    by_hand = [replace(s, start="manual", ssh=None) for s in written]
+    assert discover_links(by_hand, lambda m: None, recorded(ring_facts(), asked)) == by_hand
+    assert asked == []
+
+
+def test_a_node_without_facts_keeps_its_entry_and_says_so() -> None:
+    hosts = {f"studio{i}": f"192.168.1.1{i}" for i in range(1, 5)}
+    specs = [ssh_spec(n, h, i) for i, (n, h) in enumerate(hosts.items())]
+    facts = ring_facts()
+    del facts["studio3"]
+    said: list[str] = []
+    got = {s.name: dict(s.links) for s in discover_links(specs, said.append, recorded(facts, []))}
+    assert got["studio3"] == {} and got["studio2"] == {"studio1": "10.0.12.2"} and got["studio4"] == {"studio1": "10.0.41.4"}
+    assert any("no cables looked for from studio3 (ssh 192.168.1.13 failed)" in line for line in said), said
