@@ -66,6 +66,8 @@ def main(spec_path: str, out_path: str) -> None:
     if nodes:
         tbrpc.connect(nodes, timeout=spec.get("timeout", 10.0), transport=spec.get("transport"),
                       secret_file=spec.get("secret_file"))
+        for source, target, host in spec.get("peer_addresses", []):   # a cluster file's `links`
+            tbrpc.cluster().set_peer_address(source, target, host)
         kwargs.update(n_gpu_layers=spec.get("n_gpu_layers", -1),
                       tensor_split=spec.get("tensor_split") or [1.0] * len(nodes),
                       split_mode=spec.get("split_mode", 1))

@@ -9,12 +9,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dataclasses import replace
 
+from tbrpc import secret as cluster_secret
 from tbrpc.cables import End, cable_addresses, find_cables, machines_of
 from tbrpc.doctor import OK, WARN, cable_checks
 from tbrpc.facts import parse_ifconfig, parse_ip_addr_json
@@ -299,3 +301,113 @@ def test_a_node_without_facts_keeps_its_entry_and_says_so() -> None:
     got = {s.name: dict(s.links) for s in discover_links(specs, said.append, recorded(facts, []))}
     assert got["studio3"] == {} and got["studio2"] == {"studio1": "10.0.12.2"} and got["studio4"] == {"studio1": "10.0.41.4"}
     assert any("no cables looked for from studio3 (ssh 192.168.1.13 failed)" in line for line in said), said
+
+
+def _start_node_in(ns: str, tmp_path: Path, host_id: str, secret: Path) -> tuple[subprocess.Popen[bytes], int]:
+    from tbrpc.node_processes import listening_port
+
+    log = tmp_path / f"node-{ns}.log"
+    proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-I", "-m", "tbrpc.cli", "node", "--host", "0.0.0.0",
+                             "--port", "0", "--threads", "1", "--secret-file", str(secret)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=open(log, "wb"), env={**os.environ, "TBRPC_HOST_ID": host_id})
+    for _ in range(600):
+        port = listening_port(log.read_text(errors="replace"))
+        if port is not None:
+            return proc, port
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"node in {ns} did not start: {log.read_text(errors='replace')}")
+
+
+def _head_in(ns: str, tmp_path: Path, **spec: Any) -> dict[str, Any]:
+    tag = time.monotonic_ns()
+    spec_path, out_path = tmp_path / f"spec-{tag}.json", tmp_path / f"out-{tag}.json"
+    spec_path.write_text(json.dumps({"logits_path": str(tmp_path / f"logits-{tag}.npy"), **spec}))
+    proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, str(ROOT / "tests" / "head.py"), str(spec_path),
+                           str(out_path)], cwd=ROOT, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+    return json.loads(out_path.read_text())
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                    reason="network namespaces need root and iproute2 (the parsing is tested above without them)")
+def test_a_ring_of_cables_between_namespaces_carries_the_split(tmp_path: Path) -> None:
+    """Four nodes, each in a network namespace of its own ("a Mac"), cabled in a ring by veth pairs, one
+    subnet per cable, and each reachable from the head's namespace over a link of its own; the head's
+    namespace does not forward, so a node reaches another only over a cable between them, as on a
+    Thunderbolt ring. The links found from the nodes' own facts (tbrpc.facts run in each namespace,
+    discover_links) let every node send activations to the next over their cable: the same tokens as
+    one process. Without them each next node's `host` is out of reach from the one before, no link is
+    made, and the head carries every hop (the same tokens, the slow way)."""
+    import models
+
+    tag = f"tc{os.getpid() % 10000}"
+    head_ns, spaces = f"{tag}h", [f"{tag}n{k}" for k in range(4)]
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        for ns in (head_ns, *spaces):
+            _netns("netns", "add", ns)
+            _netns("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        for k, ns in enumerate(spaces):   # the head's link to node k: 10.88.k.0/30
+            _netns("link", "add", f"{tag}h{k}", "netns", head_ns, "type", "veth", "peer", "name", f"{tag}u{k}", "netns", ns)
+            _netns("netns", "exec", head_ns, "ip", "addr", "add", f"10.88.{k}.1/30", "dev", f"{tag}h{k}")
+            _netns("netns", "exec", ns, "ip", "addr", "add", f"10.88.{k}.2/30", "dev", f"{tag}u{k}")
+            _netns("netns", "exec", head_ns, "ip", "link", "set", f"{tag}h{k}", "up")
+            _netns("netns", "exec", ns, "ip", "link", "set", f"{tag}u{k}", "up")
+        for k in range(4):   # the cable from node k to node k+1: 10.50.k.0/24, .1 at k, .2 at k+1
+            a, b = spaces[k], spaces[(k + 1) % 4]
+            _netns("link", "add", f"{tag}c{k}a", "netns", a, "type", "veth", "peer", "name", f"{tag}c{k}b", "netns", b)
+            _netns("netns", "exec", a, "ip", "addr", "add", f"10.50.{k}.1/24", "dev", f"{tag}c{k}a")
+            _netns("netns", "exec", b, "ip", "addr", "add", f"10.50.{k}.2/24", "dev", f"{tag}c{k}b")
+            _netns("netns", "exec", a, "ip", "link", "set", f"{tag}c{k}a", "up")
+            _netns("netns", "exec", b, "ip", "link", "set", f"{tag}c{k}b", "up")
+        secret = cluster_secret.new(tmp_path / "secret")   # nodes listening on every address need one
+        ports = []
+        for ns in spaces:
+            proc, port = _start_node_in(ns, tmp_path, ns, secret)
+            started.append(proc)
+            ports.append(port)
+        specs = [ssh_spec(f"node{k}", f"10.88.{k}.2", k) for k in range(4)]
+        for k, s in enumerate(specs):
+            specs[k] = replace(s, port=ports[k])
+
+        def gather(spec: NodeSpec) -> tuple[dict[str, Any] | None, str, str]:   # the node's own facts, in its namespace
+            ns = spaces[int(spec.name[-1])]
+            out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "tbrpc.facts"], cwd=ROOT,
+                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                                      "TBRPC_HOST_ID": ns}, timeout=120)
+            return (json.loads(out.stdout), "", "") if out.returncode == 0 else (None, out.stderr[-300:], "node facts")
+
+        said: list[str] = []
+        found = discover_links(specs, said.append, gather)
+        assert [s.name for s in found] == ["node0", "node1", "node2", "node3"], said
+        assert {s.name: dict(s.links) for s in found} == {
+            "node0": {"node1": "10.50.0.1", "node3": "10.50.3.2"}, "node1": {"node0": "10.50.0.2", "node2": "10.50.1.1"},
+            "node2": {"node1": "10.50.1.2", "node3": "10.50.2.1"}, "node3": {"node2": "10.50.2.2", "node0": "10.50.3.1"}}
+        by_name = {s.name: s.endpoint for s in found}
+        addresses = [[by_name[a], s.endpoint, host] for s in found for a, host in s.links]
+        run = dict(model=str(models.ensure("llama")), prompt="The capital of France is", n_predict=6,
+                   nodes=[s.endpoint for s in found], env={"TBRPC_TRANSPORT": "tcp"}, transport="tcp",
+                   secret_file=str(secret))
+        alone = _head_in(head_ns, tmp_path, **{k: v for k, v in run.items() if k in ("model", "prompt", "n_predict")})
+        cabled = _head_in(head_ns, tmp_path, **run, peer_addresses=addresses)
+        relayed = _head_in(head_ns, tmp_path, **run)
+        for result in (alone, cabled, relayed):
+            assert result["error"] is None, result["error"]
+        assert cabled["tokens"] == alone["tokens"] == relayed["tokens"]
+        endpoints = [s.endpoint for s in found]
+        for k in range(3):   # each node's link to the next: over their cable, or none
+            cabled_link = {x["to"]: x for x in cabled["nodes"][k]["peer_links"]}[endpoints[k + 1]]
+            assert cabled_link["usable"] and cabled_link["transport"].startswith("tcp"), cabled_link
+            assert cabled["nodes"][k]["peer_copies"] > 0, cabled["nodes"][k]
+            relayed_link = {x["to"]: x for x in relayed["nodes"][k]["peer_links"]}.get(endpoints[k + 1])
+            assert relayed_link is None or not relayed_link["usable"], relayed_link
+            assert relayed["nodes"][k]["peer_copies"] == 0, relayed["nodes"][k]
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
+        for ns in (head_ns, *spaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
