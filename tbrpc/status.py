@@ -87,7 +87,7 @@ def connection_records(infos: Sequence[NodeInfo], names: dict[str, str]) -> dict
     """Per endpoint: what carries the head's connection to it and its links to other nodes (`names`:
     endpoint -> node name), each with the kind of its reason when it is TCP or missing ("why")."""
     return {info.endpoint: {
-        "transport": info.transport, "transport_why": info.transport_why,
+        "transport": info.transport, "transport_why": info.transport_why, "allreduce": info.allreduce,
         "links": [{"to": names.get(link.to, link.to), "endpoint": link.to, "usable": link.usable,
                    "transport": link.transport, "why": link.why} for link in info.peer_links],
     } for info in infos}
@@ -104,8 +104,9 @@ def note_connections(record: Path, infos: Sequence[NodeInfo]) -> None:
 
 def connection_lines(nodes: Sequence[dict[str, Any]], fixes: bool = False) -> list[str]:
     """One line per connection (head to node) and per link (node to node) of launch record `nodes`:
-    "connection head -> a: shm 16x256K", "link a -> b: tcp: asked for"; with `fixes`, only those on
-    TCP or missing, each followed by the fix a user types (tbrpc.doctor.transport_fix)."""
+    "connection head -> a: shm 16x256K", "link a -> b: tcp: asked for", then a tensor split's
+    all-reduce ("all-reduce: ring over a -> b -> c -> a"); with `fixes`, only those on TCP or
+    missing, each followed by the fix a user types (tbrpc.doctor.transport_fix)."""
     lines = []
     for node in nodes:
         if fixes:
@@ -114,6 +115,11 @@ def connection_lines(nodes: Sequence[dict[str, Any]], fixes: bool = False) -> li
         else:
             lines += [f"{what} {source} -> {target}: {transport or '?'}"
                       for source, target, transport, _, what in record_carriers(node)]
+    modes = [n.get("allreduce") for n in nodes if n.get("allreduce")]
+    if modes and not fixes:   # a tensor split's: a link per pair, or the ring in node order
+        names = [n["name"] for n in nodes if n.get("allreduce")]
+        lines.append(f"all-reduce: {modes[0]} over " + (" -> ".join([*names, names[0]]) if modes[0] == "ring"
+                                                         else ", ".join(names)))
     return lines
 
 

@@ -390,6 +390,17 @@ def assert_ring_linked(result: dict[str, Any], kind: str) -> None:
         assert node["allreduce"] == "ring", node
 
 
+def record_of(result_nodes: list[dict], names: list[str]) -> list[dict]:
+    """A launch record's nodes (tbrpc/status.py, connection_records) from tests/head.py's node infos."""
+    from tbrpc.client import NodeInfo, PeerLink
+    from tbrpc.status import connection_records
+
+    infos = [NodeInfo(**{**n, "peer_links": tuple(PeerLink(**link) for link in n["peer_links"])}) for n in result_nodes]
+    by_endpoint = dict(zip((n["endpoint"] for n in result_nodes), names))
+    found = connection_records(infos, by_endpoint)
+    return [{"name": name, **found[n["endpoint"]]} for n, name in zip(result_nodes, names)]
+
+
 def head_process(tmp_path: Path, **spec: Any) -> tuple[subprocess.CompletedProcess[bytes], Path]:
     """Run tests/head.py in a fresh process, whatever becomes of it: the finished
     process and the path its result is written to (absent if it died)."""

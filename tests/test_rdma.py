@@ -305,17 +305,6 @@ def test_node_without_rdma_keeps_tcp_and_says_why(built, sim_nodes, monkeypatch,
     assert [n["transport"] for n in result["nodes"]] == ["tcp: peer has no RDMA device"]
 
 
-def record_of(result_nodes: list[dict], names: list[str]) -> list[dict]:
-    """A launch record's nodes (tbrpc/status.py, connection_records) from tests/head.py's node infos."""
-    from tbrpc.client import NodeInfo, PeerLink
-    from tbrpc.status import connection_records
-
-    infos = [NodeInfo(**{**n, "peer_links": tuple(PeerLink(**link) for link in n["peer_links"])}) for n in result_nodes]
-    by_endpoint = dict(zip((n["endpoint"] for n in result_nodes), names))
-    found = connection_records(infos, by_endpoint)
-    return [{"name": name, **found[n["endpoint"]]} for n, name in zip(result_nodes, names)]
-
-
 def assert_fixes_follow_the_kinds(record: list[dict]) -> None:
     """What `tbrpc status` prints for the connections and links on TCP in
     test_each_connection_and_link_says_why: each with the fix for its kind, naming the machine to fix."""
@@ -343,7 +332,7 @@ def test_each_connection_and_link_says_why(built, sim_nodes, one_process, monkey
     from dataclasses import replace
 
     import models
-    from helpers import run_head
+    from helpers import record_of, run_head
 
     from tbrpc.doctor import WARN, running_checks
     from tbrpc.spec import endpoint_specs

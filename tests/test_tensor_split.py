@@ -35,8 +35,9 @@ import numpy as np
 import pytest
 
 import models
-from helpers import assert_every_pair_linked, assert_ring_linked, head_process, run_head
+from helpers import assert_every_pair_linked, assert_ring_linked, head_process, record_of, run_head
 from tbrpc.native import load as load_native
+from tbrpc.status import connection_lines
 from tbrpc.node_memory import make_node
 from tbrpc.plan import plan
 
@@ -63,6 +64,8 @@ def test_tensor_split_matches_single_process(n_nodes: int, nodes: Any, tmp_path:
     diff = float(np.max(np.abs(logits - base_logits)))
     assert diff <= LOGIT_TOLERANCE, diff
     assert_every_pair_linked(result, SHM)   # the all-reduce's links, node to node over shared memory
+    names = [f"n{k}" for k in range(n_nodes)]
+    assert connection_lines(record_of(result["nodes"], names))[-1] == "all-reduce: mesh over " + ", ".join(names)
 
     # Every node holds a slice of the weights, and the partial sums went node to
     # node inside ALLREDUCE: two per layer (attention output, FFN down) per
@@ -320,6 +323,8 @@ def _ring_matches_single_process(tmp_path: Path, started: list[Any], model: str,
     diff = float(np.max(np.abs(logits - base_logits)))
     assert diff <= LOGIT_TOLERANCE, diff
     assert_ring_linked(result, SHM)
+    names = [f"n{k}" for k in range(len(started))]   # what launch's load summary and `tbrpc status` say
+    assert connection_lines(record_of(result["nodes"], names))[-1] == "all-reduce: ring over " + " -> ".join(names + names[:1])
     for node, status in zip(result["nodes"], result["status"]):
         assert node["allreduces"] == per_token * STEADY_TOKENS, node
         assert node["peer_copies"] == 0, node
