@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -50,6 +51,7 @@ from tbrpc.plan import (
     plan,
 )
 from tbrpc.cables import links_from_cables
+from tbrpc.doctor import gather_facts
 from tbrpc.spec import NodeSpec, cable_gaps, cable_order, cable_order_note, endpoint_specs, local_specs
 from tbrpc.units import format_size
 
@@ -96,12 +98,8 @@ def discover_links(specs: list[NodeSpec], say: Say, gather: Gather | None = None
     if any(s.links for s in specs) or not any(s.start == "ssh" for s in askable):
         return specs
     if gather is None:
-        from tbrpc.doctor import gather_facts   # doctor imports this module's neighbours
-
         def gather(spec: NodeSpec) -> tuple[dict[str, Any] | None, str, str]:
             return gather_facts(spec, None, timeout=defaults.FACTS_TIMEOUT_S)
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(max_workers=len(askable)) as pool:
         answers = dict(zip((s.name for s in askable), pool.map(gather, askable)))
     facts = {name: f for name, (f, _, _) in answers.items() if f is not None}
