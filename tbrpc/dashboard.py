@@ -155,7 +155,6 @@ def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | No
             "share": shares.get(info.device_name),
             "transport": info.transport, "links": info.links or None,   # to the next nodes: made at load (tbrpc.Llama)
             "transport_why": info.transport_why or None, "peer_links": [asdict(link) for link in info.peer_links],
-            "allreduce": info.allreduce or None,
             "on_tcp": on_tcp({"name": info.node_name, **carriers[info.endpoint]}),   # each with its kind and fix
             "failed": info.failed, "error": info.error or None,
             "round_trips": info.round_trips, "bytes": info.bytes_sent + info.bytes_received,
