@@ -42,6 +42,7 @@ class Target:
     links: tuple[dict[str, Any], ...] = ()   # that launch's links from it (connection_records)
     served: dict[str, Any] | None = None   # that launch's page's record of the node (dashboard.snapshot)
     secret_file: str | None = None         # the secret that launch proves to it (None: this process's)
+    allreduce: str = ""   # that launch's tensor-split all-reduce over it: "mesh" or "ring"
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def note_connections(record: Path, infos: Sequence[NodeInfo]) -> None:
     data = json.loads(record.read_text())
     found = connection_records(infos, {n["endpoint"]: n["name"] for n in data["nodes"]})
     for node in data["nodes"]:
-        node.update(found.get(node["endpoint"], {"transport": "", "transport_why": "", "links": []}))
+        node.update(found.get(node["endpoint"], {"transport": "", "transport_why": "", "allreduce": "", "links": []}))
     _write_record(record, data)
 
 
@@ -184,7 +185,7 @@ def targets(listed: Sequence[tuple[str, str]], with_launches: bool, timeout: flo
             known = next((i for i, t in enumerate(found) if t.endpoint == node["endpoint"]), None)
             target = Target(found[known].name if known is not None else node["name"], node["endpoint"], tag,
                             node.get("transport", ""), node.get("transport_why", ""), tuple(node.get("links", [])),
-                            served.get(node["endpoint"]), node.get("secret_file"))
+                            served.get(node["endpoint"]), node.get("secret_file"), node.get("allreduce", ""))
             if known is None:
                 found.append(target)
             elif not found[known].launch:
@@ -229,7 +230,8 @@ def _carriers(t: Target) -> str:
     """What carries the launch's connection to the node, and its links to other nodes."""
     served = t.served or {}
     links = "; ".join(f"-> {link['to']} {link['transport']}" for link in t.links)
-    return (served.get("transport") or t.transport or "-") + (f"; links: {links}" if links else "")
+    return (served.get("transport") or t.transport or "-") + (f"; links: {links}" if links else "") + \
+        (f"; all-reduce: {t.allreduce}" if t.allreduce else "")
 
 
 def format_rows(rows: Sequence[Row]) -> str:
@@ -295,7 +297,7 @@ def rows_json(rows: Sequence[Row], launches: Sequence[tuple[dict[str, Any], dict
         row: dict[str, Any] = {"name": r.target.name, "endpoint": r.target.endpoint, "up": r.status is not None,
                                "launch": r.target.launch or None, "transport": r.target.transport or None,
                                "transport_why": r.target.transport_why or None, "links": list(r.target.links),
-                               "served": r.target.served}
+                               "allreduce": r.target.allreduce or None, "served": r.target.served}
         if r.status is not None and r.info is not None:
             row.update(node_name=r.info.node_name, description=r.info.description, **asdict(r.status))
         else:

@@ -352,6 +352,25 @@ def test_cluster_file_without_memory(nodes: Any, tmp_path: Path) -> None:
     assert running.proc.poll() is None   # a node launch did not start is left running
 
 
+def test_ffn_split_all_reduce_in_summary_and_status(tmp_path: Path) -> None:
+    """`--split ffn` over two local nodes: the load summary names the all-reduce the split runs over
+    the nodes' links (a mesh: no cables listed), and `tbrpc status` shows it per node, from the
+    launch's record, in its table and its JSON."""
+    env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    with start_launch(tmp_path, "--gguf", str(models.ensure("deepseek2-f32")), "--local", "2", "--split", "ffn",
+                      "--ctx", "256", "--port", "0", env=env) as launch:
+        launch.http_base()
+        assert "tbrpc: all-reduce: mesh over local0, local1" in launch.stderr, launch.stderr
+        status = subprocess.run([sys.executable, "-m", "tbrpc.cli", "status"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        rows = {line.split()[0]: line for line in status.stdout.split("\n\n")[0].splitlines()[1:]}
+        assert set(rows) == {"local0", "local1"} and all("; all-reduce: mesh" in r for r in rows.values()), status.stdout
+        as_json = json.loads(subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path,
+                                            env=env, capture_output=True, text=True, timeout=60).stdout)
+        assert [r["allreduce"] for r in as_json["nodes"]] == ["mesh", "mesh"], as_json["nodes"]
+
+
 def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
     """`transport = "tcp"` keeps one node on TCP; the other, on this host, gets
     shared memory. The load summary and `tbrpc status` say which and why."""
