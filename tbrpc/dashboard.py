@@ -155,6 +155,7 @@ def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | No
             "share": shares.get(info.device_name),
             "transport": info.transport, "links": info.links or None,   # to the next nodes: made at load (tbrpc.Llama)
             "transport_why": info.transport_why or None, "peer_links": [asdict(link) for link in info.peer_links],
+            "allreduce": info.allreduce or None,   # a tensor split's: "mesh" or "ring"
             "on_tcp": on_tcp({"name": info.node_name, **carriers[info.endpoint]}),   # each with its kind and fix
             "failed": info.failed, "error": info.error or None,
             "round_trips": info.round_trips, "bytes": info.bytes_sent + info.bytes_received,
@@ -252,7 +253,7 @@ async function refresh() {
       const row = nodes.insertRow(); row.dataset.node = n.name;
       cell(row, n.name); cell(row, n.endpoint); cell(row, n.device + " (" + n.node_device + ")");
       cell(row, (n.layers ? n.layers[0] + "-" + n.layers[1] : "-") + (n.share ? " (" + n.share + ")" : ""));
-      cell(row, size(n.memory_used) + " / " + size(n.memory_planned) + " / " + size(n.memory_total), "num"); onTcp(cell(row, n.transport + (n.links ? "; links: " + n.links : "")), n.on_tcp);
+      cell(row, size(n.memory_used) + " / " + size(n.memory_planned) + " / " + size(n.memory_total), "num"); onTcp(cell(row, n.transport + (n.links ? "; links: " + n.links : "") + (n.allreduce ? "; all-reduce: " + n.allreduce : "")), n.on_tcp);
       cell(row, num(n.round_trips_per_token, 2), "num"); cell(row, size(n.bytes_per_token), "num");
       cell(row, n.failed ? "DOWN: " + n.error : "up", n.failed ? "down" : "");
     }

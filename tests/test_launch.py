@@ -355,7 +355,7 @@ def test_cluster_file_without_memory(nodes: Any, tmp_path: Path) -> None:
 def test_ffn_split_all_reduce_in_summary_and_status(tmp_path: Path) -> None:
     """`--split ffn` over two local nodes: the load summary names the all-reduce the split runs over
     the nodes' links (a mesh: no cables listed), and `tbrpc status` shows it per node, from the
-    launch's record, in its table and its JSON."""
+    launch's record, in its table and its JSON, as the /tbrpc page's JSON does."""
     env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
     with start_launch(tmp_path, "--gguf", str(models.ensure("deepseek2-f32")), "--local", "2", "--split", "ffn",
                       "--ctx", "256", "--port", "0", env=env) as launch:
@@ -369,6 +369,8 @@ def test_ffn_split_all_reduce_in_summary_and_status(tmp_path: Path) -> None:
         as_json = json.loads(subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path,
                                             env=env, capture_output=True, text=True, timeout=60).stdout)
         assert [r["allreduce"] for r in as_json["nodes"]] == ["mesh", "mesh"], as_json["nodes"]
+        page = http_json(f"{launch.http_base().removesuffix('/v1')}/tbrpc/status.json")   # what the /tbrpc page shows
+        assert [n["allreduce"] for n in page["nodes"]] == ["mesh", "mesh"], page["nodes"]
 
 
 def test_transport_per_node_in_summary_and_status(tmp_path: Path) -> None:
