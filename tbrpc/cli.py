@@ -127,9 +127,10 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
     from tbrpc.cluster_file import cluster_secret_file, load_cluster_file, load_specs
     from tbrpc.node_memory import nodes_from_flags
     from tbrpc.plan import format_table, plan as make_plan
-    from tbrpc.spec import cable_order_note
+    from tbrpc.spec import allreduce_of, cable_order_note
 
     order_note = None
+    allreduce = "mesh"   # nodes without a cluster file list no cables
     try:
         if cluster_file and (node_flags or nodes_flag):
             raise ValueError("use either --cluster or --node/--nodes")
@@ -139,7 +140,10 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
             if not offline and secret.file_for() is None:
                 _use_secret(cluster_secret_file(cluster_file))   # the nodes it asks may want the secret
             nodes = load_cluster_file(cluster_file, metal_fraction, ask=not offline, timeout=timeout)
-            order_note = cable_order_note(load_specs(cluster_file))
+            specs = load_specs(cluster_file)
+            order_note = cable_order_note(specs)
+            if split != "layer":
+                allreduce = allreduce_of(specs)
         else:
             nodes = nodes_from_flags(list(node_flags), nodes_flag, metal_fraction)
         shares = None
@@ -152,7 +156,7 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
                 raise ValueError(f"--tensor-split {tensor_split!r}: expected numbers separated by commas") from None
         result = make_plan(gguf_path, nodes, ctx=ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v, ubatch=ubatch,
                            batch=batch, flash_attn=flash_attn, swa_full=swa_full, margin=margin, head_device=head_device,
-                           split=split, tensor_split=shares, draft_model=draft_model)
+                           split=split, tensor_split=shares, draft_model=draft_model, allreduce=allreduce)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     if order_note:   # the table's rows are in that order already

@@ -418,6 +418,19 @@ def _call_failed(name: str, result: Any) -> bool:
     return result < 0 if name == "llama_decode" else not result
 
 
+def allreduce_choice(addressed: Sequence[Sequence[bool]], forced: str | None = None) -> tuple[str, str]:
+    """The all-reduce a tensor split over n nodes runs ("mesh" or "ring") and why, by the rule
+    the head's comm_init applies (client.c, tbrpc_allreduce_choose): `addressed[a][b]` when the
+    cluster gives an address at which node a dials node b (b's `links` name a); `forced`: what
+    TBRPC_ALLREDUCE would say."""
+    ffi, lib = load()
+    n = len(addressed)
+    matrix = ffi.new("uint8_t[]", [1 if addressed[a][b] else 0 for a in range(n) for b in range(n)] or [0])
+    why = error_buffer()
+    kind = lib.tbrpc_allreduce_choose(matrix, n, forced.encode() if forced else ffi.NULL, why, len(why))
+    return ("ring" if kind == lib.TBRPC_ALLREDUCE_RING else "mesh"), text(why)
+
+
 def probe(endpoint: str, timeout: float = defaults.STALL_TIMEOUT_S,
           secret_file: str | os.PathLike[str] | None = None) -> tuple[NodeInfo, NodeStatus]:
     """Connect, handshake, read status and disconnect (for doctor and launch).

@@ -52,7 +52,7 @@ from tbrpc.plan import (
 )
 from tbrpc.cables import links_from_cables
 from tbrpc.doctor import gather_facts
-from tbrpc.spec import NodeSpec, cable_gaps, cable_order, cable_order_note, endpoint_specs, local_specs
+from tbrpc.spec import NodeSpec, allreduce_of, cable_gaps, cable_order, cable_order_note, endpoint_specs, local_specs
 from tbrpc.units import format_size
 
 ClusterArg = str | os.PathLike[str] | Sequence[str] | int | Nodes
@@ -150,7 +150,8 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
     """Plan the split; DoesNotFitError (with the planner's table) when it does not fit."""
     try:
         # every node is a TBRPC device; the head keeps only embeddings, inputs and logits (result.head)
-        result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="none", **plan_kwargs)
+        result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="none",
+                      **{"allreduce": allreduce_of(specs), **plan_kwargs})
     except (PlanError, GGUFError) as exc:
         if isinstance(exc, TensorSplitError):   # the planner's own way out is in the message
             raise TbrpcError.at("plan", str(exc)) from exc

@@ -576,6 +576,8 @@ def _balanced_ranges(costs: _Costs, nodes: Sequence[Node], margin: int) -> tuple
 # per-node slices are the bytes the nodes allocate.
 
 SPLIT_MODES = ("layer", "tensor", "ffn")
+ALLREDUCE_SHAPES = ("mesh", "ring")
+RING_PIECE = 32 << 10   # the ring all-reduce's piece, the scratch it needs on a node (node_links.c, ALLREDUCE_INLINE)
 LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_TENSOR = 1, 3
 META_MAX_DEVICES = 16  # GGML_BACKEND_META_MAX_DEVICES
 
@@ -885,6 +887,7 @@ class TensorPlan:
     logits_bytes_per_token: int  # the vocab slices the head gathers: n_vocab x 4
     reduce_buffer_bytes: int  # per node, device memory: the meta backend's ceil(log2 N) receive buffers (one ubatch)
     scratch_bytes: list[int]  # per node, its process's heap: tbrpc's ALLREDUCE scratch (2 or 3 partials of one ubatch)
+    all_reduce_shape: str = "mesh"  # tbrpc's all-reduce: "mesh" (every node to every other) or "ring" (neighbours only)
     granularity: int = 0  # ffn split: the cut unit (lcm of the FFN tensors' block sizes); 0 for llama.cpp's rules
     output_cut: bool = True  # the output head is cut by vocabulary rows (ffn split: when n_vocab is a multiple of granularity)
 
@@ -892,6 +895,12 @@ class TensorPlan:
 def tbrpc_copies(n: int) -> int:
     """Transfers of one all-reduce by tbrpc's comm provider: every node to every other."""
     return n * (n - 1)
+
+
+def ring_copies(n: int) -> int:
+    """Transfers of one ring all-reduce (node_links.c): n - 1 reduce-scatter and n - 1 all-gather
+    steps, in each of which every node sends one chunk (1/n of the vector) to the next."""
+    return 2 * n * (n - 1)
 
 
 def fallback_copies(n: int) -> int:
@@ -1050,8 +1059,13 @@ def plan(
     draft_ctx: int | None = None,
     all_logits: bool | None = None,
     tensor_split: Sequence[float] | None = None,
+    allreduce: str = "mesh",
 ) -> Plan:
     """Plan how ``gguf`` splits over ``nodes`` (head first) at context ``ctx``.
+
+    ``allreduce``: the shape of tbrpc's all-reduce in a tensor or FFN split,
+    "mesh" (every node to every other) or "ring" (neighbours only), as
+    ``spec.allreduce_of`` says the cluster's `links` make it.
 
     ``head_device`` says how the head runs its own layers: ``"gpu"`` (a
     device such as Metal's MTL0, listed first in tensor_split), ``"cpu"``
@@ -1071,6 +1085,8 @@ def plan(
     """
     if not nodes:
         raise PlanError("no nodes to plan for")
+    if allreduce not in ALLREDUCE_SHAPES:
+        raise PlanError(f"allreduce must be one of {', '.join(repr(a) for a in ALLREDUCE_SHAPES)}, got {allreduce!r}")
     if head_device not in HEAD_DEVICES:
         raise PlanError(f"head_device must be one of {', '.join(repr(h) for h in HEAD_DEVICES)}, got {head_device!r}")
     if split not in SPLIT_MODES:
@@ -1109,7 +1125,7 @@ def plan(
     draft_b = draft.total_bytes if draft else 0
     if split in ("tensor", "ffn"):
         node_plans, split_list, tensor = _tensor_nodes(model, params, layout, context, nodes, margin_b, head_device,
-                                                       draft_b, tensor_split, ffn_only=split == "ffn")
+                                                       draft_b, tensor_split, ffn_only=split == "ffn", ring=allreduce == "ring")
         ngl = params.n_layer_all + 1
     else:
         costs = _costs(params, layout, context, head_is_node=head_device != "none", head_extra=draft_b)
@@ -1163,8 +1179,8 @@ def draft_plan(gguf: str | os.PathLike[str] | GGUFModel, ctx: int) -> DraftPlan:
 
 
 def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: ContextParams, nodes: Sequence[Node],
-                  margin: int, head_device: str, draft_b: int,
-                  forced: Sequence[float] | None, ffn_only: bool = False) -> tuple[list[NodePlan], list[float], TensorPlan]:
+                  margin: int, head_device: str, draft_b: int, forced: Sequence[float] | None, ffn_only: bool = False,
+                  ring: bool = False) -> tuple[list[NodePlan], list[float], TensorPlan]:
     """Node plans for a tensor split: equal shares (every node computes the
     same part of each layer, so none waits for another at the all-reduces),
     unless they do not fit and shares by free memory do."""
@@ -1178,7 +1194,10 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
     # tbrpc's ALLREDUCE (every device a TBRPC node) keeps its partial and a peer's
     # in the node's heap, and on a GPU also the sum (node_links.c).
     path = "tbrpc" if head_device == "none" and n > 1 else "butterfly"
-    scratch = [(2 if node.kind == "cpu" else 3) * partial if path == "tbrpc" else 0 for node in nodes]
+    ring = ring and path == "tbrpc" and n > 2   # two nodes in a ring are a mesh (client.c, tbrpc_allreduce_choose)
+    # the ring: one piece of a step, and on a GPU the sum; the mesh: ours, a peer's, and on a GPU the sum
+    scratch = [(RING_PIECE + (0 if node.kind == "cpu" else partial) if ring else
+                (2 if node.kind == "cpu" else 3) * partial) if path == "tbrpc" else 0 for node in nodes]
 
     def build(shares: Sequence[float]) -> tuple[list[NodePlan], int, int]:
         parts, split_total, replicated = tensor_mode_nodes(model, p, layout, c, shares, ffn_only)
@@ -1221,7 +1240,8 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
                     shares, (plans, split_total, replicated) = by_room, candidate
     n_reduce = all_reduces_per_token(model, p, ffn_only)
     s = p.n_embd * F32
-    copies = tbrpc_copies(n) if path == "tbrpc" else fallback_copies(n)
+    copies = (ring_copies(n) if ring else tbrpc_copies(n)) if path == "tbrpc" else fallback_copies(n)
+    moved = n_reduce * 2 * (n - 1) * s if ring else n_reduce * copies * s   # a ring's transfers carry 1/n each
     tensor = TensorPlan(
         shares=shares,
         split_bytes=split_total,
@@ -1231,7 +1251,8 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
         all_reduce_bytes_per_token=n_reduce * s,
         all_reduce_path=path,
         copies_per_all_reduce=copies,
-        node_to_node_bytes_per_token=n_reduce * copies * s,
+        node_to_node_bytes_per_token=moved,
+        all_reduce_shape="ring" if ring else "mesh",
         logits_bytes_per_token=p.n_vocab * F32,
         reduce_buffer_bytes=reduce_b,
         scratch_bytes=scratch,
@@ -1460,7 +1481,8 @@ def format_table(p: Plan) -> str:
         after = "FFN" if p.split_mode == "ffn" else "attention and FFN"
         lines.append(f"all-reduces   {t.all_reduces_per_token} per token (after each layer's {after}), "
                      f"{format_size(t.all_reduce_bytes)} each = {format_size(t.all_reduce_bytes_per_token)} per token; "
-                     + (f"tbrpc's all-reduce: {t.copies_per_all_reduce} node-to-node transfers each"
+                     + (f"tbrpc's all-reduce ({t.all_reduce_shape}): {t.copies_per_all_reduce} node-to-node "
+                        "transfers each" + (" of 1/N of it" if t.all_reduce_shape == "ring" else "")
                         if t.all_reduce_path == "tbrpc" else
                         f"the meta backend's butterfly (the head's device has no all-reduce): "
                         f"{t.copies_per_all_reduce} node-to-node copies each")

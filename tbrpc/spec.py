@@ -152,6 +152,16 @@ def cable_order(specs: Sequence[NodeSpec]) -> list[NodeSpec]:
     return [specs[i] for i in best_order] if best_order else list(specs)
 
 
+def allreduce_of(specs: Sequence[NodeSpec]) -> str:
+    """The all-reduce a tensor or FFN split over these nodes (in this order) runs: "ring" when
+    their `links` give each node's link to the next but not every pair, else "mesh"; the head's
+    rule, asked of tbrpc's C library (tbrpc.client.allreduce_choice), with TBRPC_ALLREDUCE as it."""
+    from tbrpc.client import allreduce_choice
+
+    addressed = [[a.name in dict(b.links) for b in specs] for a in specs]
+    return allreduce_choice(addressed, os.environ.get("TBRPC_ALLREDUCE"))[0]
+
+
 def cable_order_note(specs: Sequence[NodeSpec]) -> str | None:
     """What a plan or launch says when `specs` (as ``cable_order`` put them) are not in the file's order."""
     placed = [s.file_position for s in specs]

@@ -312,6 +312,28 @@ def _plan_cli(*args: str) -> Any:
                                          *args])
 
 
+def test_plan_of_a_ring_cluster_file_says_its_all_reduce(tmp_path: Path) -> None:
+    """`tbrpc plan --split tensor` over a cluster file cabled as a ring plans the ring all-reduce,
+    the one the head will run (the same rule, client.c); the same nodes without `links`, the mesh."""
+    def write(links: bool) -> Path:
+        names = ["s1", "s2", "s3", "s4"]
+        text = ""
+        for i, name in enumerate(names):
+            prev, nxt = names[i - 1], names[(i + 1) % 4]
+            text += (f'[[node]]\nname = "{name}"\nhost = "10.9.0.{i + 1}"\nport = 50052\nmemory = "4GiB"\nkind = "cpu"\n'
+                     + (f'links = {{ {prev} = "10.0.{i}.2", {nxt} = "10.0.{i}.1" }}\n' if links else "") + "\n")
+        path = tmp_path / f"ring-{links}.toml"
+        path.write_text(text)
+        return path
+
+    for links, shape in ((True, "ring"), (False, "mesh")):
+        out = CliRunner().invoke(cli_main, ["plan", "--gguf", str(_real_model("llama-f32")), "--ctx", "256",
+                                            "--margin", "0", "--split", "tensor", "--head-device", "none",
+                                            "--cluster", str(write(links)), "--offline", "--json"], env={"TBRPC_ALLREDUCE": ""})
+        assert out.exit_code == 0, out.output
+        assert json.loads(out.output)["tensor"]["all_reduce_shape"] == shape
+
+
 def _usable_section(output: str) -> list[str]:
     lines = output.splitlines()
     start = lines.index("usable memory:") + 1

@@ -111,6 +111,43 @@ def test_all_reduces_per_token(llama_f32: Path) -> None:
         assert g.scratch_bytes == [0] * n_nodes
 
 
+def test_ring_all_reduce_transfers_and_scratch(llama_f32: Path) -> None:
+    """The ring all-reduce (node_links.c): 2(N-1) steps, every node sending one chunk of 1/N of the
+    vector per step: 2N(N-1) transfers moving 2(N-1) vectors in all, against the mesh's N(N-1)
+    whole ones; a CPU node's scratch is one 32 KiB piece. Two nodes in a ring are a mesh."""
+    for n_nodes in (3, 4):
+        t = plan(llama_f32, _cpu_nodes(n_nodes), ctx=256, split="tensor", head_device="none", allreduce="ring").tensor
+        mesh = plan(llama_f32, _cpu_nodes(n_nodes), ctx=256, split="tensor", head_device="none").tensor
+        assert t is not None and mesh is not None
+        assert (t.all_reduce_shape, mesh.all_reduce_shape) == ("ring", "mesh")
+        assert t.copies_per_all_reduce == 2 * n_nodes * (n_nodes - 1)
+        assert t.node_to_node_bytes_per_token == 12 * 2 * (n_nodes - 1) * 512
+        assert mesh.node_to_node_bytes_per_token == 12 * n_nodes * (n_nodes - 1) * 512
+        assert t.scratch_bytes == [32 << 10] * n_nodes
+    two = plan(llama_f32, _cpu_nodes(2), ctx=256, split="tensor", head_device="none", allreduce="ring").tensor
+    assert two is not None and two.all_reduce_shape == "mesh" and two.copies_per_all_reduce == 2
+    with pytest.raises(PlanError, match="allreduce must be one of"):
+        plan(llama_f32, _cpu_nodes(3), ctx=256, split="tensor", head_device="none", allreduce="star")
+
+
+def test_the_cluster_files_links_choose_the_all_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    """spec.allreduce_of asks the head's own rule (client.c) about a cluster's `links`: a ring of
+    cables makes a ring, none or every pair a mesh; TBRPC_ALLREDUCE as the head reads it."""
+    from tbrpc.spec import NodeSpec, allreduce_of
+
+    names = ["s1", "s2", "s3", "s4"]
+
+    def specs(pairs: set[tuple[str, str]]) -> list[NodeSpec]:   # (a, b): b's links name a
+        return [NodeSpec(name=b, host="h", port=1, links=tuple((a, "x") for a in names if (a, b) in pairs)) for b in names]
+
+    ring = {(names[i], names[(i + 1) % 4]) for i in range(4)} | {(names[(i + 1) % 4], names[i]) for i in range(4)}
+    every = {(a, b) for a in names for b in names if a != b}
+    monkeypatch.delenv("TBRPC_ALLREDUCE", raising=False)
+    assert (allreduce_of(specs(ring)), allreduce_of(specs(set())), allreduce_of(specs(every))) == ("ring", "mesh", "mesh")
+    monkeypatch.setenv("TBRPC_ALLREDUCE", "mesh")
+    assert allreduce_of(specs(ring)) == "mesh"
+
+
 def test_four_nodes_whole_heads(llama_f32: Path) -> None:
     """Four nodes, two KV heads: llama.cpp gives whole head groups, so per layer
     two nodes hold the attention and two none, rotating by layer; the FFN and
