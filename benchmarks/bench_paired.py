@@ -24,6 +24,9 @@ host), ``tbrpc-tcp``, ``rpc``, each optionally ``@NAME`` for a tree given by
 ``--tree NAME=PATH`` (a checkout whose ``tbrpc`` and built extension go first
 on PYTHONPATH for that cluster's head and nodes): a change measured against
 the tree it changes, or shared memory against TCP, at the same moments.
+``--apart`` brings one contender's cluster up at a time instead (each takes
+its steps in a row, the rounds rotating who goes first): the machine as a
+lone cluster finds it, at the price of the drift between runs.
 
 Usage (from the repo root, with the dev venv; benchmarks/rpc_venv.sh once):
 
@@ -204,6 +207,29 @@ def run_round(runner: split.Runner, contenders: list[Contender], model: str, ggu
     return Round(order[0].name, ms, all(tokens[n] == tokens[names[0]] for n in names))
 
 
+def run_apart(runner: split.Runner, contenders: list[Contender], model: str, gguf: str, n_nodes: int, first: int,
+              steps: int, n_ctx: int) -> Round:
+    """--apart: one contender's cluster at a time, its steps one after another, then gone before the
+    next one's comes up (contenders[first] first): the machine as one cluster finds it, with no other
+    cluster's processes sharing the caches. The round's contenders still run minutes apart at most,
+    and the rounds rotate who goes first."""
+    order = contenders[first:] + contenders[:first]
+    ms: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+    for c in order:
+        run = runner_for(runner, c)
+        with run.servers(split.Config(model, gguf, c.mode, n_nodes)) as endpoints:
+            head = Head(run, c.mode, endpoints, gguf, n_ctx, run.new_log(f"{model}-{c.name}{n_nodes}-head"))
+            try:
+                steps_taken = [head.step() for _ in range(steps)]
+            finally:
+                head.close()
+        ms[c.name] = [t for t, _ in steps_taken]
+        tokens[c.name] = [token for _, token in steps_taken]
+    names = [c.name for c in contenders]
+    return Round(order[0].name, ms, all(tokens[n] == tokens[names[0]] for n in names))
+
+
 def shuffled(names: list[str], rng: random.Random) -> list[str]:
     order = list(names)
     rng.shuffle(order)
@@ -244,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              + ", ".join(MODES))
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
                         help="a checkout (with its extension built) that MODE@NAME runs")
+    parser.add_argument("--apart", action="store_true",
+                        help="one cluster up at a time, each taking its steps in a row (rounds rotate the order)")
     args = parser.parse_args(argv)
     if args.command == "head":
         run_stepping_head(args.mode, args.endpoints.split(","), args.gguf, args.n_ctx)
@@ -275,12 +303,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     first = r % len(contenders)
                     print(f"  {model} x{n_nodes} round {r + 1}/{args.rounds} ({names[first]} loads first) ...",
                           end=" ", flush=True)
-                    rounds.append(run_round(runner, contenders, model, gguf, n_nodes, first, args.steps, args.n_ctx))
+                    one_round = run_apart if args.apart else run_round
+                    rounds.append(one_round(runner, contenders, model, gguf, n_nodes, first, args.steps, args.n_ctx))
                     all_same &= rounds[-1].same_tokens
                     print(", ".join(f"{n}/{names[0]} speed {rounds[-1].ratio(names[0], n):.3f}" for n in names[1:])
                           + ("" if rounds[-1].same_tokens else "  TOKENS DIFFER"), flush=True)
                 lines.append(report(model, n_nodes, names, rounds))
-    print(f"\n{args.steps} decode steps per head per round, heads alternating step by step, 1 thread per process")
+    how = "one cluster at a time" if args.apart else "heads alternating step by step"
+    print(f"\n{args.steps} decode steps per head per round, {how}, 1 thread per process")
     print("| model | nodes | " + " | ".join(f"{n} ms/token" for n in names) + " | "
           + " | ".join(f"speed {n} / {names[0]} (per round; by load order)" for n in names[1:]) + " |")
     print("|---|---:|" + "---:|" * len(names) + "---|" * (len(names) - 1))
