@@ -508,7 +508,13 @@ def cable_checks(specs: Sequence[NodeSpec], node_facts: Mapping[str, Mapping[str
                            f"{o.address} ({c.network})" for e, o, c in mine if e)
         checks.append(Check(m, "cables", OK if mine else WARN, detail or "none to the other nodes' machines", "" if mine
                             else "cable this machine to the next one (a ring: docs/cluster.md, Four Macs)"))
-    for a, b in zip(specs, specs[1:]):   # consecutive layers: a node without facts leaves its pairs out
+    # consecutive layers, and the way back from the last node to the first where a cable joins them:
+    # the last link of a tensor split's ring all-reduce. A node without facts leaves its pairs out.
+    pairs = [(a, b, "activations") for a, b in zip(specs, specs[1:])]
+    if len(specs) > 2 and specs[-1].name in machine_of and specs[0].name in machine_of and any(
+            c.joins(machine_of[specs[-1].name], machine_of[specs[0].name]) for c in cables):
+        pairs.append((specs[-1], specs[0], "a tensor split's ring all-reduce"))
+    for a, b, what in pairs:
         if a.name not in machine_of or b.name not in machine_of:
             continue
         ma, mb = machine_of[a.name], machine_of[b.name]
@@ -521,16 +527,15 @@ def cable_checks(specs: Sequence[NodeSpec], node_facts: Mapping[str, Mapping[str
         on = f"{end.interface} {end.address}, {cable.network}" if end and cable else ""
         if end is None:
             checks.append(Check(b.name, f"cable from {a.name}", WARN, f"no cable found between {a.name} and {b.name}: "
-                                f"activations go to {target} over the network", f"cable {a.name} to {b.name}, or "
+                                f"{what} go to {target} over the network", f"cable {a.name} to {b.name}, or "
                                 "order the nodes along the cables (`links`)"))
         elif target == end.address:
             how = "`links`" if listed else "`host`"
-            checks.append(Check(b.name, f"cable from {a.name}", OK,
-                                f"activations from {a.name} come over the cable ({on}; {how})"))
+            checks.append(Check(b.name, f"cable from {a.name}", OK, f"{what} from {a.name} come over the cable ({on}; {how})"))
         else:
             said = f"`links` says {a.name} reaches it at {listed}" if listed else f"they go to its host {b.host}"
             checks.append(Check(b.name, f"cable from {a.name}", WARN,
-                                f"activations from {a.name} miss the cable between them ({on}): {said}",
+                                f"{what} from {a.name} miss the cable between them ({on}): {said}",
                                 f"in {b.name}'s entry of the cluster file: {_links_table(b, cables, machine_of, known)}"))
     return checks
 

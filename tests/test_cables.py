@@ -149,7 +149,10 @@ def test_doctor_says_which_cables_a_file_without_links_misses() -> None:
     assert hop.fix == """in studio2's entry of the cluster file: links = { studio1 = "10.0.12.2", studio3 = "10.0.23.2" }"""
     assert got[("studio4", "cable from studio3")].fix.endswith(
         'links = { studio1 = "10.0.41.4", studio3 = "10.0.34.4" }')
-    assert ("studio1", "cable from studio4") not in got   # the head's hops are its connections, not cables
+    # the way back, studio4 -> studio1, is a cable too: the last link of a tensor split's ring all-reduce
+    back = got[("studio1", "cable from studio4")]
+    assert back.status == WARN and back.detail.startswith("a tensor split's ring all-reduce from studio4 miss"), back
+    assert back.fix.endswith('links = { studio2 = "10.0.12.1", studio4 = "10.0.41.1" }'), back
 
 
 def test_doctor_passes_links_on_the_cables_and_names_a_wrong_one() -> None:
@@ -177,7 +180,8 @@ def test_doctor_checks_only_consecutive_nodes_it_has_facts_for() -> None:
     facts = ring_facts()
     del facts["studio3"]
     got = rows(cable_checks([spec(f"studio{i}", f"192.168.1.1{i}") for i in range(1, 5)], facts))
-    assert [k for k in got if k[1].startswith("cable from")] == [("studio2", "cable from studio1")]
+    assert [k for k in got if k[1].startswith("cable from")] == [("studio2", "cable from studio1"),
+                                                                  ("studio1", "cable from studio4")]
 
 
 def test_doctor_has_nothing_to_say_without_cables() -> None:
