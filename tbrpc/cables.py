@@ -95,6 +95,22 @@ def machines_of(facts: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
 _ANY_ADDRESS = ("0.0.0.0", "::")
 
 
+def discovers(specs: Sequence[NodeSpec]) -> bool:
+    """Whether launch and tbrpc.Llama find these nodes' links from their cables: the file lists
+    none, and at least one node is started over ssh (nodes started by hand are not asked)."""
+    return not any(s.links for s in specs) and any(s.start == "ssh" for s in specs)
+
+
+def asked(spec: NodeSpec) -> bool:
+    """A node whose facts launch gathers: started over ssh, or here (`start = "local"`)."""
+    return spec.start in ("ssh", "local")
+
+
+def takes_cables(spec: NodeSpec) -> bool:
+    """A node that takes connections on its cables: it listens on every address."""
+    return spec.listen in _ANY_ADDRESS
+
+
 @dataclass(frozen=True)
 class Discovered:
     specs: list[NodeSpec]     # the nodes with a `links` entry for each cable into them
@@ -122,7 +138,7 @@ def links_from_cables(specs: Sequence[NodeSpec], facts: Mapping[str, Mapping[str
             end = cable.at(machine_of[b.name]) if cable else None
             if cable is None or end is None:
                 continue
-            if b.listen not in _ANY_ADDRESS and end.address != b.host:
+            if not takes_cables(b) and end.address != b.host:
                 unused.append(f"{a.name} - {b.name} ({cable.network}): {b.name} listens on {b.listen_address} only; "
                               f'listen = "0.0.0.0" in its entry lets {a.name} reach it at {end.address}')
                 continue

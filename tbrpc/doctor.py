@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tbrpc import defaults
-from tbrpc.cables import Cable, cable_addresses, find_cables, machines_of
+from tbrpc.cables import Cable, asked, cable_addresses, discovers, find_cables, machines_of, takes_cables
 from tbrpc import secret as cluster_secret
 from tbrpc.client import AuthenticationError, NodeError, NodeVersionMismatch, probe
 from tbrpc.facts import QP_PROBE, collect, model_identity, package_version, tbrpc_version
@@ -510,6 +510,7 @@ def cable_checks(specs: Sequence[NodeSpec], node_facts: Mapping[str, Mapping[str
                             else "cable this machine to the next one (a ring: docs/cluster.md, Four Macs)"))
     # consecutive layers, and the way back from the last node to the first where a cable joins them:
     # the last link of a tensor split's ring all-reduce. A node without facts leaves its pairs out.
+    found_at_launch = discovers(specs)   # no `links`: launch takes each cable a node listens on
     pairs = [(a, b, "activations") for a, b in zip(specs, specs[1:])]
     if len(specs) > 2 and specs[-1].name in machine_of and specs[0].name in machine_of and any(
             c.joins(machine_of[specs[-1].name], machine_of[specs[0].name]) for c in cables):
@@ -532,6 +533,13 @@ def cable_checks(specs: Sequence[NodeSpec], node_facts: Mapping[str, Mapping[str
         elif target == end.address:
             how = "`links`" if listed else "`host`"
             checks.append(Check(b.name, f"cable from {a.name}", OK, f"{what} from {a.name} come over the cable ({on}; {how})"))
+        elif found_at_launch and asked(a) and asked(b) and takes_cables(b):
+            checks.append(Check(b.name, f"cable from {a.name}", OK, f"{what} from {a.name} come over the cable ({on}): "
+                                "launch finds it (no `links` in the file)"))
+        elif found_at_launch and asked(a) and asked(b):
+            checks.append(Check(b.name, f"cable from {a.name}", WARN, f"{what} from {a.name} miss the cable between "
+                                f"them ({on}): {b.name} listens on {b.listen_address} only",
+                                f'listen = "0.0.0.0" in {b.name}\'s entry (launch then finds the cable itself)'))
         else:
             said = f"`links` says {a.name} reaches it at {listed}" if listed else f"they go to its host {b.host}"
             checks.append(Check(b.name, f"cable from {a.name}", WARN,

@@ -50,7 +50,7 @@ from tbrpc.plan import (
     format_table,
     plan,
 )
-from tbrpc.cables import links_from_cables
+from tbrpc.cables import asked, discovers, links_from_cables
 from tbrpc.doctor import gather_facts
 from tbrpc.spec import NodeSpec, allreduce_of, cable_gaps, cable_order, cable_order_note, endpoint_specs, local_specs
 from tbrpc.units import format_size
@@ -94,9 +94,9 @@ def discover_links(specs: list[NodeSpec], say: Say, gather: Gather | None = None
     nodes started by hand are not asked. Each node's facts come as doctor's do (`python -m
     tbrpc.facts`, over ssh for a remote node; `gather`: how), all at once; a node that gives
     none keeps its entry, and the run goes on over `host`."""
-    askable = [s for s in specs if s.start in ("ssh", "local")]
-    if any(s.links for s in specs) or not any(s.start == "ssh" for s in askable):
+    if not discovers(specs):
         return specs
+    askable = [s for s in specs if asked(s)]
     if gather is None:
         def gather(spec: NodeSpec) -> tuple[dict[str, Any] | None, str, str]:
             return gather_facts(spec, None, timeout=defaults.FACTS_TIMEOUT_S)

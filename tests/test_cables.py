@@ -276,6 +276,19 @@ def test_links_and_order_come_from_the_cables_found() -> None:
     assert {c.status for c in cable_checks(got, ring_facts())} == {OK}
 
 
+def test_doctor_on_a_file_launch_will_find_the_cables_for() -> None:
+    """No `links` and nodes started over ssh: launch takes each cable a node listens on, so doctor
+    passes those hops, and for a node listening on its `host` only says the `listen` line instead."""
+    specs = [ssh_spec(f"studio{i}", f"192.168.1.1{i}", i - 1, listen=None if i == 3 else "0.0.0.0") for i in range(1, 5)]
+    got = rows(cable_checks(specs, ring_facts()))
+    hop = got[("studio2", "cable from studio1")]
+    assert hop.status == OK and hop.detail.endswith("launch finds it (no `links` in the file)"), hop
+    deaf = got[("studio3", "cable from studio2")]
+    assert deaf.status == WARN and "studio3 listens on 192.168.1.13 only" in deaf.detail, deaf
+    assert deaf.fix == 'listen = "0.0.0.0" in studio3\'s entry (launch then finds the cable itself)'
+    assert got[("studio1", "cable from studio4")].status == OK
+
+
 def test_a_node_listening_on_its_host_only_keeps_its_cables_unused() -> None:
     specs = [ssh_spec("studio1", "192.168.1.11", 0), ssh_spec("studio2", "192.168.1.12", 1, listen=None)]
     facts = {k: v for k, v in ring_facts().items() if k in ("studio1", "studio2")}
