@@ -9,8 +9,11 @@ leaves them out), and on a Mac only the Thunderbolt ports do, when its
 facts list them: two Macs alone on one Ethernet switch would otherwise look
 cabled. Two nodes on one host are one machine here.
 
-`tbrpc doctor` shows what this finds and the `links` table each node's entry
-in the cluster file needs to use the cables (tbrpc/doctor.py, cable_checks).
+For a cluster file that lists no `links`, launch and tbrpc.Llama fill them
+from what this finds (links_from_cables, via tbrpc/llama.py's
+discover_links); `tbrpc doctor` shows the cables and, where a node's entry
+misses one, the `links` or `listen` line it needs (tbrpc/doctor.py,
+cable_checks).
 """
 
 from __future__ import annotations
