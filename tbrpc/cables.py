@@ -95,6 +95,31 @@ def machines_of(facts: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
 
 
 
+@dataclass(frozen=True)
+class Cabling:
+    """The cables between the machines of some nodes (each node's facts, tbrpc/facts.py)."""
+    machines: dict[str, list[str]]    # machine (its first node's name) -> the nodes on it
+    machine_of: dict[str, str]        # node -> its machine
+    cables: list[Cable]
+
+    def between(self, a: str, b: str) -> tuple[Cable, End] | None:
+        """The cable between the machines of nodes a and b, with its end on b's; None when they
+        are on one machine, no cable joins them, or either gave no facts."""
+        ma, mb = self.machine_of.get(a), self.machine_of.get(b)
+        if ma is None or mb is None or ma == mb:
+            return None
+        cable = next((c for c in self.cables if c.joins(ma, mb)), None)
+        end = cable.at(mb) if cable else None
+        return (cable, end) if cable and end else None
+
+
+def cabling(node_facts: Mapping[str, Mapping[str, Any]]) -> Cabling:
+    """The machines of the nodes with facts (node name -> facts) and the cables between them."""
+    machines = machines_of(node_facts)
+    return Cabling(machines, {name: first for first, names in machines.items() for name in names},
+                   find_cables({m: cable_addresses(node_facts[m]) for m in machines}))
+
+
 _ANY_ADDRESS = ("0.0.0.0", "::")
 
 
@@ -127,20 +152,15 @@ def links_from_cables(specs: Sequence[NodeSpec], facts: Mapping[str, Mapping[str
     address for a already), so a dials b over the cable. Only a node that listens on every
     address (`listen = "0.0.0.0"`) takes connections on its cables; for the others `unused`
     says which cable they leave aside. Nodes without facts keep their entries."""
-    known = [s for s in specs if s.name in facts]
-    machines = machines_of({s.name: facts[s.name] for s in known})
-    machine_of = {name: first for first, names in machines.items() for name in names}
-    cables = find_cables({m: cable_addresses(facts[m]) for m in machines})
+    found = cabling({s.name: facts[s.name] for s in specs if s.name in facts})
     out, added, unused = [], [], []
     for b in specs:
         links = dict(b.links)
-        for a in known:
-            if b.name not in machine_of or machine_of[a.name] == machine_of[b.name] or a.name in links:
+        for a in specs:
+            joined = None if a.name in links else found.between(a.name, b.name)
+            if joined is None:
                 continue
-            cable = next((c for c in cables if c.joins(machine_of[a.name], machine_of[b.name])), None)
-            end = cable.at(machine_of[b.name]) if cable else None
-            if cable is None or end is None:
-                continue
+            cable, end = joined
             if not takes_cables(b) and end.address != b.host:
                 unused.append(f"{a.name} - {b.name} ({cable.network}): {b.name} listens on {b.listen_address} only; "
                               f'listen = "0.0.0.0" in its entry lets {a.name} reach it at {end.address}')

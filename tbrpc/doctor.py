@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tbrpc import defaults
-from tbrpc.cables import Cable, asked, cable_addresses, discovers, find_cables, machines_of, takes_cables
+from tbrpc.cables import Cabling, asked, cabling, discovers, takes_cables
 from tbrpc import secret as cluster_secret
 from tbrpc.client import AuthenticationError, NodeError, NodeVersionMismatch, probe
 from tbrpc.facts import QP_PROBE, collect, model_identity, package_version, tbrpc_version
@@ -477,34 +477,23 @@ def rdma_checks(specs: Sequence[NodeSpec], head_facts: dict[str, Any],
 
 # --- the cables between the nodes' machines (tbrpc/cables.py) ----------------------------------
 
-def _links_table(node: NodeSpec, cables: Sequence[Cable], machine_of: Mapping[str, str],
-                 specs: Sequence[NodeSpec]) -> str:
+def _links_table(node: NodeSpec, found: Cabling, specs: Sequence[NodeSpec]) -> str:
     """The `links` line for `node`'s entry: every other node's name with node's end of their cable."""
-    entries = []
-    for other in specs:
-        if machine_of[other.name] == machine_of[node.name]:
-            continue
-        cable = next((c for c in cables if c.joins(machine_of[other.name], machine_of[node.name])), None)
-        end = cable.at(machine_of[node.name]) if cable else None
-        if end is not None:
-            entries.append(f'{other.name} = "{end.address}"')
-    return "links = { " + ", ".join(entries) + " }"
+    ends = [(other.name, joined[1].address) for other in specs if (joined := found.between(other.name, node.name))]
+    return "links = { " + ", ".join(f'{name} = "{address}"' for name, address in ends) + " }"
 
 
 def cable_checks(specs: Sequence[NodeSpec], node_facts: Mapping[str, Mapping[str, Any]]) -> list[Check]:
     """Per machine the cables found to the other nodes' machines, and per pair of nodes that run
     consecutive layers whether activations use the cable between them: the file's `links`, or
     the node's `host` when that is the cable's end. Nothing when no machine has a cable."""
-    known = [s for s in specs if s.name in node_facts]
-    machines = machines_of({s.name: node_facts[s.name] for s in known})
-    machine_of = {name: first for first, names in machines.items() for name in names}
-    cables = find_cables({m: cable_addresses(node_facts[m]) for m in machines})
-    if not cables:
+    found = cabling({s.name: node_facts[s.name] for s in specs if s.name in node_facts})
+    if not found.cables:
         return []
     checks: list[Check] = []
-    for m in machines:
-        mine = [(c.at(m), next(e for e in c.ends if e.machine != m), c) for c in cables if c.at(m)]
-        detail = "; ".join(f"to {', '.join(machines[o.machine])}: {e.interface} {e.address} - {o.interface} "
+    for m in found.machines:
+        mine = [(c.at(m), next(e for e in c.ends if e.machine != m), c) for c in found.cables if c.at(m)]
+        detail = "; ".join(f"to {', '.join(found.machines[o.machine])}: {e.interface} {e.address} - {o.interface} "
                            f"{o.address} ({c.network})" for e, o, c in mine if e)
         checks.append(Check(m, "cables", OK if mine else WARN, detail or "none to the other nodes' machines", "" if mine
                             else "cable this machine to the next one (a ring: docs/cluster.md, Four Macs)"))
@@ -512,20 +501,17 @@ def cable_checks(specs: Sequence[NodeSpec], node_facts: Mapping[str, Mapping[str
     # the last link of a tensor split's ring all-reduce. A node without facts leaves its pairs out.
     found_at_launch = discovers(specs)   # no `links`: launch takes each cable a node listens on
     pairs = [(a, b, "activations") for a, b in zip(specs, specs[1:])]
-    if len(specs) > 2 and specs[-1].name in machine_of and specs[0].name in machine_of and any(
-            c.joins(machine_of[specs[-1].name], machine_of[specs[0].name]) for c in cables):
+    if len(specs) > 2 and found.between(specs[-1].name, specs[0].name):
         pairs.append((specs[-1], specs[0], "a tensor split's ring all-reduce"))
     for a, b, what in pairs:
-        if a.name not in machine_of or b.name not in machine_of:
+        if a.name not in found.machine_of or b.name not in found.machine_of or \
+                found.machine_of[a.name] == found.machine_of[b.name]:
             continue
-        ma, mb = machine_of[a.name], machine_of[b.name]
-        if ma == mb:
-            continue
-        cable = next((c for c in cables if c.joins(ma, mb)), None)
+        joined = found.between(a.name, b.name)
         listed = dict(b.links).get(a.name)
         target = listed or b.host
-        end = cable.at(mb) if cable else None
-        on = f"{end.interface} {end.address}, {cable.network}" if end and cable else ""
+        end = joined[1] if joined else None
+        on = f"{end.interface} {end.address}, {joined[0].network}" if joined and end else ""
         if end is None:
             checks.append(Check(b.name, f"cable from {a.name}", WARN, f"no cable found between {a.name} and {b.name}: "
                                 f"{what} go to {target} over the network", f"cable {a.name} to {b.name}, or "
@@ -544,7 +530,7 @@ def cable_checks(specs: Sequence[NodeSpec], node_facts: Mapping[str, Mapping[str
             said = f"`links` says {a.name} reaches it at {listed}" if listed else f"they go to its host {b.host}"
             checks.append(Check(b.name, f"cable from {a.name}", WARN,
                                 f"{what} from {a.name} miss the cable between them ({on}): {said}",
-                                f"in {b.name}'s entry of the cluster file: {_links_table(b, cables, machine_of, known)}"))
+                                f"in {b.name}'s entry of the cluster file: {_links_table(b, found, specs)}"))
     return checks
 
 

@@ -37,6 +37,7 @@ import pytest
 import models
 from helpers import assert_every_pair_linked, assert_ring_linked, head_process, record_of, run_head
 from tbrpc.native import load as load_native
+from tbrpc.client import allreduce_choice
 from tbrpc.status import connection_lines
 from tbrpc.node_memory import make_node
 from tbrpc.plan import plan
@@ -371,11 +372,7 @@ def test_mesh_is_said_too(nodes: Any, tmp_path: Path) -> None:
 
 
 def _choose(addressed: set[tuple[int, int]], n: int, forced: str | None = None) -> tuple[str, str]:
-    ffi, lib = load_native()
-    matrix = ffi.new("uint8_t[]", [1 if (a, b) in addressed else 0 for a in range(n) for b in range(n)])
-    why = ffi.new("char[256]")
-    kind = lib.tbrpc_allreduce_choose(matrix, n, forced.encode() if forced is not None else ffi.NULL, why, len(why))
-    return {lib.TBRPC_ALLREDUCE_MESH: "mesh", lib.TBRPC_ALLREDUCE_RING: "ring"}[kind], ffi.string(why).decode()
+    return allreduce_choice([[(a, b) in addressed for b in range(n)] for a in range(n)], forced)
 
 
 def test_the_allreduce_choice() -> None:
