@@ -92,7 +92,7 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--gguf", "gguf_path", required=True, type=click.Path(exists=True, dir_okay=False), help="Model file, or any shard of a split set.")
 @click.option("--cluster", "cluster_file", type=click.Path(exists=True, dir_okay=False),
               help="TOML file with one [[node]] table per machine; nodes without `memory` are asked for theirs.")
-@click.option("--offline", is_flag=True, help="Do not ask the cluster file's nodes: use its `memory` figures (every node needs one).")
+@click.option("--offline", is_flag=True, help="Do not ask the cluster file's nodes: use its `memory` figures (every node needs one) and its order and `links` as written (no cables looked for).")
 @click.option("--timeout", default=defaults.ASK_TIMEOUT_S, show_default=True, type=float, help="Seconds each node has to answer.")
 @click.option("--node", "node_flags", multiple=True, metavar="NAME=SIZE", help="A node and its RAM, e.g. mac1=512GiB (repeat; first is the head).")
 @click.option("--nodes", "nodes_flag", metavar="NxSIZE", help="N identical nodes, e.g. 4x512GiB.")
@@ -124,7 +124,7 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
     """Say whether a model fits a cluster, which layers go where, and the llama.cpp flags. Exit 1 if it does not fit."""
     import json
 
-    from tbrpc.cluster_file import cluster_secret_file, load_cluster_file, load_specs
+    from tbrpc.cluster_file import cluster_secret_file
     from tbrpc.node_memory import nodes_from_flags
     from tbrpc.plan import format_table, plan as make_plan
     from tbrpc.spec import allreduce_of, cable_order_note
@@ -139,8 +139,10 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
 
             if not offline and secret.file_for() is None:
                 _use_secret(cluster_secret_file(cluster_file))   # the nodes it asks may want the secret
-            nodes = load_cluster_file(cluster_file, metal_fraction, ask=not offline, timeout=timeout)
-            specs = load_specs(cluster_file)
+            from tbrpc.llama import cluster_to_plan
+
+            nodes, specs = cluster_to_plan(cluster_file, metal_fraction, ask=not offline, timeout=timeout,
+                                           say=lambda message: click.echo(f"tbrpc: {message}", err=True))
             order_note = cable_order_note(specs)
             if split != "layer":
                 allreduce = allreduce_of(specs)

@@ -33,7 +33,7 @@ from tbrpc import defaults
 from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.client import NodeError, connect
-from tbrpc.cluster_file import cluster_secret_file, load_specs
+from tbrpc.cluster_file import cluster_secret_file, load_cluster_file, load_specs
 from tbrpc.gguf_model import GGUFError
 from tbrpc.native import TbrpcError
 from tbrpc.node_memory import Node, Report, size_nodes
@@ -113,6 +113,21 @@ def discover_links(specs: list[NodeSpec], say: Say, gather: Gather | None = None
         return specs
     say("links from the cables found (none in the cluster file): " + "; ".join(found.added))
     return cable_order(found.specs)
+
+
+def cluster_to_plan(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FRACTION, *, ask: bool,
+                    timeout: float = defaults.ASK_TIMEOUT_S, say: Say, gather: Gather | None = None,
+                    ) -> tuple[list[Node], list[NodeSpec]]:
+    """What `tbrpc plan --cluster` plans: the file's nodes, sized (``ask``: each asked for its
+    memory, as ``load_cluster_file`` does), with the links and in the order launch runs them.
+    Asking, the cables are looked for as launch looks for them (``discover_links``), so a file
+    without `links` gets the node order and the all-reduce launch will use; offline, nothing is
+    asked and the file is planned as written."""
+    specs = load_specs(path)
+    if ask:
+        specs = discover_links(specs, say, gather)
+    sized = {n.name: n for n in load_cluster_file(path, metal_fraction, ask=ask, timeout=timeout)}
+    return [sized[s.name] for s in specs], specs
 
 
 def say_cable_order(specs: Sequence[NodeSpec], say: Say) -> None:
@@ -478,4 +493,4 @@ def _progress_callback(progress: bool | Progress) -> Any:
     return llama_lib.llama_progress_callback(on_progress)
 
 
-__all__ = ["DoesNotFitError", "LaunchError", "Llama", "context_kwargs", "discover_links", "make_plan", "resolve_cluster"]
+__all__ = ["DoesNotFitError", "LaunchError", "Llama", "cluster_to_plan", "context_kwargs", "discover_links", "make_plan", "resolve_cluster"]

@@ -428,3 +428,38 @@ def test_a_ring_of_cables_between_namespaces_carries_the_split(tmp_path: Path) -
             proc.wait()
         for ns in (head_ns, *spaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_plan_looks_for_the_cables_launch_will_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tbrpc plan --cluster` on a file without `links` finds the cables as launch does: the nodes
+    planned in ring order and the ring all-reduce, as launch will run them; `--offline` asks
+    nothing and plans the file as written (its order, a mesh)."""
+    import models
+    from click.testing import CliRunner
+
+    from tbrpc.cli import main as cli_main
+
+    order = ["studio1", "studio3", "studio2", "studio4"]
+    path = tmp_path / "macs.toml"
+    path.write_text("".join(f'[[node]]\nname = "{n}"\nhost = "192.168.1.1{n[-1]}"\nport = 50052\nstart = "ssh"\n'
+                            f'listen = "0.0.0.0"\nmemory = "4GiB"\nkind = "cpu"\n\n' for n in order))
+    asked: list[str] = []
+    monkeypatch.setattr("tbrpc.llama.gather_facts", lambda spec, secret, timeout: recorded(ring_facts(), asked)(spec))
+
+    def planned(*flags: str) -> tuple[dict[str, Any], str]:
+        out = CliRunner().invoke(cli_main, ["plan", "--gguf", str(models.ensure("llama-f32")), "--ctx", "256", "--margin", "0",
+                                            "--split", "tensor", "--head-device", "none", "--cluster", str(path),
+                                            "--timeout", "0.3", "--json", *flags], env={"TBRPC_ALLREDUCE": ""})
+        assert out.exit_code == 0, out.output + out.stderr
+        return json.loads(out.stdout), out.stderr
+
+    found, said = planned()
+    assert sorted(asked) == sorted(order)
+    assert [n["name"] for n in found["nodes"]] == ["studio1", "studio2", "studio3", "studio4"]
+    assert found["tensor"]["all_reduce_shape"] == "ring"
+    assert "links from the cables found" in said and "studio2 <- studio1 at 10.0.12.2" in said, said
+    assert any("ordered along the cables" in note for note in found["notes"]), found["notes"]
+    asked.clear()
+    written, _ = planned("--offline")
+    assert asked == []
+    assert [n["name"] for n in written["nodes"]] == order and written["tensor"]["all_reduce_shape"] == "mesh"
