@@ -430,6 +430,32 @@ class Llama(llama_cpp.Llama):
             self._tbrpc_make_links()
         self.tbrpc_link_seconds = time.monotonic() - started
 
+    def eval(self, tokens: Sequence[int]) -> None:
+        """``llama_cpp.Llama.eval``, with a prompt longer than ``n_batch`` pipelined through the nodes.
+
+        llama-cpp-python decodes a prompt ``n_batch`` tokens at a time and asks for the logits of
+        each piece's last token, so llama.cpp waits after every piece for the last node's answer:
+        the pieces pass the nodes of a layer split one after another. Without ``logits_all`` only
+        the last piece's logits are ever read, so here the pieces before it ask for none; the head
+        then waits for no node between them (tbrpc posts requests without waiting, and each node
+        runs its own in order), and while a node computes piece i the one before it already
+        computes piece i + 1. The pieces are the ones llama-cpp-python makes, so the logits are the
+        same, bit for bit. With ``logits_all`` (logprobs, a draft model) every piece's logits are
+        kept and this is llama-cpp-python's own."""
+        if self._logits_all or len(tokens) <= self.n_batch:
+            super().eval(tokens)
+            return
+        last = (len(tokens) - 1) // self.n_batch * self.n_batch   # where llama-cpp-python's last piece starts
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        for start in range(0, last, self.n_batch):
+            piece = list(tokens[start:start + self.n_batch])
+            self._batch.set_batch(batch=piece, n_past=self.n_tokens, logits_all=False)
+            self._batch.batch.logits[len(piece) - 1] = False   # no output: llama_decode waits for no node
+            self._ctx.decode(self._batch)
+            self.input_ids[self.n_tokens:self.n_tokens + len(piece)] = piece
+            self.n_tokens += len(piece)
+        super().eval(tokens[last:])
+
     def _tbrpc_make_links(self) -> None:
         """Decode one token and forget it: ggml's scheduler copies activations between exactly the
         nodes the graph puts next to each other, and each first copy (or, for a tensor split, the

@@ -194,3 +194,46 @@ def test_tbrpc_exports() -> None:
 
 def test_helpers_agree() -> None:
     assert alive(__import__("os").getpid()) and with_descendants([]) == []
+
+
+def test_a_long_prompt_is_pipelined_through_the_nodes(tmp_path: Path) -> None:
+    """A prompt of several n_batch pieces: tbrpc.Llama.eval asks for the last piece's logits only,
+    so the head waits for a node once per prompt (llama-cpp-python's own eval: once per piece,
+    every piece through every node before the next leaves), with the same logits, bit for bit,
+    as llama-cpp-python's eval over the same nodes and as one process, and the same completion."""
+    model = models.ensure("llama")
+    out = run_code(f"""
+        import llama_cpp
+        import numpy as np
+        from tbrpc.client import cluster
+        from tests.reference import reference_llama
+        kw = dict(n_ctx=512, n_batch=32, n_ubatch=32, verbose=False)
+        one = reference_llama({str(model)!r}, **kw)   # before any node is registered in this process
+        tokens = one.tokenize(({PROMPT!r} + " Paris. ").encode() * 14)[:150]
+        one.eval(tokens)
+        alone = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(one.ctx, -1), shape=(one.n_vocab(),)).tolist()
+        one.reset(); one._ctx.kv_cache_clear()
+        text_one = one.create_completion(tokens, max_tokens=8, temperature=0)["choices"][0]["text"]
+        one.close()
+        llm = Llama({str(model)!r}, cluster=3, log_dir={str(tmp_path)!r}, **kw)
+        def waits_and_logits(evaluate):
+            llm.reset(); llm._ctx.kv_cache_clear()
+            before = sum(i.round_trips for i in cluster().nodes())
+            evaluate(tokens)
+            waits = sum(i.round_trips for i in cluster().nodes()) - before
+            return waits, np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).tolist()
+        waits_and_logits(llm.eval)   # warm-up: the first graphs of each shape
+        piped = waits_and_logits(llm.eval)
+        own = waits_and_logits(lambda t: llama_cpp.Llama.eval(llm, t))
+        n_pieces = -(-len(tokens) // llm.n_batch)
+        llm.reset(); llm._ctx.kv_cache_clear()
+        text = llm.create_completion(tokens, max_tokens=8, temperature=0)["choices"][0]["text"]
+        llm.close()
+        print(json.dumps({{"piped": piped, "own": own, "alone": alone, "n_pieces": n_pieces, "text": text,
+                          "text_one": text_one}}))
+    """)
+    assert out["n_pieces"] == 5
+    assert out["piped"][0] == 1, out["piped"][0]
+    assert out["own"][0] == out["n_pieces"], out["own"][0]
+    assert out["piped"][1] == out["own"][1] == out["alone"]
+    assert out["text"] == out["text_one"] and out["text"]
