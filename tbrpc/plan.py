@@ -14,9 +14,13 @@ derivation and the figures it was calibrated on):
   (KQ mask per KV cache, row indices) its layers keep alive;
 * head extras: llama.cpp's output buffer and llama-cpp-python's logits array.
 
-Assignment: contiguous layer ranges, head first, minimising the largest
-fraction of usable memory any node needs (so heterogeneous nodes are loaded
-in proportion), realised exactly through ``tensor_split`` layer counts.
+Assignment: contiguous layer ranges, head first, realised exactly through
+``tensor_split`` layer counts.  Prefill pipelines through a layer split (the
+nodes work on different ubatches at once), so its pace is the largest
+per-node compute: the ranges minimise that (nodes taken as equally fast;
+among such splits the most even in memory) when they fit every node, and
+otherwise minimise the largest fraction of usable memory any node needs (so
+heterogeneous nodes are loaded in proportion).  ``Plan.balance`` says which.
 
 Who is the head: with ``head_device="gpu"`` or ``"cpu"`` the first node is
 the machine running llama.cpp and holds the first layers itself; with
@@ -366,6 +370,7 @@ class Plan:
     split_mode: str = "layer"  # "layer" or "tensor"
     tensor: TensorPlan | None = None  # tensor mode: shares, all-reduces and their bytes
     draft: DraftPlan | None = None  # the draft model on the head (--draft-model)
+    balance: str | None = None  # layer split: what the ranges were balanced by, "compute" or "memory" (BALANCES)
 
     @property
     def ctx(self) -> int:
@@ -417,6 +422,7 @@ class Plan:
             "split_mode": self.split_mode,
             "tensor": None if self.tensor is None else asdict(self.tensor),
             "draft": None if self.draft is None else asdict(self.draft),
+            "balance": self.balance,
             "device_order": [n.device for n in self.nodes if n.device != "CPU"],
             "llama_cpp_args": self.cli_args,
             "shortfall": None if self.shortfall is None else asdict(self.shortfall),
@@ -468,6 +474,8 @@ class _Costs:
     output_peak: int
     head_is_node: bool  # node 0 is the head (embeddings, host buffers) unless head_device="none"
     head_extra: int = 0  # a draft model on the head (node 0 when head_is_node)
+    macs_prefix: list[int] = field(default_factory=lambda: [0])  # prefill multiply-adds per token (layer_macs)
+    output_macs: int = 0  # the output layer's, on the last node (output_macs)
 
     def weights(self, first: int, last: int) -> int:
         return self.weight_prefix[last + 1] - self.weight_prefix[first]
@@ -475,16 +483,69 @@ class _Costs:
     def kv(self, first: int, last: int) -> int:
         return self.kv_prefix[last + 1] - self.kv_prefix[first]
 
+    def macs(self, first: int, last: int) -> int:
+        """Prefill multiply-adds per token of a node holding layers first..last (and the output with the last layer)."""
+        total = self.macs_prefix[last + 1] - self.macs_prefix[first]
+        return total + (self.output_macs if last == self.params.n_layer_all - 1 else 0)
 
-def _costs(params: ArchParams, layout: WeightLayout, c: ContextParams, head_is_node: bool = True, head_extra: int = 0) -> _Costs:
-    wp, kp = [0], [0]
+
+def _costs(params: ArchParams, layout: WeightLayout, c: ContextParams, head_is_node: bool = True, head_extra: int = 0,
+           macs: Sequence[int] | None = None) -> _Costs:
+    wp, kp, mp = [0], [0], [0]
     for lw in layout.layers:
         wp.append(wp[-1] + (lw.total + TENSOR_ALIGN * lw.n_tensors if lw.loaded else 0))
         kp.append(kp[-1] + layer_kv_bytes(params, lw.index, c))
+        mp.append(mp[-1] + (macs[lw.index] if macs is not None else 0))
     peaks = [_layer_peak(params, il, c) for il in range(params.n_layer_all)]
     kinds = [_cache_kind(params, il) for il in range(params.n_layer_all)]
     inputs = [_kinds_inputs(params, c, k) for k in range((FULL | SWA) + 1)]
-    return _Costs(params, layout, c, wp, kp, peaks, kinds, inputs, _output_phase(params, c), head_is_node, head_extra)
+    return _Costs(params, layout, c, wp, kp, peaks, kinds, inputs, _output_phase(params, c), head_is_node, head_extra,
+                  mp, output_macs(params, c) if macs is not None else 0)
+
+
+# --- prefill compute: what a layer split pipelines --------------------------------
+#
+# A prompt goes through a layer split ubatch by ubatch, and the nodes work on
+# different ubatches at once (while node 1 computes ubatch k, node 0 computes
+# ubatch k+1: each node runs its requests in order, the head does not wait
+# between ubatches).  Prefill therefore runs at the pace of the node with the
+# most compute per token.  Decode does not care: a token passes every node in
+# turn, the same total work whatever the split.
+
+
+def layer_macs(model: GGUFModel, p: ArchParams, layout: WeightLayout) -> list[int]:
+    """Prefill compute of each layer: multiply-adds per prompt token, from the tensor shapes.
+
+    Every block tensor of two or more dimensions is a matrix each token is
+    multiplied by (a 3-D ``attn_k_b``/``attn_v_b`` is a stack of per-head
+    matrices): one multiply-add per element.  Routed experts (``*_exps``,
+    the expert index last) count ``n_expert_used / n_expert`` of their
+    elements; shared experts and the router count whole.  Vectors (norms,
+    biases) are elementwise work, counted as nothing.  Blocks outside the
+    main graph (MTP, unloaded) count nothing.
+
+    Not counted: attention's own work (scores and their weighted sum), which
+    grows with the prompt's length -- unknown when planning -- and is the
+    same for every layer of the same shape, so it moves no boundary much.
+    """
+    macs = [0] * p.n_layer_all
+    for t in model.tensors:
+        il = t.block
+        if il is None or len(t.shape) < 2 or il >= p.n_layer or not layout.layers[il].loaded:
+            continue
+        n = t.n_elements
+        if "_exps." in t.name and p.n_expert:
+            n = n * p.n_expert_used // p.n_expert
+        macs[il] += n
+    return macs
+
+
+def output_macs(p: ArchParams, c: ContextParams) -> int:
+    """Prefill compute of the output layer per prompt token: nothing, as llama.cpp computes
+    the logits of the prompt's last token only, unless every token's logits are kept
+    (``all_logits``: a draft model), then the whole output matrix.  The token embeddings
+    are a row lookup (get_rows): nothing either."""
+    return p.n_vocab * p.n_embd if c.all_logits else 0
 
 
 def _node_need(costs: _Costs, index: int, first: int, last: int, layers_peak: int | None = None,
@@ -520,11 +581,17 @@ def _node_need(costs: _Costs, index: int, first: int, last: int, layers_peak: in
     return weights, kv, compute, host
 
 
-def _greedy(costs: _Costs, budgets: list[float]) -> list[tuple[int, int]] | None:
-    """Give each node, head first, as many layers as fit its budget; None if layers remain.
+def _greedy(costs: _Costs, budgets: Sequence[float], cap: int | None = None) -> list[tuple[int, int]] | None:
+    """Give each node, head first, as many layers as fit its budget and the compute cap; None if layers remain.
 
-    Each node keeps at least one layer for every node after it, so no node is
-    left empty while layers remain.
+    ``budgets``: bytes per node (``math.inf``: memory not considered);
+    ``cap``: the most prefill multiply-adds per token a node may take.  Both
+    grow as a range grows, so taking layers while both hold finds a split
+    whenever one exists, with one exception: with nodes of unequal memory,
+    filling an earlier node can leave a later one a layer it cannot hold
+    although another split would fit (then the answer is None).  Each node
+    keeps at least one layer for every node after it, so no node is left
+    empty while layers remain.
     """
     n_layers = costs.params.n_layer_all
     ranges: list[tuple[int, int]] = []
@@ -535,10 +602,12 @@ def _greedy(costs: _Costs, budgets: list[float]) -> list[tuple[int, int]] | None
         last = first - 1
         limit = n_layers - 1 - remaining_nodes
         peak = kinds = 0
+        extra = costs.head_extra if index == 0 and costs.head_is_node else 0
         while last + 1 <= limit:
             grown, more = max(peak, costs.layer_peak[last + 1]), kinds | costs.layer_kind[last + 1]
-            extra = costs.head_extra if index == 0 and costs.head_is_node else 0
-            if sum(_node_need(costs, index, first, last + 1, grown, more)) + extra > budget:
+            if cap is not None and costs.macs(first, last + 1) > cap:
+                break
+            if budget != math.inf and sum(_node_need(costs, index, first, last + 1, grown, more)) + extra > budget:
                 break
             last, peak, kinds = last + 1, grown, more
         if last < first:
@@ -548,23 +617,66 @@ def _greedy(costs: _Costs, budgets: list[float]) -> list[tuple[int, int]] | None
     return ranges if first == n_layers else None
 
 
-def _balanced_ranges(costs: _Costs, nodes: Sequence[Node], margin: int) -> tuple[list[tuple[int, int]], float]:
-    """Contiguous ranges minimising the largest (need + margin) / usable over nodes."""
-    usable = [max(1, n.usable_bytes) for n in nodes]
+BALANCES = ("compute", "memory")  # what a layer split's ranges were balanced by (Plan.balance)
+
+
+def _least_compute_cap(costs: _Costs, n_nodes: int) -> int:
+    """The least, over every split into n_nodes contiguous ranges, of the largest
+    per-node prefill compute (memory aside): what a compute balance reaches."""
+    lo, hi = -1, costs.macs(0, costs.params.n_layer_all - 1)  # lo never fits, hi always does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _greedy(costs, [math.inf] * n_nodes, mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _memory_balanced(costs: _Costs, usable: list[int], margin: int, cap: int | None = None) -> list[tuple[int, int]] | None:
+    """Contiguous ranges minimising the largest (need + margin) / usable over the nodes.
+
+    With ``cap``: among the splits whose nodes all stay within that prefill
+    compute, and only if one of them fits (need + margin <= usable), else
+    None.  Without: whether or not anything fits (the most even of the
+    splits that do not).
+    """
     lo, hi = 0.0, 1.0
-    while _greedy(costs, [u * hi - margin for u in usable]) is None:
+    while _greedy(costs, [u * hi - margin for u in usable], cap) is None:
+        if cap is not None:
+            return None
         hi *= 2
         if hi > 1e6:
             raise PlanError("cannot split: a single layer is larger than any budget")
     for _ in range(40):  # ~1e-12 relative precision
         mid = (lo + hi) / 2
-        if _greedy(costs, [u * mid - margin for u in usable]) is None:
+        if _greedy(costs, [u * mid - margin for u in usable], cap) is None:
             lo = mid
         else:
             hi = mid
-    ranges = _greedy(costs, [u * hi - margin for u in usable])
+    ranges = _greedy(costs, [u * hi - margin for u in usable], cap)
     assert ranges is not None
-    return ranges, hi
+    return ranges
+
+
+def _balanced_ranges(costs: _Costs, nodes: Sequence[Node], margin: int, by_compute: bool = True) -> tuple[list[tuple[int, int]], str]:
+    """A layer split's ranges and what they were balanced by ("compute" or "memory").
+
+    Prefill pipelines through the nodes, so its pace is the largest
+    per-node compute: when a split reaching the least such compute fits
+    every node, plan it ("compute"; among several, the one most even in
+    memory).  Otherwise the most even split in memory ("memory").  Nodes
+    are taken as equally fast: how fast a node is is not known before it
+    runs.  ``by_compute=False``: the memory balance only.
+    """
+    usable = [max(1, n.usable_bytes) for n in nodes]
+    if by_compute:
+        ranges = _memory_balanced(costs, usable, margin, _least_compute_cap(costs, len(nodes)))
+        if ranges is not None:
+            return ranges, "compute"
+    ranges = _memory_balanced(costs, usable, margin)
+    assert ranges is not None
+    return ranges, "memory"
 
 
 # --- tensor mode (llama.cpp's LLAMA_SPLIT_MODE_TENSOR, the "meta" device) -----------
@@ -1060,6 +1172,7 @@ def plan(
     all_logits: bool | None = None,
     tensor_split: Sequence[float] | None = None,
     allreduce: str = "mesh",
+    balance: str = "compute",
 ) -> Plan:
     """Plan how ``gguf`` splits over ``nodes`` (head first) at context ``ctx``.
 
@@ -1082,6 +1195,10 @@ def plan(
     --draft-model``), planned on the head at ``draft_ctx`` (default: ``ctx``);
     it makes llama-cpp-python keep every token's logits (``all_logits``,
     default: on with a draft).
+
+    ``balance`` (layer split): ``"compute"`` balances the nodes' prefill
+    compute when such ranges fit, else memory; ``"memory"`` balances memory
+    only.  ``Plan.balance`` says which the ranges follow.
     """
     if not nodes:
         raise PlanError("no nodes to plan for")
@@ -1089,6 +1206,8 @@ def plan(
         raise PlanError(f"allreduce must be one of {', '.join(repr(a) for a in ALLREDUCE_SHAPES)}, got {allreduce!r}")
     if head_device not in HEAD_DEVICES:
         raise PlanError(f"head_device must be one of {', '.join(repr(h) for h in HEAD_DEVICES)}, got {head_device!r}")
+    if balance not in BALANCES:
+        raise PlanError(f"balance must be one of {', '.join(repr(b) for b in BALANCES)}, got {balance!r}")
     if split not in SPLIT_MODES:
         raise PlanError(f"split must be one of {', '.join(repr(s) for s in SPLIT_MODES)}, got {split!r}")
     model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
@@ -1123,13 +1242,18 @@ def plan(
     if draft_model is not None:
         draft = draft_plan(draft_model, draft_ctx or context.ctx)
     draft_b = draft.total_bytes if draft else 0
+    used: str | None = None  # layer split: what the ranges follow
+    balance_note: list[str] = []
     if split in ("tensor", "ffn"):
         node_plans, split_list, tensor = _tensor_nodes(model, params, layout, context, nodes, margin_b, head_device,
                                                        draft_b, tensor_split, ffn_only=split == "ffn", ring=allreduce == "ring")
         ngl = params.n_layer_all + 1
     else:
-        costs = _costs(params, layout, context, head_is_node=head_device != "none", head_extra=draft_b)
-        ranges, _ = _balanced_ranges(costs, nodes, margin_b)
+        costs = _costs(params, layout, context, head_is_node=head_device != "none", head_extra=draft_b,
+                       macs=layer_macs(model, params, layout))
+        ranges, used = _balanced_ranges(costs, nodes, margin_b, by_compute=balance == "compute")
+        if len(ranges) > 1:
+            balance_note = [_balance_note(costs, ranges, used, asked=balance)]
         node_plans = [_node_plan(model, costs, nodes, i, r, margin_b, head_device) for i, r in enumerate(ranges)]
         split_list, ngl = _tensor_split(ranges, params.n_layer_all, head_device)
         tensor = None
@@ -1150,11 +1274,12 @@ def plan(
         tensor_split=split_list,
         n_gpu_layers=ngl,
         head_device=head_device,
-        notes=_notes(params, layout, context, head_device, split, draft),
+        notes=balance_note + _notes(params, layout, context, head_device, split, draft),
         head=head,
         split_mode=split,
         tensor=tensor,
         draft=draft,
+        balance=used if len(nodes) > 1 else None,
     )
     if not fits and explain_shortfall:
         result.shortfall = _shortfall(model, result, nodes, params, layout, margin_b, head_device)
@@ -1330,6 +1455,18 @@ def _shards_for(model: GGUFModel, is_head: bool, first: int, last: int, n_layer_
         if mine:
             wanted.add(t.shard)
     return [model.shards[i].path.name for i in sorted(wanted)]
+
+
+def _balance_note(costs: _Costs, ranges: list[tuple[int, int]], used: str, asked: str) -> str:
+    """Which balance the layer ranges follow, and each node's share of the prefill compute."""
+    total = costs.macs(0, costs.params.n_layer_all - 1) or 1
+    shares = "/".join(f"{100 * costs.macs(first, last) / total:.0f}%" for first, last in ranges)
+    if used == "compute":
+        return (f"layers balanced by compute (prefill pipelines through the nodes): prefill multiply-adds per node "
+                f"{shares}, nodes taken as equally fast")
+    why = "the compute-balanced ranges do not fit" if asked == "compute" else "as asked (balance='memory')"
+    return (f"layers balanced by memory: {why}; prefill multiply-adds per node {shares}, prefill runs at the "
+            f"pace of the node with the most")
 
 
 def _notes(params: ArchParams, layout: WeightLayout, c: ContextParams, head_device: str, split: str = "layer",

@@ -22,7 +22,7 @@ from helpers import free_port
 from tbrpc.cli import main as cli_main
 from tbrpc.gguf_model import GGUFError, arch_params, load_gguf, weight_layout
 from tbrpc.node_memory import make_node, nodes_from_flags
-from tbrpc.plan import ContextParams, Plan, PlanError, compute_bytes, plan
+from tbrpc.plan import ContextParams, Plan, PlanError, compute_bytes, layer_macs, plan
 from tbrpc.units import GiB, MiB, format_size
 from tests.fixtures_shapes import (
     DEEPSEEK_V3,
@@ -226,6 +226,117 @@ def test_tensor_split_reproduces_ranges(kimi: tuple[ModelSpec, list[Path]], head
         _assert_consistent(p)
 
 
+# --- a layer split's balance: prefill compute when it fits, else memory ---------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> Path:
+    gemma = pytest.importorskip("models.gemma")
+    try:
+        return Path(gemma.path())
+    except gemma.GemmaUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _layer_macs(path: Path) -> list[int]:
+    model = load_gguf(path)
+    params = arch_params(model)
+    return layer_macs(model, params, weight_layout(model, params))
+
+
+def _cpu_nodes(n: int, size: int | str) -> list[Any]:
+    return [make_node(f"n{i}", size, kind="cpu") for i in range(n)]
+
+
+def test_layer_macs_from_the_shapes(kimi: tuple[ModelSpec, list[Path]]) -> None:
+    """Kimi K2's prefill multiply-adds per token: every matrix of a layer, routed experts at 8 of 384."""
+    _, paths = kimi
+    g = KIMI_K2
+    attention = (g.n_embd * g.q_lora_rank + g.q_lora_rank * g.n_head * (g.qk_nope + g.qk_rope)
+                 + g.n_embd * (g.kv_lora_rank + g.qk_rope) + g.qk_nope * g.kv_lora_rank * g.n_head
+                 + g.kv_lora_rank * g.v_head * g.n_head + g.n_head * g.v_head * g.n_embd)  # fmt: skip
+    dense = attention + 3 * g.n_embd * g.n_ff
+    moe = (attention + g.n_embd * g.n_expert  # the router
+           + 3 * g.n_embd * g.n_ff_exp * g.n_expert_used + 3 * g.n_embd * g.n_ff_exp * g.n_expert_shared)
+    macs = _layer_macs(paths[0])
+    assert g.n_dense_lead == 1 and len(macs) == 61
+    assert macs == [dense] + [moe] * 60
+
+
+@pytest.mark.parametrize("head_device", ["none", "gpu", "cpu"])
+def test_gemma_layers_balanced_by_compute(gemma_path: Path, head_device: str) -> None:
+    """Gemma 3 270M over 2 and 4 equal nodes with room to spare: equal layer counts (its 18
+    layers have one shape), where balancing memory gives the last node (its tied output
+    and 512 MiB of logits) almost nothing."""
+    macs = _layer_macs(gemma_path)
+    assert len(macs) == 18 and len(set(macs)) == 1 and macs[0] > 0
+    two = plan(gemma_path, _cpu_nodes(2, "8GiB"), ctx=1024, head_device=head_device)
+    assert two.fits and two.balance == "compute"
+    assert [n.layers for n in two.nodes] == [(0, 8), (9, 17)]
+    assert two.notes[0] == ("layers balanced by compute (prefill pipelines through the nodes): prefill multiply-adds "
+                            "per node 50%/50%, nodes taken as equally fast")
+    _assert_consistent(two)
+    four = plan(gemma_path, _cpu_nodes(4, "8GiB"), ctx=1024, head_device=head_device)
+    assert four.fits and four.balance == "compute"
+    assert max(n.n_layers for n in four.nodes) == 5  # ceil(18 / 4)
+    _assert_consistent(four)
+    if head_device == "none":
+        # Among the splits with at most 5 layers a node, the most even in memory: the
+        # last node, with the output copy and the logits, gets the fewest.
+        assert [n.layers for n in four.nodes] == [(0, 4), (5, 9), (10, 14), (15, 17)]
+        old = plan(gemma_path, _cpu_nodes(2, "8GiB"), ctx=1024, head_device=head_device, balance="memory")
+        assert old.balance == "memory" and [n.layers for n in old.nodes] == [(0, 16), (17, 17)]
+        assert old.notes[0].startswith("layers balanced by memory: as asked (balance='memory'); "
+                                       "prefill multiply-adds per node 94%/6%")
+    else:
+        # The head holds the embeddings and the 512 MiB score array: it gets the fewest.
+        assert [n.layers for n in four.nodes] == [(0, 2), (3, 7), (8, 12), (13, 17)]
+
+
+def test_every_token_s_logits_are_prefill_work(gemma_path: Path) -> None:
+    """With all logits kept (a draft model), the last node computes every prompt token's
+    logits: Gemma's output matrix (262144 x 640) outweighs all 18 layers, so it keeps one."""
+    macs = _layer_macs(gemma_path)
+    params = arch_params(load_gguf(gemma_path))
+    assert params.n_vocab * params.n_embd > sum(macs)
+    p = plan(gemma_path, _cpu_nodes(2, "8GiB"), ctx=1024, head_device="none", all_logits=True)
+    assert p.balance == "compute" and [n.layers for n in p.nodes] == [(0, 16), (17, 17)]
+
+
+@pytest.mark.parametrize("head_device,draft", [("none", False), ("gpu", False), ("gpu", True)])
+def test_memory_balance_when_compute_balance_does_not_fit(gemma_path: Path, head_device: str, draft: bool) -> None:
+    """Nodes large enough for the memory-balanced ranges but not for the compute-balanced
+    ones: the plan is the memory-balanced one, and it fits.  With a draft model the head
+    (node 0) carries it too, and the compute-balanced ranges must count it."""
+    kwargs: dict[str, Any] = dict(ctx=1024, head_device=head_device, margin=0,
+                                  draft_model=gemma_path if draft else None)  # fmt: skip
+    by_compute = plan(gemma_path, _cpu_nodes(2, "8GiB"), **kwargs)
+    by_memory = plan(gemma_path, _cpu_nodes(2, "8GiB"), balance="memory", **kwargs)
+    assert by_compute.balance == "compute" and by_memory.balance == "memory"
+    need_compute = max(n.total_bytes for n in by_compute.nodes)
+    need_memory = max(n.total_bytes for n in by_memory.nodes)
+    assert need_memory < need_compute - 2 * MiB
+    size = (need_memory + need_compute) // 2
+    p = plan(gemma_path, _cpu_nodes(2, size), **kwargs)
+    assert p.fits and p.balance == "memory"
+    assert [n.layers for n in p.nodes] == [n.layers for n in by_memory.nodes] != [n.layers for n in by_compute.nodes]
+    assert p.notes[0].startswith("layers balanced by memory: the compute-balanced ranges do not fit; ")
+    assert p.to_json()["balance"] == "memory"
+
+
+def test_kimi_over_four_nodes_balanced_by_compute(kimi: tuple[ModelSpec, list[Path]]) -> None:
+    """Kimi K2 over 4 x 512 GiB: 61 layers of almost equal compute (the dense layer 0 is
+    0.5% lighter than an expert layer) give 16 to one node and 15 to the others; of those
+    splits the most even in memory gives the 16th to the head, whose layer 0 is light in
+    weights (a dense FFN rather than 384 experts)."""
+    _, paths = kimi
+    p = plan(paths[0], nodes_from_flags([], "4x512GiB"), ctx=32768)
+    assert p.fits and p.balance == "compute"
+    assert [n.layers for n in p.nodes] == [(0, 15), (16, 30), (31, 45), (46, 60)]
+    assert p.tensor_split == [16, 15, 15, 16]
+    _assert_consistent(p)
+
+
 # --- other architectures ----------------------------------------------------------
 
 
@@ -293,6 +404,8 @@ def test_cli_json_and_exit_codes(kimi: tuple[ModelSpec, list[Path]], tmp_path: P
     assert table.exit_code == 0 and "FITS" in table.output and "GiB" in table.output and "-ts 31,31" in table.output
     metal = "command line (Metal wired limit assumed 75% of RAM (macOS default); raise iogpu.wired_limit_mb to use more)"
     assert _usable_section(table.output) == [f"  a  384.0 GiB  {metal}", f"  b  384.0 GiB  {metal}"]
+    assert "note: layers balanced by compute (prefill pipelines through the nodes): prefill multiply-adds per node 51%/49%" in table.output
+    assert data["balance"] == "compute" and data["notes"][0].startswith("layers balanced by compute")
     assert [(n["memory_from"], n["reported_bytes"]) for n in data["nodes"]] == [("command line", None)] * 4
 
 
