@@ -5,6 +5,7 @@ Every scenario runs a real head process against real node processes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -76,6 +77,21 @@ def dial_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_failed_dial_has_a_kind(dial_tests: Path, case: str) -> None:
     """tb_dial's kind (enum tb_io_error) for each way a connect fails: tests/c/dial_tests.c."""
     proc = subprocess.run([str(dial_tests), case], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"PASS {case}" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def tcp_send_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_program(ROOT / "tests" / "c" / "tcp_send_tests.c", tmp_path_factory.mktemp("c") / "tcp_send_tests",
+                         with_ggml=False)
+
+
+@pytest.mark.parametrize("case", ["busy_peer", "silent_peer"])
+def test_a_blocked_tcp_send_waits_for_a_busy_peer_not_a_silent_one(tcp_send_tests: Path, case: str) -> None:
+    """A send the peer does not read (a node computing, in a pipelined prompt) lasts as long as the peer
+    sends signs of life, and fails with TB_IO_TIMEOUT once it goes silent: tests/c/tcp_send_tests.c."""
+    proc = subprocess.run([str(tcp_send_tests), case], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"PASS {case}" in proc.stdout
 
@@ -322,3 +338,44 @@ def test_a_node_restarted_on_its_endpoint_serves_this_process_again(nodes: Any, 
     assert re.search(rf"^FAILED .*{b.endpoint}", out, re.M), out
     assert "REFUSED" in out and "close that model (Llama.close())" in out, out
     assert "DEVICES True SAME True" in out, out
+
+
+@pytest.mark.parametrize("links", ["node to node", "through the head"])
+def test_a_pipelined_prompt_outlasts_the_stall_timeout(links: str, nodes: Any, tmp_path: Path) -> None:
+    """A prompt pipelined through a layer split (the pieces before the last ask for no logits, as
+    tbrpc.Llama.eval sends them) keeps a sender blocked while the next node computes its piece: the
+    head, on that node's inputs (its attention mask, n_ctx x n_ubatch x 2 B = 32 MiB here, more than
+    a socket takes), and with a link between them the node before it, on its activations (5 MiB).
+    With a 1 s stall timeout and pieces of seconds, the keepalives of the node computing keep both
+    waiting (TCP counts bytes that arrive as progress, as the frame ring does): the prompt completes,
+    where before the head failed the node after 1 s ("send timed out")."""
+    a, b = nodes(2, "--timeout", "1")
+    script = (
+        "import json, time\n"
+        "import llama_cpp, models, tbrpc\n"
+        f"tbrpc.connect(['{a.endpoint}', '{b.endpoint}'], timeout=1.0, transport='tcp')\n"
+        "llm = llama_cpp.Llama(str(models.ensure('gemma')), n_gpu_layers=-1, split_mode=1, tensor_split=[1, 8],\n"
+        "                      n_ctx=8192, n_batch=2048, n_ubatch=2048, n_threads=1, verbose=False)\n"
+        "text = ' '.join(f'Item {i}: the quick brown fox jumps over the lazy dog, number {i * 7}.' for i in range(800))\n"
+        "tokens = llm.tokenize(text.encode())[:4096]\n"
+        "llm.eval(tokens[:1]); llm.reset(); llm._ctx.kv_cache_clear()   # the link, made while the nodes idle\n"
+        "started = time.monotonic()\n"
+        "for start in range(0, len(tokens), llm.n_batch):\n"
+        "    piece = tokens[start:start + llm.n_batch]\n"
+        "    llm._batch.set_batch(batch=piece, n_past=llm.n_tokens, logits_all=False)\n"
+        "    if start + llm.n_batch < len(tokens):\n"
+        "        llm._batch.batch.logits[len(piece) - 1] = False\n"
+        "    llm._ctx.decode(llm._batch)\n"
+        "    llm.n_tokens += len(piece)\n"
+        "llama_cpp.llama_get_logits_ith(llm.ctx, -1)\n"
+        "took = time.monotonic() - started\n"
+        "print(json.dumps({'took': took, 'links': [i.links for i in tbrpc.client.cluster().nodes()],\n"
+        "                  'failed': [i.error for i in tbrpc.client.cluster().nodes() if i.failed]}))\n")
+    env = {**os.environ, **({"TBRPC_NO_PEER_LINKS": "1"} if links == "through the head" else {})}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["failed"] == []
+    assert out["took"] > 2.0, out   # pieces of seconds: a sender waited past the 1 s timeout
+    linked = out["links"][0].startswith(b.endpoint + " tcp")
+    assert linked == (links == "node to node"), out["links"]

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -25,6 +26,7 @@
 #endif
 
 #define TCP_WBUF_SIZE (256 * 1024)
+#define WAIT_SLICE_MS 100   // how long a blocked send sleeps before it looks for signs of life
 
 struct tcp_transport {
     struct tb_transport base;   // must be first: ops receive &base
@@ -43,17 +45,47 @@ static int wait_fd(int fd, short events, int timeout_ms) {
     }
 }
 
+// Bytes the peer sent that wait to be read, or -1.
+static int waiting_in(int fd) {
+    int n = 0;
+    return ioctl(fd, FIONREAD, &n) == 0 ? n : -1;
+}
+
+// Wait until the socket takes more. A peer that does not read may still be
+// alive and busy: a node computing a long graph sends keepalives, and the
+// next node of a pipelined prompt, still on the piece before, sends them on
+// the link it receives ours on. So, as in the frame ring (ring.c,
+// wait_progress), only silence times out: bytes arriving meanwhile (left
+// queued for whoever reads them) restart the clock. Returns 0, or -1 with
+// the failure recorded.
+static int wait_writable(struct tcp_transport * t) {
+    const int timeout_ms = t->base.timeout_ms;
+    int64_t deadline = timeout_ms > 0 ? tb_now_ms() + timeout_ms : 0;
+    int heard = waiting_in(t->fd);
+    for (;;) {
+        int slice = WAIT_SLICE_MS;
+        if (deadline > 0) {
+            const int64_t left = deadline - tb_now_ms();
+            if (left <= 0) return tb_fail(&t->base, TB_IO_TIMEOUT, "%s: send timed out after %d ms", t->base.peer, timeout_ms);
+            if (left < slice) slice = (int) left;
+        }
+        const int w = wait_fd(t->fd, POLLOUT, slice);
+        if (w > 0) return 0;
+        if (w < 0) return tb_fail(&t->base, TB_IO_BROKEN, "%s: poll failed: %s", t->base.peer, strerror(errno));
+        const int now_heard = waiting_in(t->fd);
+        if (now_heard > heard && deadline > 0) deadline = tb_now_ms() + timeout_ms;
+        if (now_heard >= 0) heard = now_heard;
+    }
+}
+
 static int write_all(struct tcp_transport * t, const uint8_t * p, size_t n) {
     while (n > 0) {
         ssize_t k = send(t->fd, p, n, MSG_NOSIGNAL);
         if (k > 0) { p += k; n -= (size_t) k; t->base.bytes_sent += (uint64_t) k; continue; }
         if (k < 0 && errno == EINTR) continue;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int w = wait_fd(t->fd, POLLOUT, t->base.timeout_ms);
-            if (w == 0) {
-                return tb_fail(&t->base, TB_IO_TIMEOUT, "%s: send timed out after %d ms", t->base.peer, t->base.timeout_ms);
-            }
-            if (w > 0) continue;
+            if (wait_writable(t) != 0) return -1;
+            continue;
         }
         int kind = k == 0 || errno == EPIPE || errno == ECONNRESET ? TB_IO_CLOSED : TB_IO_BROKEN;
         return tb_fail(&t->base, kind, "%s: send failed: %s", t->base.peer, k == 0 ? "connection closed" : strerror(errno));
