@@ -112,7 +112,8 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
                    "split_mode=3, flash attention on; not for deepseek2 or one KV head); ffn: the FFN, experts and "
                    "output cut, attention whole (tbrpc's own rules, for those).")
 @click.option("--tensor-split", "tensor_split", default=None, metavar="A,B,...",
-              help="With --split tensor: each node's share of every layer [default: equal, or by free memory when equal does not fit].")
+              help="Each node's share: of every layer (--split tensor or ffn) [default: equal, or by free memory when "
+                   "equal does not fit], or of the layers (--split layer, cut as llama.cpp cuts them) [default: planned].")
 @click.option("--draft-model", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A draft GGUF the head runs for speculative decoding (as `tbrpc launch --draft-model`): planned on the head.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sizes in bytes).")
@@ -150,8 +151,6 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
             nodes = nodes_from_flags(list(node_flags), nodes_flag, metal_fraction)
         shares = None
         if tensor_split is not None:
-            if split == "layer":
-                raise ValueError("--tensor-split goes with --split tensor or ffn (a layer split's tensor_split is planned)")
             try:
                 shares = [float(s) for s in tensor_split.split(",")]
             except ValueError:

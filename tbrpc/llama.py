@@ -215,8 +215,8 @@ def planned_context(kwargs: dict[str, Any]) -> dict[str, Any]:
         if mode not in (LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_TENSOR):
             raise TbrpcError(f"split_mode={mode}: tbrpc plans layer (1) and tensor (3) splits only")
         options["split"] = "tensor" if mode == LLAMA_SPLIT_MODE_TENSOR else "layer"
-        if mode == LLAMA_SPLIT_MODE_TENSOR and kwargs.get("tensor_split") is not None:
-            options["tensor_split"] = list(kwargs["tensor_split"])
+    if kwargs.get("tensor_split") is not None:   # the caller's shares: planned as llama.cpp will cut them
+        options["tensor_split"] = list(kwargs["tensor_split"])
     draft = kwargs.get("draft_model")
     if draft is not None:
         options["all_logits"] = True   # llama-cpp-python keeps every token's logits with any draft

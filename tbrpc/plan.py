@@ -370,7 +370,7 @@ class Plan:
     split_mode: str = "layer"  # "layer" or "tensor"
     tensor: TensorPlan | None = None  # tensor mode: shares, all-reduces and their bytes
     draft: DraftPlan | None = None  # the draft model on the head (--draft-model)
-    balance: str | None = None  # layer split: what the ranges were balanced by, "compute" or "memory" (BALANCES)
+    balance: str | None = None  # layer split: what the ranges follow: "compute" or "memory" (BALANCES), "given" (tensor_split)
 
     @property
     def ctx(self) -> int:
@@ -1198,7 +1198,10 @@ def plan(
 
     ``balance`` (layer split): ``"compute"`` balances the nodes' prefill
     compute when such ranges fit, else memory; ``"memory"`` balances memory
-    only.  ``Plan.balance`` says which the ranges follow.
+    only.  A layer split given ``tensor_split`` (one share per node, head
+    "none" or "gpu") is planned as llama.cpp cuts it (``llama_layer_devices``;
+    ``Plan.balance`` "given"), so a caller's own shares are checked for fit
+    like the planner's.  ``Plan.balance`` says which the ranges follow.
     """
     if not nodes:
         raise PlanError("no nodes to plan for")
@@ -1227,10 +1230,10 @@ def plan(
         flash_attn = True
         if len(nodes) > META_MAX_DEVICES:
             raise TensorSplitError(f"tensor split: llama.cpp's meta device takes at most {META_MAX_DEVICES} devices, not {len(nodes)}")
-        if tensor_split is not None and (len(tensor_split) != len(nodes) or any(s < 0 for s in tensor_split) or not sum(tensor_split)):
-            raise PlanError(f"tensor_split needs {len(nodes)} non-negative shares, not {list(tensor_split)}")
     elif len(nodes) > params.n_layer_all:
         raise PlanError(f"{len(nodes)} nodes but only {params.n_layer_all} layers to share")
+    if tensor_split is not None and (len(tensor_split) != len(nodes) or any(s < 0 for s in tensor_split) or not sum(tensor_split)):
+        raise PlanError(f"tensor_split needs {len(nodes)} non-negative shares, not {list(tensor_split)}")
     margin_b = parse_size(margin)
     context = _context(
         model, params, ctx,
@@ -1251,7 +1254,10 @@ def plan(
     else:
         costs = _costs(params, layout, context, head_is_node=head_device != "none", head_extra=draft_b,
                        macs=layer_macs(model, params, layout))
-        ranges, used = _balanced_ranges(costs, nodes, margin_b, by_compute=balance == "compute")
+        if tensor_split is not None:   # the user's shares, cut as llama.cpp will cut them
+            ranges, used = _ranges_of_split(tensor_split, params.n_layer_all, head_device), "given"
+        else:
+            ranges, used = _balanced_ranges(costs, nodes, margin_b, by_compute=balance == "compute")
         if len(ranges) > 1:
             balance_note = [_balance_note(costs, ranges, used, asked=balance)]
         node_plans = [_node_plan(model, costs, nodes, i, r, margin_b, head_device) for i, r in enumerate(ranges)]
@@ -1387,6 +1393,61 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
     return plans, shares, tensor
 
 
+def llama_layer_devices(tensor_split: Sequence[float], n_layer_all: int, n_gpu_layers: int) -> list[int]:
+    """The device llama.cpp puts each layer on, the output layer (index n_layer_all) last; -1 = CPU.
+
+    llama.cpp's own rule (llama-model.cpp load_tensors), in its float32: the
+    shares' running sums over their total are split points, and layer il
+    goes to the first device whose point exceeds (il - start) / n_offloaded
+    (std::upper_bound), the first ``start`` layers staying on the CPU.
+    """
+    points = np.cumsum(np.array(tensor_split, dtype=np.float32), dtype=np.float32)
+    points = (points / points[-1]).astype(np.float32)
+    start = max(n_layer_all + 1 - n_gpu_layers, 0)
+    offloaded = min(n_gpu_layers, n_layer_all + 1)
+    devices = []
+    for il in range(n_layer_all + 1):
+        if il < start:
+            devices.append(-1)
+            continue
+        devices.append(int(np.searchsorted(points, np.float32(il - start) / np.float32(offloaded), side="right")))
+    return devices
+
+
+def _ranges_of_split(tensor_split: Sequence[float], n_layer_all: int, head_device: str) -> list[tuple[int, int]]:
+    """A layer split's ranges as llama.cpp cuts a given ``tensor_split`` (one share per node, every
+    layer and the output offloaded: head_device "none" or "gpu"). PlanError when the shares leave a
+    node without a layer, or put the output layer apart from the last one: the planner plans
+    neither (a node holds at least one layer, the last node the output)."""
+    if head_device == "cpu":
+        raise PlanError("tensor_split for a layer split with head_device='cpu': give n_gpu_layers-style ranges by "
+                        "planning without it (the plan's tensor_split then places the head's layers)")
+    devices = llama_layer_devices(tensor_split, n_layer_all, n_layer_all + 1)
+    n = len(tensor_split)
+    ranges = []
+    for d in range(n):
+        mine = [il for il in range(n_layer_all) if devices[il] == d]
+        if not mine:
+            raise PlanError(f"tensor_split {list(tensor_split)} gives node {d} no layer (llama.cpp puts layers "
+                            f"{_runs(devices[:n_layer_all])} on nodes 0..{n - 1}): give every node a share of at least "
+                            f"one layer in {n_layer_all + 1}")
+        ranges.append((mine[0], mine[-1]))
+    if devices[n_layer_all] != n - 1:
+        raise PlanError(f"tensor_split {list(tensor_split)} puts the output layer on node {devices[n_layer_all]}, "
+                        f"not with the last layer on node {n - 1}")
+    return ranges
+
+
+def _runs(devices: Sequence[int]) -> str:
+    """Consecutive layers on one device, as "0-8:0, 9-17:1"."""
+    out, first = [], 0
+    for il in range(1, len(devices) + 1):
+        if il == len(devices) or devices[il] != devices[first]:
+            out.append(f"{first}-{il - 1}:{devices[first]}" if il - 1 > first else f"{first}:{devices[first]}")
+            first = il
+    return ", ".join(out)
+
+
 def _tensor_split(ranges: list[tuple[int, int]], n_layer_all: int, head_device: str) -> tuple[list[float], int]:
     """Layer counts per llama.cpp device; the last device also counts the output layer.
 
@@ -1464,6 +1525,9 @@ def _balance_note(costs: _Costs, ranges: list[tuple[int, int]], used: str, asked
     if used == "compute":
         return (f"layers balanced by compute (prefill pipelines through the nodes): prefill multiply-adds per node "
                 f"{shares}, nodes taken as equally fast")
+    if used == "given":
+        return (f"layers as the given tensor_split puts them (llama.cpp's rule): prefill multiply-adds per node "
+                f"{shares}, prefill runs at the pace of the node with the most")
     why = "the compute-balanced ranges do not fit" if asked == "compute" else "as asked (balance='memory')"
     return (f"layers balanced by memory: {why}; prefill multiply-adds per node {shares}, prefill runs at the "
             f"pace of the node with the most")

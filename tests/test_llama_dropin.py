@@ -237,3 +237,22 @@ def test_a_long_prompt_is_pipelined_through_the_nodes(tmp_path: Path) -> None:
     assert out["own"][0] == out["n_pieces"], out["own"][0]
     assert out["piped"][1] == out["own"][1] == out["alone"]
     assert out["text"] == out["text_one"] and out["text"]
+
+
+def test_a_given_layer_tensor_split_is_the_plan(tmp_path: Path) -> None:
+    """tensor_split passed to a layer split is planned as llama.cpp cuts it (the load summary and
+    tbrpc_plan say the layers it loads, and the fit is checked on them), with one process's text."""
+    model = models.ensure("llama")
+    out = run_code(f"""
+        said = []
+        llm = Llama({str(model)!r}, cluster=2, n_ctx=256, verbose=False, tensor_split=[1, 3],
+                    log_dir={str(tmp_path)!r}, on_event=said.append)
+        text = llm({PROMPT!r}, max_tokens={N_TOKENS}, temperature=0)["choices"][0]["text"]
+        print(json.dumps({{"balance": llm.tbrpc_plan.balance, "layers": [n.layers for n in llm.tbrpc_plan.nodes],
+                          "plan_line": [s for s in said if s.startswith("plan:")], "text": text}}))
+        llm.close()
+    """)
+    assert out["balance"] == "given"
+    assert out["layers"] == [[0, 1], [2, 5]]   # 7 layers with the output: 1/4 of them, 1.75, ends after layer 1
+    assert out["plan_line"] and "local0 layers 0-1, local1 layers 2-5" in out["plan_line"][0], out["plan_line"]
+    assert out["text"] == expected("llama")["text"]

@@ -22,7 +22,7 @@ from helpers import free_port
 from tbrpc.cli import main as cli_main
 from tbrpc.gguf_model import GGUFError, arch_params, load_gguf, weight_layout
 from tbrpc.node_memory import make_node, nodes_from_flags
-from tbrpc.plan import ContextParams, Plan, PlanError, compute_bytes, layer_macs, plan
+from tbrpc.plan import ContextParams, Plan, PlanError, compute_bytes, layer_macs, llama_layer_devices, plan
 from tbrpc.units import GiB, MiB, format_size
 from tests.fixtures_shapes import (
     DEEPSEEK_V3,
@@ -183,26 +183,10 @@ def _assert_consistent(p: Plan) -> None:
         assert n.total_bytes == n.weights_bytes + n.kv_bytes + n.compute_bytes + n.host_bytes
         assert n.headroom_bytes == n.usable_bytes - p.margin_bytes - n.total_bytes
         assert n.shards
-    assert _llama_cpp_layer_devices(p.tensor_split, p.n_layers, p.n_gpu_layers) == _planned_devices(p)
+    assert llama_layer_devices(p.tensor_split, p.n_layers, p.n_gpu_layers) == _planned_devices(p)
 
 
 # --- tensor_split reproduces the ranges exactly ------------------------------------------
-
-
-def _llama_cpp_layer_devices(tensor_split: list[float], n_layer: int, n_gpu_layers: int) -> list[int]:
-    """llama.cpp's own rule (llama-model.cpp load_tensors), in float32; -1 = CPU."""
-    splits = np.cumsum(np.array(tensor_split, dtype=np.float32), dtype=np.float32)
-    splits = (splits / splits[-1]).astype(np.float32)
-    start = max(n_layer + 1 - n_gpu_layers, 0)
-    act = min(n_gpu_layers, n_layer + 1)
-    devices = []
-    for il in range(n_layer + 1):  # n_layer = the output layer
-        if il < start:
-            devices.append(-1)
-            continue
-        x = np.float32(il - start) / np.float32(act)
-        devices.append(int(np.searchsorted(splits, x, side="right")))
-    return devices
 
 
 def _planned_devices(p: Plan) -> list[int]:
@@ -335,6 +319,36 @@ def test_kimi_over_four_nodes_balanced_by_compute(kimi: tuple[ModelSpec, list[Pa
     assert [n.layers for n in p.nodes] == [(0, 15), (16, 30), (31, 45), (46, 60)]
     assert p.tensor_split == [16, 15, 15, 16]
     _assert_consistent(p)
+
+
+@pytest.mark.parametrize("head_device", ["none", "gpu"])
+def test_a_given_layer_tensor_split_is_planned_as_llama_cpp_cuts_it(gemma_path: Path, head_device: str) -> None:
+    """A caller's own shares for a layer split (tbrpc.Llama(tensor_split=...), `tbrpc plan --tensor-split`)
+    are planned as llama.cpp will cut them, not replaced by the planner's: the ranges follow its rule,
+    the fit is checked on them, and the plan says so."""
+    nodes = _cpu_nodes(2, "8GiB")
+    p = plan(gemma_path, nodes, ctx=1024, head_device=head_device, tensor_split=[1, 8])
+    assert p.balance == "given" and p.fits
+    devices = llama_layer_devices([1, 8], p.n_layers, p.n_layers + 1)
+    assert [n.layers for n in p.nodes] == [(0, devices.index(1) - 1), (devices.index(1), p.n_layers - 1)]
+    assert [n.layers for n in p.nodes] == [(0, 2), (3, 17)]   # 19 layers with the output: 3/19 < 1/9 <= 4/19
+    assert p.notes[0].startswith("layers as the given tensor_split puts them"), p.notes
+    _assert_consistent(p)
+    planned = plan(gemma_path, nodes, ctx=1024, head_device=head_device)
+    assert planned.balance == "compute" and [n.layers for n in planned.nodes] != [n.layers for n in p.nodes]
+    # a node the shares leave without a layer, or shares of the wrong length: said, not planned
+    with pytest.raises(PlanError, match=r"gives node 0 no layer"):
+        plan(gemma_path, nodes, ctx=1024, head_device=head_device, tensor_split=[0, 8])
+    with pytest.raises(PlanError, match=r"tensor_split needs 2 non-negative shares"):
+        plan(gemma_path, nodes, ctx=1024, head_device=head_device, tensor_split=[1, 1, 1])
+
+
+def test_plan_cli_takes_a_layer_tensor_split(gemma_path: Path) -> None:
+    out = CliRunner().invoke(cli_main, ["plan", "--gguf", str(gemma_path), "--nodes", "2x8GiB", "--ctx", "1024",
+                                        "--head-device", "none", "--tensor-split", "1,8", "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["balance"] == "given" and [n["layers"] for n in data["nodes"]] == [[0, 2], [3, 17]]
 
 
 # --- other architectures ----------------------------------------------------------

@@ -207,6 +207,26 @@ def test_plan_without_a_head_node(tmp_path: Path) -> None:
         plan(path, nodes, ctx=4096, head_device="metal")
 
 
+@pytest.mark.parametrize("name,shares", [("gemma", [1, 8]), ("llama", [3, 1, 2]), ("deepseek2", [1, 1, 1, 5])])
+def test_a_given_tensor_split_is_where_llama_cpp_puts_the_layers(name: str, shares: list[float],
+                                                               node_pool: list[NodeProcess]) -> None:
+    """A caller's own layer-split shares: the planner's ranges (plan.llama_layer_devices, llama.cpp's rule
+    replayed in float32) are the ones llama.cpp loads with those very shares, and each node's weights and
+    KV are what it then holds."""
+    path = _real_model(name)
+    nodes_spec = [make_node(f"node{i}", "8GiB", kind="cpu") for i in range(len(shares))]
+    p = plan(path, nodes_spec, ctx=1024, head_device="none", margin=0, tensor_split=shares)
+    assert p.balance == "given"
+    nodes = node_pool[:len(shares)]
+    _idle(nodes)
+    actual = probe_mod.probe(path, n_ctx=1024, n_ubatch=512, n_batch=512, flash_attn=False,
+                             n_gpu_layers=p.n_gpu_layers, tensor_split=shares, nodes=[n.endpoint for n in nodes])
+    assert actual.layer_devices == _planned_layer_devices(p)
+    for n in p.nodes:
+        assert abs(n.weights_bytes - actual.model.get(n.device, 0)) <= 64 * 1024, (n.device, n.layers)
+        assert abs(n.kv_bytes - actual.kv.get(n.device, 0)) <= LOG_ROUNDING, (n.device, n.layers)
+
+
 # --- trillion scale: llama.cpp simulates (no_alloc) the split over real nodes ----------
 
 BIG_SPLITS = [

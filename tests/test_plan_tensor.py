@@ -372,7 +372,7 @@ def test_quantized_70b_shape_splits_in_exact_quarters(tmp_path: Path) -> None:
 
 def test_llama_kwargs_are_planned_as_given() -> None:
     """What tbrpc.Llama / launch pass to llama.cpp is what gets planned: split
-    mode, a tensor split's shares, and a draft model (which keeps all logits)."""
+    mode, the shares of either split, and a draft model (which keeps all logits)."""
     from tbrpc.llama import context_kwargs, planned_context
 
     assert context_kwargs(split="tensor") == {"split_mode": 3}
@@ -380,7 +380,9 @@ def test_llama_kwargs_are_planned_as_given() -> None:
     options = planned_context({"split_mode": 3, "tensor_split": [2, 1], "flash_attn": True})
     assert options["split"] == "tensor" and options["tensor_split"] == [2, 1] and options["flash_attn"] is True
     assert planned_context({"split_mode": 1, "tensor_split": [3, 4]})["split"] == "layer"
-    assert "tensor_split" not in planned_context({"split_mode": 1, "tensor_split": [3, 4]})  # a layer split's is planned
+    # a layer split's own shares are planned too, as llama.cpp cuts them (tests/test_plan.py)
+    assert planned_context({"split_mode": 1, "tensor_split": [3, 4]})["tensor_split"] == [3, 4]
+    assert "tensor_split" not in planned_context({"split_mode": 1})
 
     class FakeLlm:
         model_path = "/models/draft.gguf"
