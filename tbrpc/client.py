@@ -177,6 +177,7 @@ class Cluster:
         if self._client == ffi.NULL:
             raise MemoryError("tbrpc: cannot allocate the client registry")
         self._endpoints: list[str] = []
+        self._stopped: set[str] = set()   # nodes a tbrpc.Llama stopped on close: their devices stay registered
         self._lock = threading.Lock()
 
     def add(self, endpoint: str, timeout: float, transport: str = "auto", secret: bytes | None = None) -> str:
@@ -191,6 +192,7 @@ class Cluster:
                 index = self._endpoints.index(endpoint)
                 if self.info(index).failed:   # restarted since? connect again, as the same device
                     self._reconnect(index, transport)
+                self._stopped.discard(endpoint)
                 return self.info(index).device_name
             err = error_buffer()
             key = self._ffi.NULL if secret is None else self._ffi.new("uint8_t[]", secret)
@@ -296,6 +298,23 @@ class Cluster:
             return frozenset()
         return frozenset(i for i in range(n) if flags[i])
 
+    def stopped(self, endpoints: Sequence[str]) -> None:
+        """These nodes were stopped on purpose (tbrpc.Llama.close() of the nodes it started). ggml
+        cannot forget their devices, so a later load that asks them fails; its NodeError then says
+        why (``exception``) instead of only "connection closed"."""
+        with self._lock:
+            self._stopped.update(e for e in endpoints if e in self._endpoints)
+
+    def exception(self, index: int) -> NodeError:
+        """The NodeError of node `index`'s failure, saying so when tbrpc stopped the node itself."""
+        info = self.info(index)
+        if info.endpoint not in self._stopped:
+            return info.exception()
+        return node_error(info.error_kind, f"{info.error} (tbrpc.Llama.close() stopped this node; ggml keeps its "
+                          "device registered for the life of this process, and a plain llama_cpp.Llama takes every "
+                          "such device: load it in a new process, or start the node again on its endpoint)",
+                          info.endpoint)
+
     def failures(self) -> dict[str, NodeInfo]:
         """endpoint -> info of every node that has failed (``info.exception()`` is its NodeError)."""
         return {info.endpoint: info for info in (self.info(i) for i in sorted(self.failed_indexes()))}
@@ -389,7 +408,7 @@ def _install_error_hooks(c: Cluster) -> None:
             new = sorted(c.failed_indexes() - before)
             if new:
                 _free_result(llama_lib, name, result)
-                raise c.info(new[0]).exception()
+                raise c.exception(new[0])
             if before and _call_failed(name, result):   # it may have run on a node that failed earlier
                 earlier = [c.info(i) for i in sorted(before)]
                 raise node_error(earlier[0].error_kind, "; ".join(info.error for info in earlier), earlier[0].endpoint)

@@ -491,6 +491,10 @@ class Llama(llama_cpp.Llama):
         nodes, self._tbrpc_nodes = getattr(self, "_tbrpc_nodes", None), None
         if nodes is not None and getattr(self, "_tbrpc_owns_nodes", False):
             nodes.stop()
+            try:
+                client_cluster().stopped(nodes.endpoints)
+            except (AttributeError, TypeError):   # at interpreter exit (__del__), module globals may be gone
+                pass
 
     def close(self) -> None:
         """Free the model (its buffers on the nodes), then stop the nodes this Llama started

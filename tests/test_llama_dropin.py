@@ -256,3 +256,23 @@ def test_a_given_layer_tensor_split_is_the_plan(tmp_path: Path) -> None:
     assert out["layers"] == [[0, 1], [2, 5]]   # 7 layers with the output: 1/4 of them, 1.75, ends after layer 1
     assert out["plan_line"] and "local0 layers 0-1, local1 layers 2-5" in out["plan_line"][0], out["plan_line"]
     assert out["text"] == expected("llama")["text"]
+
+
+def test_a_plain_load_after_close_says_the_nodes_were_stopped(tmp_path: Path) -> None:
+    """ggml cannot forget a device: after tbrpc.Llama.close() stopped its nodes, a plain
+    llama_cpp.Llama in the same process (which takes every GPU-type device) fails, with a
+    NodeError that says tbrpc stopped that node and what to do, not only "connection closed"."""
+    model = models.ensure("llama")
+    out = run_code(f"""
+        import llama_cpp
+        import tbrpc
+        llm = Llama({str(model)!r}, cluster=1, n_ctx=256, verbose=False, log_dir={str(tmp_path)!r})
+        llm.close()
+        try:
+            llama_cpp.Llama({str(model)!r}, n_ctx=256, verbose=False)
+            print(json.dumps({{"error": None}}))
+        except tbrpc.NodeError as e:
+            print(json.dumps({{"error": str(e), "kind": type(e).__name__}}))
+    """)
+    assert out["error"] and "tbrpc.Llama.close() stopped this node" in out["error"], out
+    assert "load it in a new process" in out["error"]
