@@ -343,15 +343,25 @@ static void * watchdog_thread(void * arg) {
         if (c->closing || busy == IDLE || tb_now_ms() - since < (int64_t) half) continue;
         const size_t keepalive = sizeof(struct tb_header);
         pthread_mutex_lock(&c->send_lock);
-        if (tb_room(c->tp, keepalive) && tb_msg_send(c->tp, TB_CMD_KEEPALIVE, TB_FLAG_REPLY, 0, NULL, 0, NULL, 0) == 0)
+        // A heartbeat where the transport has one (shared memory): it takes
+        // no slot, where a keepalive message left unread by a head blocked
+        // sending to us would sit ahead of the credits we return, and stall
+        // that send (docs/protocol.md, Keepalive and timeouts).
+        if (!tb_alive(c->tp) && tb_room(c->tp, keepalive) &&
+            tb_msg_send(c->tp, TB_CMD_KEEPALIVE, TB_FLAG_REPLY, 0, NULL, 0, NULL, 0) == 0)
             tb_flush(c->tp);
         // A peer waiting for our output must not give up on us either, but
         // only while we compute: a session that merely waits for a peer must
         // not keep alive a peer that waits for it (two sessions, or one
         // linked to itself, would otherwise wait on each other forever).
+        // The node before us (an incoming link) may be blocked sending us
+        // its next piece of a pipelined prompt while we compute this one: it
+        // gets a heartbeat where the link has one (not over TCP, where it
+        // waits the stall timeout at most: it never reads that way).
         for (size_t i = 0; busy == COMPUTING && i < c->n_peers; i++) {
             struct tb_transport * tp = c->peers[i].tp;
-            if (c->peers[i].outgoing && tb_room(tp, keepalive) && tb_msg_send(tp, TB_CMD_KEEPALIVE, 0, 0, NULL, 0, NULL, 0) == 0)
+            if (!tb_alive(tp) && c->peers[i].outgoing && tb_room(tp, keepalive) &&
+                tb_msg_send(tp, TB_CMD_KEEPALIVE, 0, 0, NULL, 0, NULL, 0) == 0)
                 tb_flush(tp);
         }
         pthread_mutex_unlock(&c->send_lock);

@@ -2,7 +2,7 @@
 //
 // The protocol (proto.h) speaks in whole messages; a transport only moves
 // bytes. It knows nothing of ggml. Every implementation offers the same
-// six operations:
+// six operations, and a seventh where the wire has room for it:
 //   send   queue bytes (may buffer; a message is complete only after flush)
 //   flush  push everything queued so far to the peer (called at message
 //          boundaries where the sender is about to wait for an answer)
@@ -11,6 +11,12 @@
 //   room   whether len bytes could be sent and flushed now without waiting
 //          (a keepalive to a reader that is not reading must not block)
 //   close  release everything; the struct is freed
+//   alive  (optional) show the peer this side lives without taking any of
+//          its room: a node that computes and does not read keeps a peer
+//          waiting on it, where a keepalive message would take a slot of a
+//          frame ring that peer is not reading (and, left unread ahead of
+//          the credits the node returns, stall a peer blocked sending to it).
+//          NULL over TCP, whose keepalive messages do that job
 //
 // The layer has three parts. Callers (client_node.c, node.c,
 // node_session.c, node_links.c) use only the names below, never those of
@@ -89,6 +95,10 @@ struct tb_transport_ops {
     // 1 when len bytes (one small message) can be sent and flushed without waiting, else 0
     int  (*room) (struct tb_transport * t, size_t len);
     void (*close)(struct tb_transport * t);
+    // A sign of life outside the byte stream, which a peer waiting on this
+    // connection counts as progress: 1 when given, 0 when this transport has
+    // none (then a keepalive message is the sign). NULL: none (TCP)
+    int  (*alive)(struct tb_transport * t);
 };
 
 struct tb_transport {
@@ -118,6 +128,7 @@ static inline int  tb_recv (struct tb_transport * t, void * d, size_t n)       {
 static inline int  tb_poll (struct tb_transport * t, int timeout_ms)        { return t->ops->poll(t, timeout_ms); }
 static inline int  tb_room (struct tb_transport * t, size_t n)              { return t->ops->room(t, n); }
 static inline void tb_close(struct tb_transport * t)                          { if (t) t->ops->close(t); }
+static inline int  tb_alive(struct tb_transport * t)                          { return t->ops->alive ? t->ops->alive(t) : 0; }
 
 // --- Connecting (transport/tcp.c) -----------------------------------------------
 // Dial host:port within timeout_ms, from the local address `from` (NULL: the

@@ -340,20 +340,23 @@ def test_a_node_restarted_on_its_endpoint_serves_this_process_again(nodes: Any, 
     assert "DEVICES True SAME True" in out, out
 
 
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
 @pytest.mark.parametrize("links", ["node to node", "through the head"])
-def test_a_pipelined_prompt_outlasts_the_stall_timeout(links: str, nodes: Any, tmp_path: Path) -> None:
+def test_a_pipelined_prompt_outlasts_the_stall_timeout(links: str, transport: str, nodes: Any, tmp_path: Path) -> None:
     """A prompt pipelined through a layer split (the pieces before the last ask for no logits, as
     tbrpc.Llama.eval sends them) keeps a sender blocked while the next node computes its piece: the
     head, on that node's inputs (its attention mask, n_ctx x n_ubatch x 2 B = 32 MiB here, more than
     a socket takes), and with a link between them the node before it, on its activations (5 MiB).
-    With a 1 s stall timeout and pieces of seconds, the keepalives of the node computing keep both
-    waiting (TCP counts bytes that arrive as progress, as the frame ring does): the prompt completes,
-    where before the head failed the node after 1 s ("send timed out")."""
+    With a 1 s stall timeout and pieces of seconds, the node computing keeps both waiting: over TCP
+    its keepalives (bytes that arrive count as progress), over shared memory (transport "auto": the
+    head's connections and the link) its heartbeat, which takes no slot of a ring the node does not
+    read. The prompt completes, where before the head failed the node after 1 s ("send timed out",
+    "no answer within 1000 ms")."""
     a, b = nodes(2, "--timeout", "1")
     script = (
         "import json, time\n"
         "import llama_cpp, models, tbrpc\n"
-        f"tbrpc.connect(['{a.endpoint}', '{b.endpoint}'], timeout=1.0, transport='tcp')\n"
+        f"tbrpc.connect(['{a.endpoint}', '{b.endpoint}'], timeout=1.0, transport='{transport}')\n"
         "llm = llama_cpp.Llama(str(models.ensure('gemma')), n_gpu_layers=-1, split_mode=1, tensor_split=[1, 8],\n"
         "                      n_ctx=8192, n_batch=2048, n_ubatch=2048, n_threads=1, verbose=False)\n"
         "text = ' '.join(f'Item {i}: the quick brown fox jumps over the lazy dog, number {i * 7}.' for i in range(800))\n"
@@ -377,5 +380,5 @@ def test_a_pipelined_prompt_outlasts_the_stall_timeout(links: str, nodes: Any, t
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["failed"] == []
     assert out["took"] > 2.0, out   # pieces of seconds: a sender waited past the 1 s timeout
-    linked = out["links"][0].startswith(b.endpoint + " tcp")
-    assert linked == (links == "node to node"), out["links"]
+    carrier = "tcp" if transport == "tcp" else "shm"
+    assert out["links"][0].startswith(f"{b.endpoint} {carrier}") == (links == "node to node"), out["links"]

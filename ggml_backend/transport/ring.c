@@ -97,7 +97,10 @@ static int wait_progress(struct tb_ring * r, int64_t * deadline) {
     // before it went are still read; only with none left is it gone.
     if (rc != 0) return found > 0 ? 0 : -1;   // the wire said why
     if (found < 0) return -1;
-    if (found > 0 && r->base.timeout_ms > 0) *deadline = tb_now_ms() + r->base.timeout_ms;   // only silence times out
+    // Only silence times out: a frame, or the peer's heartbeat (a reader
+    // that computes and does not read, whose frames no longer fit), is life.
+    const int alive = found > 0 || (r->wire->peer_alive && r->wire->peer_alive(r));
+    if (alive && r->base.timeout_ms > 0) *deadline = tb_now_ms() + r->base.timeout_ms;
     return 0;
 }
 
@@ -258,9 +261,16 @@ static int ring_room(struct tb_transport * t, size_t len) {
     return ok;
 }
 
+static int ring_alive(struct tb_transport * t) {
+    struct tb_ring * r = (struct tb_ring *) t;
+    if (!r->wire->heartbeat) return 0;
+    r->wire->heartbeat(r);
+    return 1;
+}
+
 static const struct tb_transport_ops ring_ops = {
     .name = "ring", .send = ring_send, .flush = ring_flush, .recv = ring_recv, .poll = ring_poll, .room = ring_room,
-    .close = ring_close,
+    .close = ring_close, .alive = ring_alive,
 };
 
 // At least 4 slots: credits go back once half the slots are free, and with

@@ -18,7 +18,8 @@
 //
 // A wire provides five things (struct tb_ring_wire): where frame seq is
 // written, how it is made visible (post), whether frame seq has arrived, how
-// its slot is handed back, and how to sleep until something happens. The
+// its slot is handed back, and how to sleep until something happens; and, if
+// it can, a heartbeat outside the slots. The
 // wire also owns a liveness socket (the TCP connection the ring was
 // negotiated over): its end of file means the peer process is gone.
 #pragma once
@@ -57,6 +58,14 @@ struct tb_ring_wire {
     // (recorded with tb_fail) when the peer is gone or the wire failed.
     int (*wait)(struct tb_ring * r, uint32_t seq, int timeout_ms);
     void (*free)(struct tb_ring * r);
+    // Optional (NULL: the wire has none), a sign of life outside the slots:
+    // heartbeat shows ours (tb_alive), peer_alive says whether the peer's
+    // has moved since it last looked, which a waiting ring counts as
+    // progress like a frame. A ring whose reader does not read holds at
+    // most `slots` frames, so frames alone keep a waiting sender for only
+    // so many keepalives.
+    void (*heartbeat)(struct tb_ring * r);
+    int (*peer_alive)(struct tb_ring * r);
 };
 
 struct tb_ring {

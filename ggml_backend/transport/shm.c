@@ -54,7 +54,10 @@ struct shm_control {
     uint8_t  nonce[16];
     uint32_t slots, stride;
     _Alignas(64) _Atomic uint32_t sleeping[2];   // [side]: that side sleeps in poll() and wants a doorbell
+    _Alignas(64) _Atomic uint64_t alive[2];      // [side]: counts that side's heartbeats (shm_heartbeat)
 };
+
+_Static_assert(sizeof(struct shm_control) <= CONTROL_BYTES, "the control page holds the control block");
 
 struct tb_shm {
     uint8_t * base;
@@ -70,6 +73,7 @@ struct shm_transport {
     struct tb_shm  shm;
     struct tb_transport * tcp; // doorbell and liveness
     int       fd;              // its socket
+    uint64_t  peer_alive;      // the peer's heartbeat count when last looked at (shm_peer_alive)
     int64_t   wait_avg_ns;     // recent waits, averaged (shm_wait; atomic: a sender may wait for credits meanwhile)
     uint32_t  waits;           // shm_wait calls, for the probing spin
 };
@@ -288,9 +292,26 @@ static void shm_free(struct tb_ring * r) {
     free(t);
 }
 
+// A heartbeat is a counter in the control page: it takes no slot, so a node
+// computing a long graph keeps a peer blocked on its full ring waiting for as
+// long as it computes. The peer may scribble on it (the control page is
+// shared): the worst it can do is keep its own connection waiting.
+static void shm_heartbeat(struct tb_ring * r) {
+    struct shm_transport * t = of(r);
+    atomic_fetch_add_explicit(&control(&t->shm)->alive[t->shm.side], 1, memory_order_relaxed);
+}
+
+static int shm_peer_alive(struct tb_ring * r) {
+    struct shm_transport * t = of(r);
+    const uint64_t now = atomic_load_explicit(&control(&t->shm)->alive[1 - t->shm.side], memory_order_relaxed);
+    const int moved = now != t->peer_alive;
+    t->peer_alive = now;
+    return moved;
+}
+
 static const struct tb_ring_wire shm_wire = {
     .name = "shm", .tx_frame = shm_tx_frame, .post = shm_post, .rx_frame = shm_rx_frame,
-    .release = shm_release, .wait = shm_wait, .free = shm_free,
+    .release = shm_release, .wait = shm_wait, .free = shm_free, .heartbeat = shm_heartbeat, .peer_alive = shm_peer_alive,
 };
 
 struct tb_transport * tb_shm_transport(struct tb_shm * s, struct tb_transport * tcp, char * err, size_t err_len) {

@@ -347,12 +347,65 @@ static void case_upgrade(void) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_upgrade(&cases[i]);
 }
 
+// A reader that computes and does not read: its ring fills, and a sender
+// blocked on it waits as long as its heartbeats come (tb_alive: a counter
+// outside the slots), and fails with TB_IO_TIMEOUT once they stop.
+#define BUSY_BYTES (4u << 20)   // 16 slots of 64 KiB: four rings' worth
+enum { BUSY_TIMEOUT_MS = 500, BEAT_US = 100000 };
+
+static int busy_reader(struct tb_transport * t, int beats, int reads) {
+    for (int i = 0; i < beats; i++) {
+        usleep(BEAT_US);
+        tb_alive(t);
+    }
+    if (!reads) { sleep(3); return 0; }
+    static uint8_t buf[65536];
+    for (uint32_t got = 0; got < BUSY_BYTES; got += sizeof buf) {
+        if (tb_recv(t, buf, sizeof buf) != 0) { fprintf(stderr, "reader: %s\n", t->error); return 3; }
+    }
+    return 0;
+}
+static int child_busy(struct tb_transport * t) { return busy_reader(t, 25, 1); }      // 2.5 s of beats, then reads
+static int child_goes_quiet(struct tb_transport * t) { return busy_reader(t, 10, 0); }  // 1 s of beats, then nothing
+
+static int64_t send_busy(struct pair p, int * rc) {
+    static uint8_t buf[BUSY_BYTES];
+    const int64_t t0 = tb_now_ms();
+    *rc = tb_send(p.mine, buf, sizeof buf);
+    if (*rc == 0) *rc = tb_flush(p.mine);
+    return tb_now_ms() - t0;
+}
+
+static void case_heartbeat_keeps_a_sender(void) {
+    struct pair p = make_pair(16, 65536, BUSY_TIMEOUT_MS, child_busy);
+    int rc = -1;
+    const int64_t took = send_busy(p, &rc);
+    CHECK(rc == 0, "a send to a reader that beat every %d ms failed after %lld ms: %s", BEAT_US / 1000, (long long) took,
+          p.mine->error);
+    CHECK(took >= 2000, "the send took %lld ms: the reader did not hold it up, nothing was tested", (long long) took);
+    CHECK(child_status(p.child) == 0, "reader failed");
+    tb_close(p.mine);
+}
+
+static void case_quiet_reader_times_out(void) {
+    struct pair p = make_pair(16, 65536, BUSY_TIMEOUT_MS, child_goes_quiet);
+    int rc = 0;
+    const int64_t took = send_busy(p, &rc);
+    CHECK(rc != 0, "a send to a reader silent for 3 s succeeded after %lld ms", (long long) took);
+    CHECK(p.mine->error_kind == TB_IO_TIMEOUT, "kind %s: %s", tb_io_error_name(p.mine->error_kind), p.mine->error);
+    CHECK(took >= 1000 && took < 1000 + 4 * BUSY_TIMEOUT_MS, "failed after %lld ms, want about %d (the last beat, then "
+          "the timeout)", (long long) took, 1000 + BUSY_TIMEOUT_MS);
+    child_status(p.child);
+    tb_close(p.mine);
+}
+
 int main(int argc, char ** argv) {
     static const struct { const char * name; void (*fn)(void); } cases[] = {
         { "stream", case_stream }, { "one_way", case_one_way }, { "peer_killed", case_peer_killed },
         { "peer_closes", case_peer_closes }, { "silence_times_out_idle", case_silence_times_out_idle },
         { "forged_frames", case_forged_frames }, { "attach_rules", case_attach_rules }, { "upgrade", case_upgrade },
-        { "room", case_room },
+        { "room", case_room }, { "heartbeat_keeps_a_sender", case_heartbeat_keeps_a_sender },
+        { "quiet_reader_times_out", case_quiet_reader_times_out },
     };
     signal(SIGPIPE, SIG_IGN);
     for (size_t i = 0; argc == 2 && i < sizeof cases / sizeof cases[0]; i++) {
