@@ -92,6 +92,13 @@ def test_idle_wait_sleeps(built, profile, tmp_path) -> None:
     passed(run(built, "idle", profile, tmp_path), "idle")
 
 
+@pytest.mark.parametrize("profile", PROFILES)
+def test_a_busy_readers_heartbeat_keeps_a_sender_waiting(built, profile, tmp_path) -> None:
+    """A reader that computes and does not read fills its receive slots; its heartbeat (a byte on the
+    TCP anchor, no slot) keeps a sender blocked on it waiting, and once it stops the send times out."""
+    passed(run(built, "heartbeat", profile, tmp_path), "heartbeat")
+
+
 @pytest.mark.parametrize("env,reason", [
     ({"CHILD_TBVSIM_PORT": "down"}, "port 1 is not active"),
     ({"CHILD_TBRPC_HOST_ID": "host-a"}, "peer is on this host"),

@@ -58,6 +58,10 @@ int tb_rdma_profile_default(void) {
 
 #if !TB_HAVE_VERBS
 
+#ifndef MSG_NOSIGNAL
+#define MSG_NOSIGNAL 0   // macOS: the anchor has SO_NOSIGPIPE (tb_adopt)
+#endif
+
 #define NO_VERBS "built without verbs headers (install libibverbs-dev, or the macOS SDK, and rebuild)"
 
 struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * mine) {
@@ -165,6 +169,8 @@ struct rdma_transport {
     int eof;
     int64_t eof_at;
     uint64_t wire_bytes;
+    uint64_t anchor_bytes;       // heartbeat bytes drained from the anchor (atomic: any waiting thread drains)
+    uint64_t anchor_seen;        // anchor_bytes when rdma_peer_alive last looked
 };
 
 static int64_t now_ns(void) {
@@ -507,7 +513,7 @@ static int tcp_gone(struct rdma_transport * t) {
     char buf[64];
     for (;;) {
         ssize_t k = recv(t->fd, buf, sizeof buf, MSG_DONTWAIT);
-        if (k > 0) continue;
+        if (k > 0) { __atomic_add_fetch(&t->anchor_bytes, (uint64_t) k, __ATOMIC_RELAXED); continue; }
         if (k < 0 && errno == EINTR) continue;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
         return 1;
@@ -738,9 +744,30 @@ static void rdma_free(struct tb_ring * r) {
     free(t);
 }
 
+// The heartbeat is a byte on the anchor: it takes no receive slot, so a node
+// computing a long graph keeps a peer blocked on its full ring waiting (a
+// keepalive frame there would sit unread ahead of the credits the node
+// returns). A waiting side drains the anchor anyway (tcp_gone, looking for
+// its end of file); what it drained since it last looked is the sign. A full
+// socket drops the byte: the next one will do.
+static void rdma_heartbeat(struct tb_ring * r) {
+    const char beat = 0;
+    (void) !send(of(r)->fd, &beat, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+static int rdma_peer_alive(struct tb_ring * r) {
+    struct rdma_transport * t = of(r);
+    if (tcp_gone(t)) note_eof(t);   // drain what came since the last wait; an end of file is the wait's to report
+    const uint64_t now = __atomic_load_n(&t->anchor_bytes, __ATOMIC_RELAXED);
+    const int moved = now != t->anchor_seen;
+    t->anchor_seen = now;
+    return moved;
+}
+
 static const struct tb_ring_wire rdma_wire = {
     .name = "rdma", .tx_frame = rdma_tx_frame, .post = rdma_post, .rx_frame = rdma_rx_frame,
-    .release = rdma_release, .wait = rdma_wait, .free = rdma_free,
+    .release = rdma_release, .wait = rdma_wait, .free = rdma_free, .heartbeat = rdma_heartbeat,
+    .peer_alive = rdma_peer_alive,
 };
 
 struct tb_transport * tb_rdma_transport(struct tb_rdma * d, struct tb_transport * tcp, char * err, size_t err_len) {

@@ -336,6 +336,55 @@ static void case_qp_places(void) {
     CHECK(chmod(dir, 0700) == 0, "chmod");
 }
 
+// A reader that computes and does not read: its receive slots fill, and a
+// sender blocked on it waits as long as its heartbeats come (tb_alive: a byte
+// on the TCP anchor, which takes no slot), and fails with TB_IO_TIMEOUT once
+// they stop.
+#define BUSY_BYTES (4u << 20)
+enum { BUSY_TIMEOUT_MS = 500, BEAT_US = 100000 };
+
+static int busy_reader(struct tb_transport * t, int beats, int reads) {
+    for (int i = 0; i < beats; i++) {
+        usleep(BEAT_US);
+        if (!tb_alive(t)) return 7;   // the RDMA wire has a heartbeat
+    }
+    if (!reads) { sleep(3); return 0; }
+    static uint8_t buf[65536];
+    for (uint32_t got = 0; got < BUSY_BYTES; got += sizeof buf) {
+        if (tb_recv(t, buf, sizeof buf) != 0) { fprintf(stderr, "reader: %s\n", t->error); return 3; }
+    }
+    return 0;
+}
+static int child_busy(struct tb_transport * t) { return busy_reader(t, 25, 1); }
+static int child_goes_quiet(struct tb_transport * t) { return busy_reader(t, 10, 0); }
+
+static int64_t send_busy(struct tb_transport * t, int * rc) {
+    static uint8_t buf[BUSY_BYTES];
+    const int64_t t0 = tb_now_ms();
+    *rc = tb_send(t, buf, sizeof buf);
+    if (*rc == 0) *rc = tb_flush(t);
+    return tb_now_ms() - t0;
+}
+
+static void case_heartbeat(void) {
+    struct pair p = make_pair(BUSY_TIMEOUT_MS, 1, child_busy);
+    int rc = -1;
+    int64_t took = send_busy(p.mine, &rc);
+    CHECK(rc == 0, "a send to a reader that beat every %d ms failed after %lld ms: %s", BEAT_US / 1000, (long long) took,
+          p.mine->error);
+    CHECK(took >= 2000, "the send took %lld ms: the reader did not hold it up, nothing was tested", (long long) took);
+    CHECK(child_status(p.child) == 0, "reader failed");
+    tb_close(p.mine);
+    p = make_pair(BUSY_TIMEOUT_MS, 1, child_goes_quiet);
+    took = send_busy(p.mine, &rc);
+    CHECK(rc != 0, "a send to a reader silent for 3 s succeeded after %lld ms", (long long) took);
+    CHECK(p.mine->error_kind == TB_IO_TIMEOUT, "kind %s: %s", tb_io_error_name(p.mine->error_kind), p.mine->error);
+    CHECK(took >= 1000 && took < 1000 + 4 * BUSY_TIMEOUT_MS, "failed after %lld ms, want about %d", (long long) took,
+          1000 + BUSY_TIMEOUT_MS);
+    child_status(p.child);
+    tb_close(p.mine);
+}
+
 int main(int argc, char ** argv) {
     signal(SIGPIPE, SIG_IGN);
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -347,6 +396,7 @@ int main(int argc, char ** argv) {
     else if (!strcmp(c, "idle")) case_idle();
     else if (!strcmp(c, "stays_on_tcp")) case_stays_on_tcp();
     else if (!strcmp(c, "qp_places")) case_qp_places();
+    else if (!strcmp(c, "heartbeat")) case_heartbeat();
     else { fprintf(stderr, "unknown case %s\n", c); return 2; }
     printf("PASS %s\n", c);
     return 0;
