@@ -343,7 +343,7 @@ static void * watchdog_thread(void * arg) {
         if (c->closing || busy == IDLE || tb_now_ms() - since < (int64_t) half) continue;
         const size_t keepalive = sizeof(struct tb_header);
         pthread_mutex_lock(&c->send_lock);
-        // A heartbeat where the transport has one (shared memory): it takes
+        // A heartbeat where the transport has one (shared memory, RDMA): it takes
         // no slot, where a keepalive message left unread by a head blocked
         // sending to us would sit ahead of the credits we return, and stall
         // that send (docs/protocol.md, Keepalive and timeouts).

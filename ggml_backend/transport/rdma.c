@@ -58,9 +58,6 @@ int tb_rdma_profile_default(void) {
 
 #if !TB_HAVE_VERBS
 
-#ifndef MSG_NOSIGNAL
-#define MSG_NOSIGNAL 0   // macOS: the anchor has SO_NOSIGPIPE (tb_adopt)
-#endif
 
 #define NO_VERBS "built without verbs headers (install libibverbs-dev, or the macOS SDK, and rebuild)"
 
@@ -109,6 +106,10 @@ struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * lo
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
+
+#ifndef MSG_NOSIGNAL
+#define MSG_NOSIGNAL 0   // macOS: the anchor has SO_NOSIGPIPE (tb_adopt)
+#endif
 
 #define WIRE_MAGIC   0x57524254u            // "TBRW"
 #define APPLE_FRAME  4096u                  // Apple counts queues in 4 KiB frames
