@@ -58,7 +58,6 @@ int tb_rdma_profile_default(void) {
 
 #if !TB_HAVE_VERBS
 
-
 #define NO_VERBS "built without verbs headers (install libibverbs-dev, or the macOS SDK, and rebuild)"
 
 struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * mine) {
