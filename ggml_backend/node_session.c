@@ -323,10 +323,11 @@ static int handle_copy(struct node_conn * c, const struct tb_header * h, char * 
 // works; a decode step's short busy spells send none. A tick that finds the
 // session idle costs a wake-up and nothing more (a few per second), where
 // waking the watchdog on every state change cost a context switch per
-// change on the token's path. A KEEPALIVE goes only where it fits without
-// waiting (tb_room): a head or peer that is not reading this connection is
-// not timing it either, and a watchdog blocked on a full ring would hold
-// send_lock against the session's own next message.
+// change on the token's path. The sign of life is the transport's
+// heartbeat where it has one (tb_alive: shared memory, RDMA), else a
+// KEEPALIVE message (TCP), which goes only where it fits without waiting
+// (tb_room): a watchdog blocked on a full connection would hold send_lock
+// against the session's own next message.
 static void * watchdog_thread(void * arg) {
     struct node_conn * c = arg;
     pthread_mutex_lock(&c->busy_lock);
