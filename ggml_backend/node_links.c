@@ -32,6 +32,7 @@ static uint64_t add_peer(struct node_conn * c, struct tb_transport * tp, bool ou
     // The head's own timeout (three keepalive periods) bounds a silent peer
     // too; HELLO keeps keepalive_ms under TB_KEEPALIVE_MAX_MS, so this cannot overflow.
     tp->timeout_ms = (int) (c->keepalive_ms * 3u);
+    tb_one_way(tp, outgoing);   // over TCP, a computing receiver heartbeats a sender blocked on it
     pthread_mutex_lock(&c->send_lock);     // the watchdog walks this list
     c->peers[c->n_peers].tp = tp;
     c->peers[c->n_peers].outgoing = outgoing;

@@ -324,10 +324,10 @@ static int handle_copy(struct node_conn * c, const struct tb_header * h, char * 
 // session idle costs a wake-up and nothing more (a few per second), where
 // waking the watchdog on every state change cost a context switch per
 // change on the token's path. The sign of life is the transport's
-// heartbeat where it has one (tb_alive: shared memory, RDMA), else a
-// KEEPALIVE message (TCP), which goes only where it fits without waiting
-// (tb_room): a watchdog blocked on a full connection would hold send_lock
-// against the session's own next message.
+// heartbeat where it has one (tb_alive: shared memory, RDMA, the receiving
+// end of a TCP link), else a KEEPALIVE message, which goes only where it
+// fits without waiting (tb_room): a watchdog blocked on a full connection
+// would hold send_lock against the session's own next message.
 static void * watchdog_thread(void * arg) {
     struct node_conn * c = arg;
     pthread_mutex_lock(&c->busy_lock);
@@ -357,8 +357,8 @@ static void * watchdog_thread(void * arg) {
         // linked to itself, would otherwise wait on each other forever).
         // The node before us (an incoming link) may be blocked sending us
         // its next piece of a pipelined prompt while we compute this one: it
-        // gets a heartbeat where the link has one (not over TCP, where it
-        // waits the stall timeout at most: it never reads that way).
+        // gets the link's heartbeat (over TCP a byte back on the link,
+        // tb_one_way; a ring's outside its slots).
         for (size_t i = 0; busy == COMPUTING && i < c->n_peers; i++) {
             struct tb_transport * tp = c->peers[i].tp;
             if (!tb_alive(tp) && c->peers[i].outgoing && tb_room(tp, keepalive) &&

@@ -16,7 +16,8 @@
 //          waiting on it, where a keepalive message would take a slot of a
 //          frame ring that peer is not reading (and, left unread ahead of
 //          the credits the node returns, stall a peer blocked sending to it).
-//          NULL over TCP, whose keepalive messages do that job
+//          Over TCP only the receiving end of a one-way connection has one
+//          (tb_one_way); elsewhere keepalive messages do that job
 //
 // The layer has three parts. Callers (client_node.c, node.c,
 // node_session.c, node_links.c) use only the names below, never those of
@@ -97,7 +98,7 @@ struct tb_transport_ops {
     void (*close)(struct tb_transport * t);
     // A sign of life outside the byte stream, which a peer waiting on this
     // connection counts as progress: 1 when given, 0 when this transport has
-    // none (then a keepalive message is the sign). NULL: none (TCP)
+    // none (then a keepalive message is the sign). NULL: none
     int  (*alive)(struct tb_transport * t);
 };
 
@@ -159,6 +160,13 @@ struct tb_transport * tb_adopt(int fd, int timeout_ms);
 // and whether both ends have the same address (the peer is on this host).
 int tb_tcp_fd(struct tb_transport * t);
 int tb_tcp_same_host(struct tb_transport * t);
+
+// A peer link carries messages one way only (node_links.c); over TCP its
+// idle direction then carries the receiver's heartbeat: the receiving end's
+// alive writes one byte back, and the sending end reads such bytes away,
+// counting them as progress while a send waits. No effect on a connection
+// that moved to shared memory or RDMA, whose alive needs no help.
+void tb_one_way(struct tb_transport * t, int sending);
 
 // --- Shared memory (transport/shm.c) -----------------------------------------
 // A ring of frames (transport/ring.h) in a segment the answering side

@@ -87,10 +87,11 @@ def tcp_send_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          with_ggml=False)
 
 
-@pytest.mark.parametrize("case", ["busy_peer", "silent_peer"])
+@pytest.mark.parametrize("case", ["busy_peer", "silent_peer", "one_way"])
 def test_a_blocked_tcp_send_waits_for_a_busy_peer_not_a_silent_one(tcp_send_tests: Path, case: str) -> None:
     """A send the peer does not read (a node computing, in a pipelined prompt) lasts as long as the peer
-    sends signs of life, and fails with TB_IO_TIMEOUT once it goes silent: tests/c/tcp_send_tests.c."""
+    sends signs of life, and fails with TB_IO_TIMEOUT once it goes silent; on a one-way peer link the
+    receiver's heartbeat is such a sign, read away by the sender: tests/c/tcp_send_tests.c."""
     proc = subprocess.run([str(tcp_send_tests), case], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"PASS {case}" in proc.stdout
@@ -340,18 +341,26 @@ def test_a_node_restarted_on_its_endpoint_serves_this_process_again(nodes: Any, 
     assert "DEVICES True SAME True" in out, out
 
 
-@pytest.mark.parametrize("transport", ["tcp", "auto"])
-@pytest.mark.parametrize("links", ["node to node", "through the head"])
-def test_a_pipelined_prompt_outlasts_the_stall_timeout(links: str, transport: str, nodes: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("links, transport, socket_buffer", [
+    ("node to node", "tcp", None), ("through the head", "tcp", None),
+    ("node to node", "auto", None), ("through the head", "auto", None),
+    ("node to node", "tcp", 65536)])
+def test_a_pipelined_prompt_outlasts_the_stall_timeout(links: str, transport: str, socket_buffer: int | None,
+                                                       nodes: Any, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt pipelined through a layer split (the pieces before the last ask for no logits, as
     tbrpc.Llama.eval sends them) keeps a sender blocked while the next node computes its piece: the
     head, on that node's inputs (its attention mask, n_ctx x n_ubatch x 2 B = 32 MiB here, more than
-    a socket takes), and with a link between them the node before it, on its activations (5 MiB).
-    With a 1 s stall timeout and pieces of seconds, the node computing keeps both waiting: over TCP
-    its keepalives (bytes that arrive count as progress), over shared memory (transport "auto": the
-    head's connections and the link) its heartbeat, which takes no slot of a ring the node does not
-    read. The prompt completes, where before the head failed the node after 1 s ("send timed out",
-    "no answer within 1000 ms")."""
+    a socket takes), and with a link between them the node before it, on its activations (5 MiB,
+    which 4 MiB socket buffers each way take whole; 64 KiB ones do not, as Kimi K2's 14.7 MB pieces
+    would not on a Mac). With a 1 s stall timeout and pieces of seconds, the node computing keeps
+    both waiting: over TCP its keepalives to the head and a heartbeat byte back on the link (bytes
+    that arrive count as progress), over shared memory (transport "auto": the head's connections
+    and the link) its heartbeat, which takes no slot of a ring the node does not read. The prompt
+    completes, where without them a sender fails the node after 1 s ("send timed out", "no answer
+    within 999 ms")."""
+    if socket_buffer is not None:
+        monkeypatch.setenv("TBRPC_TCP_BUFFER", str(socket_buffer))   # the nodes' and the head's sockets
     a, b = nodes(2, "--timeout", "1")
     script = (
         "import json, time\n"

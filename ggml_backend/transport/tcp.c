@@ -28,9 +28,13 @@
 #define TCP_WBUF_SIZE (256 * 1024)
 #define WAIT_SLICE_MS 100   // how long a blocked send sleeps before it looks for signs of life
 
+enum one_way { BOTH_WAYS = 0, SENDS, RECEIVES };   // tb_one_way
+
 struct tcp_transport {
     struct tb_transport base;   // must be first: ops receive &base
     int    fd;
+    int    one_way;             // enum one_way
+    int64_t drained_ms;         // SENDS: when the peer's heartbeat bytes were last read away
     size_t wlen;
     uint8_t wbuf[TCP_WBUF_SIZE];
 };
@@ -51,17 +55,36 @@ static int waiting_in(int fd) {
     return ioctl(fd, FIONREAD, &n) == 0 ? n : -1;
 }
 
+// The sending end of a one-way connection reads away the heartbeat bytes
+// its peer writes back (tcp_alive): nothing else comes that way. Returns
+// how many were read, or -1 with the failure recorded (the peer closed).
+static int drain_heartbeats(struct tcp_transport * t) {
+    uint8_t scratch[256];
+    int got = 0;
+    for (;;) {
+        const ssize_t k = recv(t->fd, scratch, sizeof scratch, MSG_DONTWAIT);
+        if (k > 0) { got += (int) k; continue; }
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        const int kind = k == 0 || errno == ECONNRESET ? TB_IO_CLOSED : TB_IO_BROKEN;
+        return tb_fail(&t->base, kind, "%s: %s", t->base.peer, k == 0 ? "connection closed by peer" : strerror(errno));
+    }
+    t->drained_ms = tb_now_ms();
+    return got;
+}
+
 // Wait until the socket takes more. A peer that does not read may still be
 // alive and busy: a node computing a long graph sends keepalives, and the
-// next node of a pipelined prompt, still on the piece before, sends them on
-// the link it receives ours on. So, as in the frame ring (ring.c,
-// wait_progress), only silence times out: bytes arriving meanwhile (left
-// queued for whoever reads them) restart the clock. Returns 0, or -1 with
-// the failure recorded.
+// next node of a pipelined prompt, still on the piece before, gives a
+// heartbeat on the link it receives ours on (tb_one_way). So, as in the
+// frame ring (ring.c, wait_progress), only silence times out: bytes
+// arriving meanwhile restart the clock (a heartbeat is read away, anything
+// else left queued for whoever reads it). Returns 0, or -1 with the
+// failure recorded.
 static int wait_writable(struct tcp_transport * t) {
     const int timeout_ms = t->base.timeout_ms;
     int64_t deadline = timeout_ms > 0 ? tb_now_ms() + timeout_ms : 0;
-    int heard = waiting_in(t->fd);
+    int heard = t->one_way == SENDS ? 0 : waiting_in(t->fd);
     for (;;) {
         int slice = WAIT_SLICE_MS;
         if (deadline > 0) {
@@ -72,6 +95,12 @@ static int wait_writable(struct tcp_transport * t) {
         const int w = wait_fd(t->fd, POLLOUT, slice);
         if (w > 0) return 0;
         if (w < 0) return tb_fail(&t->base, TB_IO_BROKEN, "%s: poll failed: %s", t->base.peer, strerror(errno));
+        if (t->one_way == SENDS) {
+            const int got = drain_heartbeats(t);
+            if (got < 0) return -1;
+            if (got > 0 && deadline > 0) deadline = tb_now_ms() + timeout_ms;
+            continue;
+        }
         const int now_heard = waiting_in(t->fd);
         if (now_heard > heard && deadline > 0) deadline = tb_now_ms() + timeout_ms;
         if (now_heard >= 0) heard = now_heard;
@@ -79,6 +108,9 @@ static int wait_writable(struct tcp_transport * t) {
 }
 
 static int write_all(struct tcp_transport * t, const uint8_t * p, size_t n) {
+    // Heartbeats that came while we did not wait are read away too, at most
+    // once a second (a system call), so they never fill the socket.
+    if (t->one_way == SENDS && tb_now_ms() - t->drained_ms >= 1000 && drain_heartbeats(t) < 0) return -1;
     while (n > 0) {
         ssize_t k = send(t->fd, p, n, MSG_NOSIGNAL);
         if (k > 0) { p += k; n -= (size_t) k; t->base.bytes_sent += (uint64_t) k; continue; }
@@ -166,6 +198,17 @@ static int tcp_room(struct tb_transport * base, size_t len) {
     return rc == 1 && (p.revents & POLLOUT) && !(p.revents & (POLLERR | POLLHUP));
 }
 
+// The receiving end of a one-way connection: one byte back, which its
+// sender reads away as a sign of life. Never waits; 0 when it did not go.
+static int tcp_alive(struct tb_transport * base) {
+    struct tcp_transport * t = (struct tcp_transport *) base;
+    if (t->one_way != RECEIVES || t->wlen != 0) return 0;
+    const uint8_t beat = 0;
+    ssize_t k;
+    do { k = send(t->fd, &beat, 1, MSG_DONTWAIT | MSG_NOSIGNAL); } while (k < 0 && errno == EINTR);
+    return k == 1;
+}
+
 static void tcp_close(struct tb_transport * base) {
     struct tcp_transport * t = (struct tcp_transport *) base;
     if (t->fd >= 0) close(t->fd);
@@ -174,14 +217,33 @@ static void tcp_close(struct tb_transport * base) {
 
 static const struct tb_transport_ops tcp_ops = {
     .name = "tcp", .send = tcp_send, .flush = tcp_flush, .recv = tcp_recv, .poll = tcp_poll, .room = tcp_room,
-    .close = tcp_close,
+    .close = tcp_close, .alive = tcp_alive,
 };
+
+void tb_one_way(struct tb_transport * base, int sending) {
+    if (base->ops != &tcp_ops) return;
+    struct tcp_transport * t = (struct tcp_transport *) base;
+    t->one_way = sending ? SENDS : RECEIVES;
+    t->drained_ms = tb_now_ms();
+}
+
+// Each socket's send and receive buffer: 4 MiB, or TBRPC_TCP_BUFFER bytes
+// (4 KiB to 256 MiB; the kernel caps it, Linux at net.core.wmem_max and
+// rmem_max). Larger suits a link with a long round trip; small ones make a
+// sender wait sooner, as a pipelined prompt's activations of many MB do on
+// any machine (tests use it so).
+static int socket_buffer_bytes(void) {
+    const char * e = getenv("TBRPC_TCP_BUFFER");
+    char * end = NULL;
+    const long v = e ? strtol(e, &end, 10) : 0;
+    return e && *e && end && *end == '\0' && v >= 4096 && v <= 256L * 1024 * 1024 ? (int) v : 4 * 1024 * 1024;
+}
 
 static void set_socket_options(int fd) {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
-    int buf = 4 * 1024 * 1024;
+    int buf = socket_buffer_bytes();
     setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof buf);
     setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof buf);
 #ifdef SO_NOSIGPIPE

@@ -10,16 +10,21 @@
 //   silent_peer  the peer writes a byte every 100 ms for 1 s, then neither
 //                writes nor reads: the send fails with TB_IO_TIMEOUT about
 //                300 ms after the last byte
+//   one_way      a peer link (tb_one_way): the receiving end's tb_alive is the
+//                heartbeat byte that keeps the sender waiting, and the
+//                sending end reads those bytes away, so none stay queued
 #include "transport.h"
 
 #include "check.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -113,9 +118,82 @@ static void case_silent_peer(void) {
           "failed after %lld ms, want about %d (the last byte, then the timeout)", (long long) took, 10 * BEAT_MS + TIMEOUT_MS);
 }
 
+struct link_end {
+    struct tb_transport * r;   // the receiving end of a one-way connection
+    int beats_given;
+};
+
+static void * run_link_receiver(void * arg) {
+    struct link_end * e = arg;
+    for (int i = 0; i < 15; i++) {
+        sleep_ms(BEAT_MS);
+        e->beats_given += tb_alive(e->r);
+    }
+    static char sink[1 << 16];
+    const int fd = tb_tcp_fd(e->r);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);   // tb_adopt made it non-blocking
+    for (size_t got = 0; got < PAYLOAD; ) {
+        const ssize_t k = recv(fd, sink, sizeof sink, 0);
+        if (k <= 0) return NULL;
+        got += (size_t) k;
+    }
+    for (int i = 0; i < 3; i++) {   // while the sender, done, does not wait
+        sleep_ms(BEAT_MS);
+        e->beats_given += tb_alive(e->r);
+    }
+    while (recv(fd, sink, sizeof sink, 0) > 0) {}
+    return NULL;
+}
+
+static int queued_bytes(int fd) {
+    int n = -1;
+    CHECK(ioctl(fd, FIONREAD, &n) == 0, "FIONREAD: %s", strerror(errno));
+    return n;
+}
+
+static void case_one_way(void) {
+    int peer_fd = -1;
+    struct tb_transport * t = connected_pair(&peer_fd);
+    struct tb_transport * r = tb_adopt(peer_fd, 1000);
+    CHECK(r != NULL, "adopt failed");
+    const int small = 64 << 10;
+    setsockopt(tb_tcp_fd(r), SOL_SOCKET, SO_RCVBUF, &small, sizeof small);   // tb_adopt set 4 MiB
+    CHECK(tb_alive(r) == 0 && tb_alive(t) == 0, "a TCP connection carrying messages both ways has a heartbeat");
+    tb_one_way(r, 0);
+    tb_one_way(t, 1);
+    CHECK(tb_alive(t) == 0, "the sending end of a one-way connection has a heartbeat");
+
+    uint8_t * payload = calloc(1, PAYLOAD);
+    CHECK(payload != NULL, "out of memory");
+    struct link_end e = { .r = r };
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, run_link_receiver, &e) == 0, "pthread_create");
+    const int64_t started = tb_now_ms();
+    int rc = tb_send(t, payload, PAYLOAD);
+    if (rc == 0) rc = tb_flush(t);
+    const int64_t took = tb_now_ms() - started;
+    CHECK(rc == 0, "a send to a receiver that gave a heartbeat every %d ms failed after %lld ms: %s", BEAT_MS,
+          (long long) took, t->error);
+    CHECK(took >= 15 * BEAT_MS, "the send took %lld ms: the receiver did not hold it up, nothing was tested", (long long) took);
+    // Heartbeats that come while the sender does not wait are read away by
+    // its next write a second or more after the last time it read them.
+    sleep_ms(1100);
+    CHECK(e.beats_given == 18, "the receiving end gave %d of 18 heartbeats", e.beats_given);
+    CHECK(queued_bytes(tb_tcp_fd(t)) >= 3, "%d bytes queued on the sending end: the case tests nothing",
+          queued_bytes(tb_tcp_fd(t)));
+    const uint8_t small_msg[16] = { 0 };
+    CHECK(tb_send(t, small_msg, sizeof small_msg) == 0 && tb_flush(t) == 0, "%s", t->error);
+    CHECK(queued_bytes(tb_tcp_fd(t)) == 0, "%d heartbeat bytes left queued on the sending end",
+          queued_bytes(tb_tcp_fd(t)));
+    tb_close(t);
+    pthread_join(th, NULL);
+    tb_close(r);
+    free(payload);
+}
+
 int main(int argc, char ** argv) {
     static const struct { const char * name; void (*fn)(void); } cases[] = {
-        { "busy_peer", case_busy_peer }, { "silent_peer", case_silent_peer },
+        { "busy_peer", case_busy_peer }, { "silent_peer", case_silent_peer }, { "one_way", case_one_way },
     };
     for (size_t i = 0; argc == 2 && i < sizeof cases / sizeof cases[0]; i++) {
         if (strcmp(argv[1], cases[i].name) != 0) continue;
@@ -123,6 +201,6 @@ int main(int argc, char ** argv) {
         printf("PASS %s\n", cases[i].name);
         return 0;
     }
-    fprintf(stderr, "usage: tcp_send_tests CASE (busy_peer, silent_peer)\n");
+    fprintf(stderr, "usage: tcp_send_tests CASE (busy_peer, silent_peer, one_way)\n");
     return 2;
 }
