@@ -30,10 +30,10 @@ lone cluster finds it, at the price of the drift between runs.
 
 Usage (from the repo root, with the dev venv; benchmarks/rpc_venv.sh once):
 
-    PYTHONPATH=. /work/venv/bin/python benchmarks/bench_paired.py
-    PYTHONPATH=. /work/venv/bin/python benchmarks/bench_paired.py --models gemma --nodes 1 --rounds 4 --steps 300
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_paired.py --contenders tbrpc-tcp,tbrpc \
-        --contenders-also tbrpc-tcp@old,tbrpc@old --tree old=/path/to/checkout
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_paired.py
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_paired.py --models gemma --nodes 1 --rounds 4 --steps 300
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_paired.py --contenders tbrpc-tcp,tbrpc,tbrpc-tcp@old,tbrpc@old \
+        --tree old=/path/to/checkout
 
 This is a benchmark, not a test: nothing here asserts on timings.
 """

@@ -31,8 +31,8 @@ texts when they differ. It exits 1 if runs with the same kernels (all but
 Usage (from the repo root, with the dev venv):
 
     benchmarks/rpc_venv.sh                      # once: builds .bench-venv-rpc/
-    PYTHONPATH=. /work/venv/bin/python benchmarks/bench_split.py
-    PYTHONPATH=. /work/venv/bin/python benchmarks/bench_split.py --models gemma --nodes 1,2 --modes single,tbrpc
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_split.py
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_split.py --models gemma --nodes 1,2 --modes single,tbrpc
 
 This is a benchmark, not a test: nothing here asserts on timings.
 """
