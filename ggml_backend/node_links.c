@@ -515,6 +515,15 @@ static int allreduce_check(struct node_conn * c, const struct tb_allreduce * req
     return 0;
 }
 
+// The links an all-reduce receives on wait for peers that compute the same
+// layer: their partials come within the imbalance between the nodes, so a
+// wait spins rather than sleeps (transport.h, rendezvous). Checked links only.
+static void rendezvous(struct node_conn * c, const struct tb_allreduce * req, int on) {
+    for (uint32_t k = 0; k < req->n; k++) {
+        if (k != req->self && allreduce_link_ok(c, req->peer_in[k], false)) c->peers[req->peer_in[k] - 1].tp->rendezvous = on;
+    }
+}
+
 int handle_allreduce(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
     const struct tb_allreduce req = *(const struct tb_allreduce *) c->payload;
     if (allreduce_check(c, &req, err, err_len) != 0) return -1;
@@ -538,8 +547,10 @@ int handle_allreduce(struct node_conn * c, const struct tb_header * h, char * er
     else if (!(ring && host)) ggml_backend_tensor_get(&t, mine, 0, size);
     const int64_t started = tb_now_ns();
     set_busy(c, COMPUTING);   // peers waiting for our partial hear keepalives, as during a graph
+    rendezvous(c, &req, 1);
     const int rc = ring ? ring_allreduce(c, &req, acc, (float *) ((uint8_t *) c->payload + (host ? 0 : size)), err, err_len)
                         : mesh_allreduce(c, &req, mine, scratch + n_floats, acc, err, err_len);
+    rendezvous(c, &req, 0);
     set_busy(c, IDLE);
     if (rc == 0 && !host) ggml_backend_tensor_set(&t, acc, 0, size);
     count(&c->slot->allreduces, 1);

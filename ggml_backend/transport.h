@@ -107,6 +107,10 @@ struct tb_transport {
     int      timeout_ms;      // recv/send give up after this long without progress; <= 0 waits forever
     int64_t  deadline_ms;     // recv also gives up at this tb_now_ms(), progress or not (0: no deadline):
                               // a server's bound on one whole message, against a peer that trickles bytes
+    int      rendezvous;      // set by a caller whose peer works on the same step and sends within
+                              // microseconds (an all-reduce's partial): a shared-memory wait spins its
+                              // whole budget before sleeping, whatever the connection's recent waits
+                              // were (RDMA always spins first; TCP showed no gain from it on loopback)
     char     peer[96];        // "host:port" of the other side, for messages
     char     error[256];      // reason of the last failure
     int      error_kind;      // enum tb_io_error of the last failure

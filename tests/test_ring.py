@@ -12,7 +12,7 @@ import pytest
 from tbrpc._build import build_program
 
 CASES = ["stream", "one_way", "peer_killed", "peer_closes", "silence_times_out_idle", "forged_frames", "attach_rules", "upgrade",
-         "room", "heartbeat_keeps_a_sender", "quiet_reader_times_out"]
+         "room", "heartbeat_keeps_a_sender", "quiet_reader_times_out", "rendezvous_spins"]
 
 
 @pytest.fixture(scope="module")

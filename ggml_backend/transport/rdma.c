@@ -565,6 +565,7 @@ static int arrived(struct rdma_transport * t, uint32_t seq) {
 
 // Sleep up to `us` microseconds, waking for the TCP socket (and the channel).
 static void sleep_on(struct rdma_transport * t, int64_t us) {
+    __atomic_add_fetch(&t->ring.sleeps, 1, __ATOMIC_RELAXED);
     struct pollfd p[2] = { { .fd = t->fd, .events = POLLIN }, { .fd = t->d->ch ? t->d->ch->fd : -1, .events = POLLIN } };
     int nfds = t->d->ch ? 2 : 1;
     int k;

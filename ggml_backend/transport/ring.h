@@ -91,6 +91,7 @@ struct tb_ring {
     int      rx_more;                  // the last frame taken was full: more of its message is coming (atomic)
 
     uint64_t frames_sent, credit_stalls;
+    uint64_t sleeps;                   // waits that slept rather than spun (the wire counts them; atomic)
 };
 
 // Fill in a ring over `wire`, inside the wire's own struct. Each side starts

@@ -21,8 +21,11 @@
 // decode step away) never do, and on a machine with fewer cores than busy
 // processes a spinner holds the core its peer needs to produce the frame.
 // So each connection keeps an average of how long its recent waits lasted
-// and spins fully while that average is short, or when the frame awaited
-// continues a message (the last one came full: tb_ring_more); otherwise it checks a
+// and spins fully while that average is short, when the frame awaited
+// continues a message (the last one came full: tb_ring_more), or when the
+// caller knows it comes soon (base.rendezvous: an all-reduce, whose peer
+// computes the same layer, where a sleep costs a wake-up per layer and a
+// spin finds the partial within microseconds); otherwise it checks a
 // few times and sleeps at once, but for every 16th wait, which spins fully
 // to find out whether replies have become quick again (a wait that slept
 // also counts the wake-up, so short replies seen through sleeps alone could
@@ -251,7 +254,8 @@ static int shm_wait(struct tb_ring * r, uint32_t seq, int timeout_ms) {
     const int64_t started = tb_now_ns();
     int64_t avg = __atomic_load_n(&t->wait_avg_ns, __ATOMIC_RELAXED);
     const uint32_t nth = __atomic_add_fetch(&t->waits, 1, __ATOMIC_RELAXED);
-    const int checks = avg < SPIN_PAYS_NS || nth % SPIN_PROBE == 0 || tb_ring_more(r) ? SPIN_CHECKS : SPIN_FLOOR;
+    const int checks = avg < SPIN_PAYS_NS || nth % SPIN_PROBE == 0 || tb_ring_more(r) || r->base.rendezvous
+                       ? SPIN_CHECKS : SPIN_FLOOR;
     int rc = 0, got = 0;
     for (int i = 0; i < checks && !got; i++) {
         got = shm_rx_frame(r, seq, &broken) != NULL;
@@ -266,6 +270,7 @@ static int shm_wait(struct tb_ring * r, uint32_t seq, int timeout_ms) {
         atomic_store_explicit(mine, 1, memory_order_relaxed);
         atomic_thread_fence(memory_order_seq_cst);
         if (!shm_rx_frame(r, seq, &broken)) {
+            __atomic_add_fetch(&r->sleeps, 1, __ATOMIC_RELAXED);
             struct pollfd p = { .fd = t->fd, .events = POLLIN };
             int k;
             do { k = poll(&p, 1, timeout_ms); } while (k < 0 && errno == EINTR);

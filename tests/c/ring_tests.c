@@ -399,13 +399,63 @@ static void case_quiet_reader_times_out(void) {
     tb_close(p.mine);
 }
 
+// A rendezvous (transport.h): an all-reduce's partial comes within
+// microseconds, but a connection whose recent waits ran long sleeps at once,
+// and pays a wake-up each time. The child answers each "go" byte after
+// spinning 300 us (long) or 5 us (short), alternately, so the waits average
+// long; the parent counts the short waits that slept, without the hint and
+// with it. The child waits with the hint throughout, so its own wake-up does
+// not make the short answers long.
+enum { RV_ROUNDS = 64, RV_LONG_US = 300, RV_SHORT_US = 5 };
+
+static void spin_us(int64_t us) {
+    const int64_t until = tb_now_ns() + us * 1000;
+    while (tb_now_ns() < until) {}
+}
+
+static int child_answers(struct tb_transport * t) {
+    t->rendezvous = 1;
+    for (int i = 0; i < 2 * RV_ROUNDS; i++) {
+        uint8_t go;
+        if (tb_recv(t, &go, 1) != 0) return 2;
+        spin_us(go ? RV_LONG_US : RV_SHORT_US);
+        if (tb_send(t, &go, 1) != 0 || tb_flush(t) != 0) return 3;
+    }
+    return 0;
+}
+
+// Short waits (of RV_ROUNDS / 2) that slept, with the parent's hint as given.
+static int short_waits_slept(struct tb_transport * t, int hint) {
+    struct tb_ring * r = (struct tb_ring *) t;
+    t->rendezvous = hint;
+    int slept = 0;
+    for (int i = 0; i < RV_ROUNDS; i++) {
+        uint8_t go = (uint8_t) (i % 2 == 0), back = 0xff;
+        const uint64_t before = __atomic_load_n(&r->sleeps, __ATOMIC_RELAXED);
+        CHECK(tb_send(t, &go, 1) == 0 && tb_flush(t) == 0, "send: %s", t->error);
+        CHECK(tb_recv(t, &back, 1) == 0 && back == go, "answer: %s", t->error);
+        if (!go) slept += __atomic_load_n(&r->sleeps, __ATOMIC_RELAXED) != before;
+    }
+    return slept;
+}
+
+static void case_rendezvous_spins(void) {
+    struct pair p = make_pair(16, 4096, 10000, child_answers);
+    const int without = short_waits_slept(p.mine, 0), with = short_waits_slept(p.mine, 1);
+    CHECK(child_status(p.child) == 0, "the child failed");
+    CHECK(without >= RV_ROUNDS / 4, "without the hint only %d of %d short waits slept: the waits did not average "
+          "long, the case tests nothing", without, RV_ROUNDS / 2);
+    CHECK(with <= RV_ROUNDS / 8, "with the hint %d of %d short waits slept (without: %d)", with, RV_ROUNDS / 2, without);
+    tb_close(p.mine);
+}
+
 int main(int argc, char ** argv) {
     static const struct { const char * name; void (*fn)(void); } cases[] = {
         { "stream", case_stream }, { "one_way", case_one_way }, { "peer_killed", case_peer_killed },
         { "peer_closes", case_peer_closes }, { "silence_times_out_idle", case_silence_times_out_idle },
         { "forged_frames", case_forged_frames }, { "attach_rules", case_attach_rules }, { "upgrade", case_upgrade },
         { "room", case_room }, { "heartbeat_keeps_a_sender", case_heartbeat_keeps_a_sender },
-        { "quiet_reader_times_out", case_quiet_reader_times_out },
+        { "quiet_reader_times_out", case_quiet_reader_times_out }, { "rendezvous_spins", case_rendezvous_spins },
     };
     signal(SIGPIPE, SIG_IGN);
     for (size_t i = 0; argc == 2 && i < sizeof cases / sizeof cases[0]; i++) {
