@@ -282,7 +282,14 @@ static enum ggml_status backend_graph_compute(ggml_backend_t backend, struct ggm
 // The scheduler's copy of a split's input from the node that computed it to
 // the node that needs it: the first sends, the second receives, both posted.
 // The head waits for neither; node order keeps it correct (the send runs
-// after the producer's graph, the receive before the consumer's).
+// after the producer's graph, the receive before the consumer's). A large
+// copy (a prompt's activations) may not fit the link's buffers, so its
+// sender waits until the receiver reads: then the receive leaves at once
+// too, not with the receiver's next request, lest the head wait on
+// something else meanwhile and the sender time out. A decoded token's few
+// KiB fit any link and go with the receiver's graph, in one write.
+#define PEER_COPY_FITS (64u << 10)   // below every link's buffers: TCP's, a ring's 16 slots
+
 static bool backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t backend_dst,
                                      const struct ggml_tensor * src, struct ggml_tensor * dst) {
     if (backend_src->iface.get_name != backend_get_name || !is_our_buffer(src->buffer) || !is_our_buffer(dst->buffer))
@@ -302,6 +309,7 @@ static bool backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t 
     pthread_mutex_unlock(&a->lock);
     pthread_mutex_lock(&b->lock);
     node_post_locked(b, TB_CMD_PEER_RECV, &recv, sizeof recv, NULL, 0);
+    if (size > PEER_COPY_FITS) node_flush_locked(b, TB_CMD_PEER_RECV);
     pthread_mutex_unlock(&b->lock);
     return true;
 }

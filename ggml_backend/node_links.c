@@ -29,14 +29,16 @@ static uint64_t random_token(void) {
 
 static uint64_t add_peer(struct node_conn * c, struct tb_transport * tp, bool outgoing, const char * name) {
     if (c->n_peers == MAX_PEERS) { tb_close(tp); return 0; }
+    struct node_peer * p = &c->peers[c->n_peers];
+    if (pthread_mutex_init(&p->lock, NULL) != 0) { tb_close(tp); return 0; }
     // The head's own timeout (three keepalive periods) bounds a silent peer
     // too; HELLO keeps keepalive_ms under TB_KEEPALIVE_MAX_MS, so this cannot overflow.
     tp->timeout_ms = (int) (c->keepalive_ms * 3u);
-    tb_one_way(tp, outgoing);   // over TCP, a computing receiver heartbeats a sender blocked on it
+    tb_one_way(tp, outgoing);   // over TCP, a receiver that computes heartbeats a sender blocked on it
     pthread_mutex_lock(&c->send_lock);     // the watchdog walks this list
-    c->peers[c->n_peers].tp = tp;
-    c->peers[c->n_peers].outgoing = outgoing;
-    snprintf(c->peers[c->n_peers].name, sizeof c->peers[c->n_peers].name, "%s", name);
+    p->tp = tp;
+    p->outgoing = outgoing;
+    snprintf(p->name, sizeof p->name, "%s", name);
     uint64_t id = ++c->n_peers;
     pthread_mutex_unlock(&c->send_lock);
     return id;
@@ -228,7 +230,7 @@ static int await_dialer(struct node_conn * c, struct reply * r) {
 
 // The peer and the buffer range a PEER_SEND/PEER_RECV names, validated.
 static struct node_buffer * peer_range(struct node_conn * c, const struct tb_peer_range * req, bool outgoing,
-                                       struct tb_transport ** tp, char * err, size_t err_len) {
+                                       struct node_peer ** peer, char * err, size_t err_len) {
     if (req->peer_id == 0 || req->peer_id > c->n_peers || c->peers[req->peer_id - 1].outgoing != outgoing) {
         snprintf(err, err_len, "unknown %s peer %llu", outgoing ? "outgoing" : "incoming", (unsigned long long) req->peer_id);
         return NULL;
@@ -237,16 +239,18 @@ static struct node_buffer * peer_range(struct node_conn * c, const struct tb_pee
         snprintf(err, err_len, "a peer transfer of %llu bytes exceeds the message limit", (unsigned long long) req->size);
         return NULL;
     }
-    *tp = c->peers[req->peer_id - 1].tp;
+    *peer = &c->peers[req->peer_id - 1];
     return checked_range(c, req->handle, req->offset, req->size, err, err_len);
 }
 
-// One PEER_SEND frame of `size` bytes on an outgoing link.
-static int send_to_peer(struct node_conn * c, struct tb_transport * tp, const void * data, uint64_t size) {
-    pthread_mutex_lock(&c->send_lock);     // the watchdog sends keepalives on peer links too
-    int rc = tb_msg_send(tp, TB_CMD_PEER_SEND, 0, 0, data, (size_t) size, NULL, 0);
-    if (rc == 0) rc = tb_flush(tp);
-    pthread_mutex_unlock(&c->send_lock);
+// One PEER_SEND frame of `size` bytes on an outgoing link. Under the link's
+// own lock: a send blocked on a busy next node holds no other, so the
+// watchdog still speaks to the head and to the node before us.
+static int send_to_peer(struct node_peer * p, const void * data, uint64_t size) {
+    pthread_mutex_lock(&p->lock);
+    int rc = tb_msg_send(p->tp, TB_CMD_PEER_SEND, 0, 0, data, (size_t) size, NULL, 0);
+    if (rc == 0) rc = tb_flush(p->tp);
+    pthread_mutex_unlock(&p->lock);
     return rc;
 }
 
@@ -279,8 +283,8 @@ static int recv_from_peer(struct tb_transport * tp, void * dst, uint64_t size, c
 
 int handle_peer_send(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
     const struct tb_peer_range req = *(const struct tb_peer_range *) c->payload;
-    struct tb_transport * tp = NULL;
-    struct node_buffer * b = peer_range(c, &req, true, &tp, err, err_len);
+    struct node_peer * peer = NULL;
+    struct node_buffer * b = peer_range(c, &req, true, &peer, err, err_len);
     if (!b) return -1;
     const uint8_t * data = b->base + req.offset;
     if (!ggml_backend_buffer_is_host(b->buf)) {
@@ -289,21 +293,27 @@ int handle_peer_send(struct node_conn * c, const struct tb_header * h, char * er
         ggml_backend_tensor_get(&t, c->payload, 0, (size_t) req.size);
         data = c->payload;
     }
-    if (send_to_peer(c, tp, data, req.size) != 0) { snprintf(err, err_len, "PEER_SEND: %s", tp->error); return -1; }
+    // A pipelined prompt may block this send on a next node still computing
+    // the piece before: while it does, we show life to the head and to the
+    // node before us, which may be blocked sending to us (the watchdog).
+    set_busy(c, SENDING_TO_PEER);
+    const int rc = send_to_peer(peer, data, req.size);
+    set_busy(c, IDLE);
+    if (rc != 0) { snprintf(err, err_len, "PEER_SEND: %s", peer->tp->error); return -1; }
     return 0;
 }
 
 int handle_peer_recv(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len) {
     const struct tb_peer_range req = *(const struct tb_peer_range *) c->payload;
-    struct tb_transport * tp = NULL;
-    struct node_buffer * b = peer_range(c, &req, false, &tp, err, err_len);
+    struct node_peer * peer = NULL;
+    struct node_buffer * b = peer_range(c, &req, false, &peer, err, err_len);
     if (!b) return -1;
     set_busy(c, WAITING_FOR_PEER);   // waiting for the peer's compute: keep the head informed
     const bool host = ggml_backend_buffer_is_host(b->buf);
     char why[256] = "";
     int rc = host ? 0 : scratch_reserve(c, (size_t) req.size);
     if (rc != 0) snprintf(why, sizeof why, "out of memory");
-    if (rc == 0) rc = recv_from_peer(tp, host ? b->base + req.offset : c->payload, req.size, why, sizeof why);
+    if (rc == 0) rc = recv_from_peer(peer->tp, host ? b->base + req.offset : c->payload, req.size, why, sizeof why);
     tb_trace_mark(c->trace, TB_TRACE_PEER_DATA, TB_CMD_PEER_RECV);
     if (rc == 0 && !host) {
         struct ggml_tensor t = byte_view(b, req.offset, req.size);
@@ -347,9 +357,9 @@ static void * reduce_send_thread(void * arg) {
     struct reduce_send * s = arg;
     for (uint32_t k = 0; k < s->req->n && s->rc == 0; k++) {
         if (k == s->req->self) continue;
-        struct tb_transport * tp = s->c->peers[s->req->peer_out[k] - 1].tp;
-        if (send_to_peer(s->c, tp, s->mine, s->req->size) != 0) {
-            snprintf(s->err, sizeof s->err, "sending to node %s: %s", s->c->peers[s->req->peer_out[k] - 1].name, tp->error);
+        struct node_peer * p = &s->c->peers[s->req->peer_out[k] - 1];
+        if (send_to_peer(p, s->mine, s->req->size) != 0) {
+            snprintf(s->err, sizeof s->err, "sending to node %s: %s", p->name, p->tp->error);
             s->rc = -1;
         }
     }
@@ -425,12 +435,13 @@ static struct ring_span ring_piece(uint64_t n_floats, uint32_t n, uint32_t chunk
 // on, so every node's error names the first failure (a dead node, say).
 // Only where the frame fits without waiting: a link that is not being read
 // must not hold us.
-static void give_up(struct node_conn * c, struct tb_transport * out, const char * why) {
+static void give_up(struct node_peer * out, const char * why) {
     const size_t len = strlen(why) < TB_GAVE_UP_MAX ? strlen(why) : TB_GAVE_UP_MAX;
-    pthread_mutex_lock(&c->send_lock);
-    if (tb_room(out, sizeof(struct tb_header) + len) && tb_msg_send(out, TB_CMD_PEER_SEND, TB_FLAG_GAVE_UP, 0, why, len, NULL, 0) == 0)
-        tb_flush(out);
-    pthread_mutex_unlock(&c->send_lock);
+    pthread_mutex_lock(&out->lock);
+    if (tb_room(out->tp, sizeof(struct tb_header) + len) &&
+        tb_msg_send(out->tp, TB_CMD_PEER_SEND, TB_FLAG_GAVE_UP, 0, why, len, NULL, 0) == 0)
+        tb_flush(out->tp);
+    pthread_mutex_unlock(&out->lock);
 }
 
 // acc: our partial on entry, the sum on return; piece: room for one piece.
@@ -440,7 +451,8 @@ static int ring_exchange(struct node_conn * c, const struct tb_allreduce * req, 
     const uint64_t n_floats = req->size / sizeof(float);
     const uint64_t biggest = (n_floats + n - 1) / n * sizeof(float);
     const uint64_t pieces = biggest > ALLREDUCE_INLINE ? (biggest + ALLREDUCE_INLINE - 1) / ALLREDUCE_INLINE : 1;
-    struct tb_transport * out = c->peers[req->peer_out[next] - 1].tp, * in = c->peers[req->peer_in[prev] - 1].tp;
+    struct node_peer * out = &c->peers[req->peer_out[next] - 1];
+    struct tb_transport * in = c->peers[req->peer_in[prev] - 1].tp;
     for (uint32_t step = 0; step < 2 * (n - 1); step++) {
         const bool gather = step >= n - 1;
         const uint32_t s = gather ? step - (n - 1) : step;
@@ -450,9 +462,8 @@ static int ring_exchange(struct node_conn * c, const struct tb_allreduce * req, 
         for (uint64_t j = 0; j < pieces; j++) {
             const struct ring_span snd = ring_piece(n_floats, n, send_chunk, pieces, j);
             const struct ring_span rcv = ring_piece(n_floats, n, recv_chunk, pieces, j);
-            if (send_to_peer(c, out, acc + snd.first, snd.count * sizeof(float)) != 0) {
-                snprintf(err, err_len, "ALLREDUCE (ring): sending to node %s: %s", c->peers[req->peer_out[next] - 1].name,
-                         out->error);
+            if (send_to_peer(out, acc + snd.first, snd.count * sizeof(float)) != 0) {
+                snprintf(err, err_len, "ALLREDUCE (ring): sending to node %s: %s", out->name, out->tp->error);
                 return -1;
             }
             char why[256] = "";
@@ -471,7 +482,7 @@ static int ring_exchange(struct node_conn * c, const struct tb_allreduce * req, 
 static int ring_allreduce(struct node_conn * c, const struct tb_allreduce * req, float * acc, float * piece,
                           char * err, size_t err_len) {
     const int rc = ring_exchange(c, req, acc, piece, err, err_len);
-    if (rc != 0) give_up(c, c->peers[req->peer_out[(req->self + 1) % req->n] - 1].tp, err);
+    if (rc != 0) give_up(&c->peers[req->peer_out[(req->self + 1) % req->n] - 1], err);
     return rc;
 }
 

@@ -351,21 +351,30 @@ static void * watchdog_thread(void * arg) {
         if (!tb_alive(c->tp) && tb_room(c->tp, keepalive) &&
             tb_msg_send(c->tp, TB_CMD_KEEPALIVE, TB_FLAG_REPLY, 0, NULL, 0, NULL, 0) == 0)
             tb_flush(c->tp);
-        // A peer waiting for our output must not give up on us either, but
-        // only while we compute: a session that merely waits for a peer must
-        // not keep alive a peer that waits for it (two sessions, or one
-        // linked to itself, would otherwise wait on each other forever).
-        // The node before us (an incoming link) may be blocked sending us
-        // its next piece of a pipelined prompt while we compute this one: it
-        // gets the link's heartbeat (over TCP a byte back on the link,
-        // tb_one_way; a ring's outside its slots).
-        for (size_t i = 0; busy == COMPUTING && i < c->n_peers; i++) {
-            struct tb_transport * tp = c->peers[i].tp;
-            if (!tb_alive(tp) && c->peers[i].outgoing && tb_room(tp, keepalive) &&
-                tb_msg_send(tp, TB_CMD_KEEPALIVE, 0, 0, NULL, 0, NULL, 0) == 0)
-                tb_flush(tp);
-        }
+        const size_t n_peers = c->n_peers;   // the list only grows, under send_lock
         pthread_mutex_unlock(&c->send_lock);
+        // A peer waiting on us must not give up on us either, but only while
+        // we compute, or while we are blocked sending to a next node that
+        // does (which itself times out the moment that node goes silent): a
+        // session that merely waits for a peer must not keep alive a peer
+        // that waits for it (two sessions, or one linked to itself, would
+        // otherwise wait on each other forever). Every chain of waits thus
+        // ends at a node that computes. The node before us (an incoming
+        // link) may be blocked sending us its next piece of a pipelined
+        // prompt: it gets the link's heartbeat (over TCP a byte back on the
+        // link, tb_one_way; a ring's outside its slots), which touches no
+        // state of a sender and takes no lock. The node after us (outgoing)
+        // waits for our output only while we compute; a keepalive message
+        // on a link whose own send is under way would wait behind it, so
+        // that link is passed over (the send itself shows life, or fails).
+        for (size_t i = 0; (busy == COMPUTING || busy == SENDING_TO_PEER) && i < n_peers; i++) {
+            struct node_peer * p = &c->peers[i];
+            if (tb_alive(p->tp) || !p->outgoing || busy != COMPUTING) continue;
+            if (pthread_mutex_trylock(&p->lock) != 0) continue;
+            if (tb_room(p->tp, keepalive) && tb_msg_send(p->tp, TB_CMD_KEEPALIVE, 0, 0, NULL, 0, NULL, 0) == 0)
+                tb_flush(p->tp);
+            pthread_mutex_unlock(&p->lock);
+        }
     }
     pthread_mutex_unlock(&c->busy_lock);
     return NULL;
@@ -680,7 +689,10 @@ static void conn_free(struct node_conn * c) {
     pthread_cond_destroy(&c->busy_changed);
     while (c->n_buffers > 0) release_buffer(c, c->n_buffers - 1);
     for (size_t i = 0; i < c->n_files; i++) close(c->files[i].fd);
-    for (size_t i = 0; i < c->n_peers; i++) tb_close(c->peers[i].tp);
+    for (size_t i = 0; i < c->n_peers; i++) {
+        tb_close(c->peers[i].tp);
+        pthread_mutex_destroy(&c->peers[i].lock);
+    }
     tb_listener_close(c->peer_listener);
     forget_kept_graphs(c);
     if (c->backend) ggml_backend_free(c->backend);

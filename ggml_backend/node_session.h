@@ -23,6 +23,15 @@ struct node_buffer {
     uint64_t size;
 };
 
+// A link to the same head's session on another node: messages go one way
+// on it (outgoing: we send, the other side receives).
+struct node_peer {
+    struct tb_transport * tp;
+    bool outgoing;
+    char name[TB_NAME_LEN];
+    pthread_mutex_t lock;           // its sends: the session, a mesh all-reduce's sender thread, the watchdog
+};
+
 struct node_conn {
     struct tb_node *      node;
     struct client_slot *  slot;
@@ -42,10 +51,10 @@ struct node_conn {
 
     // While a graph computes, the watchdog thread sends KEEPALIVE so the
     // client can tell a long computation from a dead node.
-    pthread_mutex_t send_lock;      // replies and keepalives share the transport
+    pthread_mutex_t send_lock;      // replies and keepalives share the transport to the head; the peer list grows under it
     pthread_mutex_t busy_lock;      // guards closing; busy_changed wakes the watchdog to end it
     pthread_cond_t  busy_changed;
-    int       busy;                 // IDLE, COMPUTING or WAITING_FOR_PEER: what the watchdog tells whom (atomic)
+    int       busy;                 // IDLE, COMPUTING, WAITING_FOR_PEER or SENDING_TO_PEER: what the watchdog tells whom (atomic)
     int64_t   busy_since_ms;        // tb_now_ms() when it last left IDLE (atomic)
     bool      closing;
     uint32_t  keepalive_ms;         // asked for by the client at HELLO
@@ -59,7 +68,7 @@ struct node_conn {
     // Links to the same head's sessions on other nodes (id = index + 1).
     struct tb_listener * peer_listener;   // NULL until the head asks for one
     uint64_t  peer_token;           // what a peer must present to connect
-    struct { struct tb_transport * tp; bool outgoing; char name[TB_NAME_LEN]; } peers[MAX_PEERS];
+    struct node_peer peers[MAX_PEERS];
     size_t    n_peers;
     pthread_t watchdog;
     bool      has_watchdog;
@@ -123,7 +132,9 @@ static inline int reply_u64(struct reply * r, uint64_t v) {
     return 0;
 }
 
-enum { IDLE, COMPUTING, WAITING_FOR_PEER };
+// SENDING_TO_PEER: blocked, perhaps, on a next node that computes (a
+// pipelined prompt): we show life to whoever waits on us, as while computing.
+enum { IDLE, COMPUTING, WAITING_FOR_PEER, SENDING_TO_PEER };
 
 // What the watchdog tells whom (see watchdog_thread in node_session.c).
 // Plain stores: the watchdog looks at its own pace, so a state change (six

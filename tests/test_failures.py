@@ -87,14 +87,29 @@ def tcp_send_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          with_ggml=False)
 
 
-@pytest.mark.parametrize("case", ["busy_peer", "silent_peer", "one_way"])
+@pytest.mark.parametrize("case", ["busy_peer", "silent_peer", "one_way", "one_way_data"])
 def test_a_blocked_tcp_send_waits_for_a_busy_peer_not_a_silent_one(tcp_send_tests: Path, case: str) -> None:
     """A send the peer does not read (a node computing, in a pipelined prompt) lasts as long as the peer
     sends signs of life, and fails with TB_IO_TIMEOUT once it goes silent; on a one-way peer link the
-    receiver's heartbeat is such a sign, read away by the sender: tests/c/tcp_send_tests.c."""
+    receiver's heartbeat is such a sign, read away by the sender (anything else it writes fails the link):
+    tests/c/tcp_send_tests.c."""
     proc = subprocess.run([str(tcp_send_tests), case], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"PASS {case}" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def chain_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_program(ROOT / "tests" / "c" / "chain_tests.c", tmp_path_factory.mktemp("c") / "chain_tests")
+
+
+def test_a_chain_of_blocked_senders_waits_for_the_node_computing_at_its_end(chain_tests: Path) -> None:
+    """Z sends to A while A, blocked, sends to B, which computes for seconds (a prompt pipelined
+    through three nodes, the last the slowest): A shows life to Z while its own send waits on a node
+    that computes, so with a 1 s stall timeout both copies arrive intact: tests/c/chain_tests.c."""
+    proc = subprocess.run([str(chain_tests)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "PASS" in proc.stdout
 
 
 def test_malformed_endpoint_is_a_clear_error() -> None:

@@ -511,13 +511,14 @@ static int fail_broken(struct rdma_transport * t) {
 // and drops anything else (nothing travels over TCP once on RDMA).
 static int tcp_gone(struct rdma_transport * t) {
     char buf[64];
-    for (;;) {
+    for (int reads = 0; reads < 64; reads++) {   // bounded: a peer writing without end must not hold us here
         ssize_t k = recv(t->fd, buf, sizeof buf, MSG_DONTWAIT);
         if (k > 0) { __atomic_add_fetch(&t->anchor_bytes, (uint64_t) k, __ATOMIC_RELAXED); continue; }
         if (k < 0 && errno == EINTR) continue;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
         return 1;
     }
+    return 0;   // more is waiting: the next look takes it
 }
 
 // Poll the CQ once (cq_lock held). Number of completions, or -1 (broken).

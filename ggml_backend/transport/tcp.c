@@ -56,14 +56,22 @@ static int waiting_in(int fd) {
 }
 
 // The sending end of a one-way connection reads away the heartbeat bytes
-// its peer writes back (tcp_alive): nothing else comes that way. Returns
-// how many were read, or -1 with the failure recorded (the peer closed).
+// its peer writes back (tcp_alive): zero bytes, nothing else comes that
+// way. At most 16 KiB a call, so a peer writing without end cannot hold us
+// here. Returns 1 when some came, 0 when none, or -1 with the failure
+// recorded (the peer closed, or wrote something else).
 static int drain_heartbeats(struct tcp_transport * t) {
     uint8_t scratch[256];
     int got = 0;
-    for (;;) {
+    for (int reads = 0; reads < 64; reads++) {
         const ssize_t k = recv(t->fd, scratch, sizeof scratch, MSG_DONTWAIT);
-        if (k > 0) { got += (int) k; continue; }
+        if (k > 0) {
+            for (ssize_t i = 0; i < k; i++) {
+                if (scratch[i] != 0) return tb_fail(&t->base, TB_IO_BROKEN, "%s: the receiving end of a link wrote data", t->base.peer);
+            }
+            got = 1;
+            continue;
+        }
         if (k < 0 && errno == EINTR) continue;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         const int kind = k == 0 || errno == ECONNRESET ? TB_IO_CLOSED : TB_IO_BROKEN;
@@ -211,6 +219,9 @@ static int tcp_alive(struct tb_transport * base) {
 
 static void tcp_close(struct tb_transport * base) {
     struct tcp_transport * t = (struct tcp_transport *) base;
+    // Unread heartbeats would make the close a reset, which may drop our
+    // last frame (a GAVE_UP) before the peer reads it.
+    if (t->fd >= 0 && t->one_way == SENDS) (void) drain_heartbeats(t);
     if (t->fd >= 0) close(t->fd);
     free(t);
 }
@@ -228,10 +239,12 @@ void tb_one_way(struct tb_transport * base, int sending) {
 }
 
 // Each socket's send and receive buffer: 4 MiB, or TBRPC_TCP_BUFFER bytes
-// (4 KiB to 256 MiB; the kernel caps it, Linux at net.core.wmem_max and
-// rmem_max). Larger suits a link with a long round trip; small ones make a
-// sender wait sooner, as a pipelined prompt's activations of many MB do on
-// any machine (tests use it so).
+// (4 KiB to 256 MiB; other values are ignored). Linux caps what is asked at
+// net.core.wmem_max and rmem_max; macOS refuses more than
+// kern.ipc.maxsockbuf allows, so set_buffer halves until it is taken.
+// Larger suits a link with a long round trip; small ones make a sender wait
+// sooner, as a pipelined prompt's activations of many MB do on any machine
+// (tests use it so).
 static int socket_buffer_bytes(void) {
     const char * e = getenv("TBRPC_TCP_BUFFER");
     char * end = NULL;
@@ -239,13 +252,16 @@ static int socket_buffer_bytes(void) {
     return e && *e && end && *end == '\0' && v >= 4096 && v <= 256L * 1024 * 1024 ? (int) v : 4 * 1024 * 1024;
 }
 
+static void set_buffer(int fd, int which, int bytes) {
+    while (setsockopt(fd, SOL_SOCKET, which, &bytes, sizeof bytes) != 0 && bytes > 64 * 1024) bytes /= 2;
+}
+
 static void set_socket_options(int fd) {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
-    int buf = socket_buffer_bytes();
-    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof buf);
-    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof buf);
+    set_buffer(fd, SO_SNDBUF, socket_buffer_bytes());
+    set_buffer(fd, SO_RCVBUF, socket_buffer_bytes());
 #ifdef SO_NOSIGPIPE
     setsockopt(fd, SOL_SOCKET, SO_NOSIGPIPE, &one, sizeof one);
 #endif

@@ -13,6 +13,8 @@
 //   one_way      a peer link (tb_one_way): the receiving end's tb_alive is the
 //                heartbeat byte that keeps the sender waiting, and the
 //                sending end reads those bytes away, so none stay queued
+//   one_way_data the receiving end of a link writes a byte that is not a
+//                heartbeat: the sender's next write fails, TB_IO_BROKEN
 #include "transport.h"
 
 #include "check.h"
@@ -20,6 +22,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -114,13 +117,13 @@ static void case_silent_peer(void) {
     CHECK(rc != 0, "a send to a peer that neither read nor wrote for %lld ms succeeded", (long long) took);
     CHECK(kind == TB_IO_TIMEOUT, "kind %s, want timeout (%s)", tb_io_error_name(kind), error);
     CHECK(strstr(error, "send timed out") != NULL, "\"%s\"", error);
-    CHECK(took >= 10 * BEAT_MS + TIMEOUT_MS - 50 && took <= 10 * BEAT_MS + 4 * TIMEOUT_MS,
+    CHECK(took >= 10 * BEAT_MS + TIMEOUT_MS - 50 && took <= 10 * BEAT_MS + 6 * TIMEOUT_MS,
           "failed after %lld ms, want about %d (the last byte, then the timeout)", (long long) took, 10 * BEAT_MS + TIMEOUT_MS);
 }
 
 struct link_end {
     struct tb_transport * r;   // the receiving end of a one-way connection
-    int beats_given;
+    _Atomic int beats_given;   // read by the sender while this end's thread runs
 };
 
 static void * run_link_receiver(void * arg) {
@@ -191,16 +194,33 @@ static void case_one_way(void) {
     free(payload);
 }
 
+static void case_one_way_data(void) {
+    int peer_fd = -1;
+    struct tb_transport * t = connected_pair(&peer_fd);
+    tb_one_way(t, 1);
+    CHECK(send(peer_fd, "x", 1, MSG_NOSIGNAL) == 1, "peer send: %s", strerror(errno));
+    sleep_ms(1100);   // the sender reads what came back at most once a second
+    const uint8_t msg[16] = { 0 };
+    const int rc = tb_send(t, msg, sizeof msg) == 0 ? tb_flush(t) : -1;
+    CHECK(rc != 0, "a link whose receiving end wrote data went on");
+    CHECK(t->error_kind == TB_IO_BROKEN && strstr(t->error, "wrote data"), "kind %s: %s", tb_io_error_name(t->error_kind),
+          t->error);
+    tb_close(t);
+    close(peer_fd);
+}
+
 int main(int argc, char ** argv) {
     static const struct { const char * name; void (*fn)(void); } cases[] = {
         { "busy_peer", case_busy_peer }, { "silent_peer", case_silent_peer }, { "one_way", case_one_way },
+        { "one_way_data", case_one_way_data },
     };
+    signal(SIGPIPE, SIG_IGN);   // a send to a closed peer fails; MSG_NOSIGNAL is not everywhere
     for (size_t i = 0; argc == 2 && i < sizeof cases / sizeof cases[0]; i++) {
         if (strcmp(argv[1], cases[i].name) != 0) continue;
         cases[i].fn();
         printf("PASS %s\n", cases[i].name);
         return 0;
     }
-    fprintf(stderr, "usage: tcp_send_tests CASE (busy_peer, silent_peer, one_way)\n");
+    fprintf(stderr, "usage: tcp_send_tests CASE (busy_peer, silent_peer, one_way, one_way_data)\n");
     return 2;
 }
