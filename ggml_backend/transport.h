@@ -109,7 +109,8 @@ struct tb_transport {
                               // a server's bound on one whole message, against a peer that trickles bytes
     int      rendezvous;      // set by a caller whose peer works on the same step and sends within
                               // microseconds (an all-reduce's partial): a shared-memory wait spins its
-                              // whole budget before sleeping, whatever the connection's recent waits
+                              // whole budget, yielding the core now and then, before sleeping, whatever
+                              // the connection's recent waits
                               // were (RDMA always spins first; TCP showed no gain from it on loopback)
     char     peer[96];        // "host:port" of the other side, for messages
     char     error[256];      // reason of the last failure

@@ -25,7 +25,9 @@
 // continues a message (the last one came full: tb_ring_more), or when the
 // caller knows it comes soon (base.rendezvous: an all-reduce, whose peer
 // computes the same layer, where a sleep costs a wake-up per layer and a
-// spin finds the partial within microseconds); otherwise it checks a
+// spin finds the partial within microseconds; that spin yields the core
+// every 64 checks, so with more nodes than cores the node still computing
+// gets it, and with a core each the yield returns at once); otherwise it checks a
 // few times and sleeps at once, but for every 16th wait, which spins fully
 // to find out whether replies have become quick again (a wait that slept
 // also counts the wake-up, so short replies seen through sleeps alone could
@@ -36,6 +38,7 @@
 #include <stddef.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -256,9 +259,11 @@ static int shm_wait(struct tb_ring * r, uint32_t seq, int timeout_ms) {
     const uint32_t nth = __atomic_add_fetch(&t->waits, 1, __ATOMIC_RELAXED);
     const int checks = avg < SPIN_PAYS_NS || nth % SPIN_PROBE == 0 || tb_ring_more(r) || r->base.rendezvous
                        ? SPIN_CHECKS : SPIN_FLOOR;
+    const int yields = r->base.rendezvous;
     int rc = 0, got = 0;
     for (int i = 0; i < checks && !got; i++) {
         got = shm_rx_frame(r, seq, &broken) != NULL;
+        if (!got && yields && i % 64 == 63) sched_yield();
 #if defined(__x86_64__) || defined(__i386__)
         if (!got) __builtin_ia32_pause();
 #elif defined(__aarch64__)
