@@ -16,16 +16,14 @@
 #include "ggml-backend.h"
 
 #include "check.h"
+#include "local_nodes.h"
 
-#include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_N 8
-
-static void * serve(void * arg) { tb_node_serve(arg); return NULL; }
+#define MAX_N LOCAL_NODES_MAX
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static uint32_t rnd(void) { rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17; return (uint32_t) rng_state; }
@@ -40,30 +38,10 @@ int main(int argc, char ** argv) {
     CHECK(n >= 2 && n <= MAX_N, "N from 2 to %d", MAX_N);
     setenv("TBRPC_ALLREDUCE", argv[1], 1);
     char err[512];
-    struct tb_node * nodes[MAX_N];
-    pthread_t threads[MAX_N];
-    struct tbrpc_client * client = tbrpc_client_new();
-    for (size_t i = 0; i < n; i++) {
-        char name[32], endpoint[64];
-        snprintf(name, sizeof name, "ar-%zu", i);
-        struct tb_node_config cfg = { .host = "127.0.0.1", .port = 0, .device = "CPU", .threads = 1, .name = name,
-                                      .timeout_ms = 10000 };
-        nodes[i] = tb_node_create(&cfg, err, sizeof err);
-        CHECK(nodes[i], "node: %s", err);
-        pthread_create(&threads[i], NULL, serve, nodes[i]);
-        snprintf(endpoint, sizeof endpoint, "127.0.0.1:%d", tb_node_port(nodes[i]));
-        CHECK(tbrpc_client_add_node(client, endpoint, 10000, "auto", NULL, 0, err, sizeof err) == (int) i, "add_node: %s", err);
-    }
-    CHECK(tbrpc_client_register(client, err, sizeof err) == 0, "register: %s", err);
-    ggml_backend_t backends[MAX_N];
-    for (size_t i = 0; i < n; i++) {
-        char dev_name[32];
-        snprintf(dev_name, sizeof dev_name, "TBRPC%zu", i);
-        ggml_backend_dev_t dev = ggml_backend_dev_by_name(dev_name);
-        CHECK(dev, "%s is not registered", dev_name);
-        backends[i] = ggml_backend_dev_init(dev, NULL);
-        CHECK(backends[i], "backend %zu", i);
-    }
+    struct local_nodes cluster;
+    local_nodes_start(&cluster, n, "ar", 10000, "auto");
+    struct tbrpc_client * client = cluster.client;
+    ggml_backend_t * backends = cluster.backends;
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(ggml_backend_get_device(backends[0]));
     comm_init_fn comm_init = (comm_init_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_comm_init");
     comm_free_fn comm_free = (comm_free_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_comm_free");
@@ -142,8 +120,7 @@ int main(int argc, char ** argv) {
               (unsigned long long) status.allreduces);
     }
     comm_free(comm);
-    for (size_t i = 0; i < n; i++) ggml_backend_free(backends[i]);
-    for (size_t i = 0; i < n; i++) { tb_node_stop(nodes[i]); pthread_join(threads[i], NULL); tb_node_free(nodes[i]); }
+    local_nodes_stop(&cluster);
     printf("PASS\n");
     return 0;
 }

@@ -19,8 +19,8 @@
 #include "ggml-backend.h"
 
 #include "check.h"
+#include "local_nodes.h"
 
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,8 +30,6 @@ enum { N = 3, Z = 0, A = 1, B = 2, TIMEOUT_MS = 1000 };
 #define SIDE   1536            // B's matrix: SIDE x SIDE F32
 #define WIDTH  256             // times SIDE x WIDTH, over and over
 #define WANT_MS 3000           // how long B computes: three stall timeouts
-
-static void * serve(void * arg) { tb_node_serve(arg); return NULL; }
 
 static double now_ms(void) { return (double) ggml_time_us() / 1000.0; }
 
@@ -56,30 +54,10 @@ static void slow_free(struct slow s) { ggml_gallocr_free(s.galloc); ggml_free(s.
 int main(void) {
     setenv("TBRPC_TCP_BUFFER", "65536", 1);
     char err[512];
-    struct tb_node * nodes[N];
-    pthread_t threads[N];
-    struct tbrpc_client * client = tbrpc_client_new();
-    for (int i = 0; i < N; i++) {
-        char name[32], endpoint[64];
-        snprintf(name, sizeof name, "chain-%d", i);
-        struct tb_node_config cfg = { .host = "127.0.0.1", .port = 0, .device = "CPU", .threads = 1, .name = name,
-                                      .timeout_ms = TIMEOUT_MS };
-        nodes[i] = tb_node_create(&cfg, err, sizeof err);
-        CHECK(nodes[i], "node: %s", err);
-        pthread_create(&threads[i], NULL, serve, nodes[i]);
-        snprintf(endpoint, sizeof endpoint, "127.0.0.1:%d", tb_node_port(nodes[i]));
-        CHECK(tbrpc_client_add_node(client, endpoint, TIMEOUT_MS, "tcp", NULL, 0, err, sizeof err) == i, "add_node: %s", err);
-    }
-    CHECK(tbrpc_client_register(client, err, sizeof err) == 0, "register: %s", err);
-    ggml_backend_t be[N];
-    for (int i = 0; i < N; i++) {
-        char dev_name[32];
-        snprintf(dev_name, sizeof dev_name, "TBRPC%d", i);
-        ggml_backend_dev_t dev = ggml_backend_dev_by_name(dev_name);
-        CHECK(dev, "%s is not registered", dev_name);
-        be[i] = ggml_backend_dev_init(dev, NULL);
-        CHECK(be[i], "backend %d", i);
-    }
+    struct local_nodes cluster;
+    local_nodes_start(&cluster, N, "chain", TIMEOUT_MS, "tcp");
+    struct tbrpc_client * client = cluster.client;
+    ggml_backend_t * be = cluster.backends;
 
     // The activations: x on Z, copied to xa on A; ya on A, copied to yb on B.
     struct ggml_init_params ip = { .mem_size = ggml_tensor_overhead() * 2, .no_alloc = true };
@@ -148,8 +126,7 @@ int main(void) {
     ggml_backend_buffer_free(bz); ggml_backend_buffer_free(ba); ggml_backend_buffer_free(bb);
     ggml_free(cz); ggml_free(ca); ggml_free(cb);
     free(want_x); free(want_y); free(got);
-    for (int i = 0; i < N; i++) ggml_backend_free(be[i]);
-    for (int i = 0; i < N; i++) { tb_node_stop(nodes[i]); pthread_join(threads[i], NULL); tb_node_free(nodes[i]); }
+    local_nodes_stop(&cluster);
     printf("PASS\n");
     return 0;
 }
