@@ -214,6 +214,7 @@ class Cluster:
             raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
         with self._lock:
             self._reconnect(self._endpoints.index(endpoint), transport)
+            self._stopped.discard(endpoint)
 
     def _reconnect(self, index: int, transport: str) -> None:
         err = error_buffer()
@@ -312,7 +313,8 @@ class Cluster:
             return info.exception()
         return node_error(info.error_kind, f"{info.error} (tbrpc.Llama.close() stopped this node; ggml keeps its "
                           "device registered for the life of this process, and a plain llama_cpp.Llama takes every "
-                          "such device: load it in a new process, or start the node again on its endpoint)",
+                          "such device: load it in a new process, or start the node again on its endpoint and call "
+                          f"tbrpc.connect(['{info.endpoint}']))",
                           info.endpoint)
 
     def failures(self) -> dict[str, NodeInfo]:
@@ -410,8 +412,11 @@ def _install_error_hooks(c: Cluster) -> None:
                 _free_result(llama_lib, name, result)
                 raise c.exception(new[0])
             if before and _call_failed(name, result):   # it may have run on a node that failed earlier
-                earlier = [c.info(i) for i in sorted(before)]
-                raise node_error(earlier[0].error_kind, "; ".join(info.error for info in earlier), earlier[0].endpoint)
+                earlier = sorted(before)
+                if len(earlier) == 1:
+                    raise c.exception(earlier[0])
+                infos = [c.info(i) for i in earlier]
+                raise node_error(infos[0].error_kind, "; ".join(str(c.exception(i)) for i in earlier), infos[0].endpoint)
             return result
 
         checked._tbrpc_wrapped = True  # type: ignore[attr-defined]

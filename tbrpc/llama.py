@@ -454,6 +454,7 @@ class Llama(llama_cpp.Llama):
             self._ctx.decode(self._batch)
             self.input_ids[self.n_tokens:self.n_tokens + len(piece)] = piece
             self.n_tokens += len(piece)
+            self._requires_eval = True   # no logits are live until the last piece's (super().eval clears it)
         super().eval(tokens[last:])
 
     def _tbrpc_make_links(self) -> None:

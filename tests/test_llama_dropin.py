@@ -221,21 +221,36 @@ def test_a_long_prompt_is_pipelined_through_the_nodes(tmp_path: Path) -> None:
             before = sum(i.round_trips for i in cluster().nodes())
             evaluate(tokens)
             waits = sum(i.round_trips for i in cluster().nodes()) - before
-            return waits, np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).tolist()
+            return (waits, np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).tolist(),
+                    [llm.n_tokens, llm.input_ids[:llm.n_tokens].tolist(), llm._requires_eval])
         waits_and_logits(llm.eval)   # warm-up: the first graphs of each shape
         piped = waits_and_logits(llm.eval)
         own = waits_and_logits(lambda t: llama_cpp.Llama.eval(llm, t))
         n_pieces = -(-len(tokens) // llm.n_batch)
+        # the last piece fails: the pieces before it are in, and no logits are live (generate must eval again)
+        llm.reset(); llm._ctx.kv_cache_clear(); llm._requires_eval = False
+        real_eval = llama_cpp.Llama.eval
+        def failing(self, t):
+            raise RuntimeError("the last piece failed")
+        llama_cpp.Llama.eval = failing
+        try:
+            llm.eval(tokens)
+        except RuntimeError:
+            pass
+        llama_cpp.Llama.eval = real_eval
+        failed = [llm.n_tokens, llm._requires_eval]
         llm.reset(); llm._ctx.kv_cache_clear()
         text = llm.create_completion(tokens, max_tokens=8, temperature=0)["choices"][0]["text"]
         llm.close()
         print(json.dumps({{"piped": piped, "own": own, "alone": alone, "n_pieces": n_pieces, "text": text,
-                          "text_one": text_one}}))
+                          "text_one": text_one, "failed": failed}}))
     """)
     assert out["n_pieces"] == 5
     assert out["piped"][0] == 1, out["piped"][0]
     assert out["own"][0] == out["n_pieces"], out["own"][0]
     assert out["piped"][1] == out["own"][1] == out["alone"]
+    assert out["piped"][2] == out["own"][2], "llama-cpp-python's state (n_tokens, input_ids, _requires_eval) differs"
+    assert out["failed"] == [4 * 32, True], out["failed"]
     assert out["text"] == out["text_one"] and out["text"]
 
 
@@ -275,4 +290,4 @@ def test_a_plain_load_after_close_says_the_nodes_were_stopped(tmp_path: Path) ->
             print(json.dumps({{"error": str(e), "kind": type(e).__name__}}))
     """)
     assert out["error"] and "tbrpc.Llama.close() stopped this node" in out["error"], out
-    assert "load it in a new process" in out["error"]
+    assert "load it in a new process" in out["error"] and "tbrpc.connect([" in out["error"]
