@@ -205,6 +205,12 @@ def context_kwargs(cache_type_k: str | None = None, cache_type_v: str | None = N
     return kwargs
 
 
+def _offloaded(n_gpu_layers: int, n_layers: int) -> int:
+    """How many of a model's layers and its output llama.cpp offloads for ``n_gpu_layers``
+    (negative: all of them)."""
+    return n_layers + 1 if n_gpu_layers < 0 else min(int(n_gpu_layers), n_layers + 1)
+
+
 def planned_context(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The planner's options for these ``llama_cpp.Llama`` keyword arguments:
     what llama.cpp will allocate is what gets planned (context, split mode,
@@ -334,7 +340,8 @@ class Llama(llama_cpp.Llama):
     (docs/architecture.md, Tensor split).
     ``secret_file``: the cluster secret (default: the cluster file's, else
     TBRPC_SECRET_FILE; N local nodes without one get a fresh one for the run).
-    Unless given, ``n_gpu_layers`` and ``tensor_split`` come from the plan.
+    Unless given, ``tensor_split`` comes from the plan (a given one is planned as llama.cpp cuts
+    it); ``n_gpu_layers`` comes from the plan, and a given one must offload what the plan does.
 
     Once loaded, the node-to-node links the split uses are made (one token
     decoded, the KV cache then emptied: ``_tbrpc_make_links``), so
@@ -379,6 +386,11 @@ class Llama(llama_cpp.Llama):
         n_ctx = kwargs.get("n_ctx", 512)
         self.tbrpc_plan = make_plan(model_path, nodes.specs, nodes, n_ctx or None,
                                     **{**planned_context(kwargs), **plan_options})
+        given = kwargs.get("n_gpu_layers")
+        if given is not None and _offloaded(given, self.tbrpc_plan.n_layers) != self.tbrpc_plan.n_gpu_layers:
+            raise PlanError(f"n_gpu_layers={given} would keep layers on this machine the plan puts on the nodes "
+                            f"(it offloads {self.tbrpc_plan.n_gpu_layers} of {self.tbrpc_plan.n_layers + 1}): "
+                            "leave n_gpu_layers out, and the plan chooses it")
         head = self.tbrpc_plan.head
         if self.tbrpc_plan.split_mode in ("tensor", "ffn"):
             total = sum(self.tbrpc_plan.tensor_split)

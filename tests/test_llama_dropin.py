@@ -273,6 +273,27 @@ def test_a_given_layer_tensor_split_is_the_plan(tmp_path: Path) -> None:
     assert out["text"] == expected("llama")["text"]
 
 
+def test_n_gpu_layers_that_keeps_layers_here_is_refused(tmp_path: Path) -> None:
+    """The plan puts every layer on the nodes; a caller's n_gpu_layers that keeps some on this
+    machine would load other ranges than the plan reports and fit-checks: refused, naming it.
+    -1 (all of them) is what the plan does, and loads."""
+    model = models.ensure("llama")
+    out = run_code(f"""
+        from tbrpc.plan import PlanError
+        try:
+            Llama({str(model)!r}, cluster=2, n_ctx=256, verbose=False, n_gpu_layers=3, log_dir={str(tmp_path / "a")!r})
+            refused = None
+        except PlanError as e:
+            refused = str(e)
+        llm = Llama({str(model)!r}, cluster=2, n_ctx=256, verbose=False, n_gpu_layers=-1, log_dir={str(tmp_path / "b")!r})
+        text = llm({PROMPT!r}, max_tokens={N_TOKENS}, temperature=0)["choices"][0]["text"]
+        llm.close()
+        print(json.dumps({{"refused": refused, "text": text}}))
+    """)
+    assert out["refused"] and "n_gpu_layers=3" in out["refused"] and "offloads 7 of 7" in out["refused"], out
+    assert out["text"] == expected("llama")["text"]
+
+
 def test_a_plain_load_after_close_says_the_nodes_were_stopped(tmp_path: Path) -> None:
     """ggml cannot forget a device: after tbrpc.Llama.close() stopped its nodes, a plain
     llama_cpp.Llama in the same process (which takes every GPU-type device) fails, with a
