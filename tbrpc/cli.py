@@ -93,7 +93,9 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--cluster", "cluster_file", type=click.Path(exists=True, dir_okay=False),
               help="TOML file with one [[node]] table per machine; nodes without `memory` are asked for theirs.")
 @click.option("--offline", is_flag=True, help="Do not ask the cluster file's nodes: use its `memory` figures (every node needs one) and its order and `links` as written (no cables looked for).")
-@click.option("--timeout", default=defaults.ASK_TIMEOUT_S, show_default=True, type=float, help="Seconds each node has to answer.")
+@click.option("--timeout", default=defaults.ASK_TIMEOUT_S, show_default=True, type=float,
+              help="Seconds each node has to say its memory (looking for cables, a cluster file's machines "
+                   f"have {defaults.FACTS_TIMEOUT_S:g} s each to answer over ssh, as for launch).")
 @click.option("--node", "node_flags", multiple=True, metavar="NAME=SIZE", help="A node and its RAM, e.g. mac1=512GiB (repeat; first is the head).")
 @click.option("--nodes", "nodes_flag", metavar="NxSIZE", help="N identical nodes, e.g. 4x512GiB.")
 @click.option("--ctx", type=int, default=None, help="Context length in tokens [default: min(32768, training context)].")
