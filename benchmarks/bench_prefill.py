@@ -97,6 +97,9 @@ def main() -> None:
             "n_ctx": max(2048, args.tokens + 64), "rounds": 1,
             "tensor_split": [float(x) for x in args.tensor_split.split(",")] if args.tensor_split else None}
     counts = [int(n) for n in args.nodes.split(",")]
+    if args.tensor_split and any(n != len(args.tensor_split.split(",")) for n in counts):
+        parser.error(f"--tensor-split {args.tensor_split} gives shares for {len(args.tensor_split.split(','))} nodes; "
+                     f"--nodes {args.nodes} asks for others")
     runs = [("single", 0, False), ("single-norepack", 0, True)] + [(f"{n} nodes", n, False) for n in counts]
     tps: dict[str, list[float]] = {}
     nexts: dict[str, set[int]] = {}
