@@ -213,21 +213,45 @@ static void backend_set_tensor_async(ggml_backend_t backend, struct ggml_tensor 
     buffer_set_tensor(tensor->view_src ? tensor->view_src->buffer : tensor->buffer, tensor, data, offset, size);
 }
 
+// Sends the GET_TENSOR and returns; the reply is read at synchronize, or
+// before the next request to the node (node_settle_locked). So a tensor
+// split's logits, read from every node in turn by ggml's meta backend, come
+// from all nodes at once. One read in flight per node, of one message: a
+// larger one is read in pieces, at once.
 static void backend_get_tensor_async(ggml_backend_t backend, const struct ggml_tensor * tensor, void * data, size_t offset, size_t size) {
-    (void) backend;
-    buffer_get_tensor(tensor->view_src ? tensor->view_src->buffer : tensor->buffer, tensor, data, offset, size);
+    ggml_backend_buffer_t buffer = tensor->view_src ? tensor->view_src->buffer : tensor->buffer;
+    struct client_buffer * cb = buffer->context;
+    struct client_node * n = cb->node;
+    if (size == 0) return;
+    if (size > SET_CHUNK || n != backend_node(backend)) {   // (a buffer of another node: its synchronize is not ours)
+        buffer_get_tensor(buffer, tensor, data, offset, size);
+        return;
+    }
+    pthread_mutex_lock(&n->lock);
+    struct tb_range req = { .handle = cb->handle, .offset = tensor_offset(cb, tensor) + offset, .size = size };
+    const uint64_t id = node_call_send_locked(n, TB_CMD_GET_TENSOR, &req, sizeof req);   // settles the one before
+    if (id != 0) n->pending = (struct pending_get) { .waiting = true, .id = id, .data = data, .size = size };
+    else memset(data, 0, size);
+    pthread_mutex_unlock(&n->lock);
 }
 
-// No synchronize. A node executes one client's requests strictly in order,
-// and nothing the head can observe depends on one: every transfer back to
-// the head (get_tensor) is a call, which sends what was queued before it
-// and waits for its answer; a request another node waits for (PEER_SEND,
-// ALLREDUCE) and a graph leave when they are posted. So queued requests may
-// wait in the head's buffer for the next of those. ggml's scheduler calls
+// synchronize only reads a reply get_tensor_async left in flight. A node
+// executes one client's requests strictly in order, and nothing else the
+// head can observe depends on one: every other transfer back to the head
+// (get_tensor) is a call, which sends what was queued before it and waits
+// for its answer; a request another node waits for (PEER_SEND, ALLREDUCE)
+// and a graph leave when they are posted. So queued requests may wait in
+// the head's buffer for the next of those. ggml's scheduler calls
 // synchronize before every input it copies to a split (three to five times
 // per node and token); sending there cost a system call each, and woke the
 // node for a part of its requests at a time (docs/benchmarks.md, "A token
 // hop by hop"), where now a node's inputs and graph leave together.
+static void backend_synchronize(ggml_backend_t backend) {
+    struct client_node * n = backend_node(backend);
+    pthread_mutex_lock(&n->lock);
+    node_settle_locked(n);
+    pthread_mutex_unlock(&n->lock);
+}
 
 // Posts the graph; when the node already keeps an identical one (the usual
 // case from one generated token to the next, for each of a tensor split's
@@ -452,7 +476,7 @@ static const struct ggml_backend_i backend_iface = {
     .set_tensor_2d_async = NULL,
     .get_tensor_2d_async = NULL,
     .cpy_tensor_async    = backend_cpy_tensor_async,
-    .synchronize         = NULL,   // see above
+    .synchronize         = backend_synchronize,
     .graph_plan_create   = NULL,
     .graph_plan_free     = NULL,
     .graph_plan_update   = NULL,
@@ -659,6 +683,7 @@ int tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * 
                                            n->secret_len ? n->secret : NULL, n->secret_len, &kind, err, err_len);
     if (!fresh) return -kind;
     pthread_mutex_lock(&n->lock);
+    node_settle_locked(n);                 // (a failed node: zeroes a read left in flight)
     struct tb_transport * old = n->tp;
     n->tp = fresh->tp;
     fresh->tp = old;                       // closed with `fresh` below

@@ -41,6 +41,9 @@ struct client_node {
     pthread_mutex_t lock;                    // one request at a time on the wire
     struct tb_transport * tp;
     uint64_t next_id;
+    // A GET_TENSOR that get_tensor_async sent and whose reply is not read yet
+    // (waiting false: none); node_settle_locked reads it.
+    struct pending_get { bool waiting; uint64_t id; void * data; size_t size; } pending;
     bool   dirty;                            // posted requests not yet confirmed by a reply
     bool   failed;
     bool   forced_tcp;                       // asked for TCP: its links are asked to stay on TCP too
@@ -116,6 +119,10 @@ int  node_call_locked(struct client_node * n, uint16_t cmd, const void * a, size
 // returns the request id (0 on failure); caller holds n->lock across both.
 uint64_t node_call_send_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len);
 int  node_call_reply_locked(struct client_node * n, uint16_t cmd, uint64_t id, void * out, size_t out_len);
+// Read the reply of the GET_TENSOR left in flight by get_tensor_async, if
+// any (on failure its destination is zeroed). Every request to the node
+// settles it first. Caller holds n->lock.
+void node_settle_locked(struct client_node * n);
 // Queue a request that has no reply (a failure comes back with the next reply).
 int  node_post(struct client_node * n, uint16_t cmd, const void * a, size_t a_len);
 void node_flush_locked(struct client_node * n, uint16_t cmd);   // posted requests leave now (cmd: the last, for errors)

@@ -44,8 +44,20 @@ static int reply_kind(const struct client_node * n, uint16_t cmd, int32_t status
     return n->handshaking ? TBRPC_ERR_HANDSHAKE : TBRPC_ERR_FAILED;
 }
 
+// Replies come in the order of the requests, and a node writing a reply the
+// head does not read may block, reading nothing more: so nothing else goes to
+// a node before the head has read the reply it left in flight.
+void node_settle_locked(struct client_node * n) {
+    if (!n->pending.waiting) return;
+    const struct pending_get p = n->pending;
+    n->pending = (struct pending_get) { 0 };
+    if (node_call_reply_locked(n, TB_CMD_GET_TENSOR, p.id, p.data, p.size) != 0)
+        memset(p.data, 0, p.size);   // never hand back uninitialised memory
+}
+
 // Send a request that will be answered. Caller holds n->lock. The request id, or 0.
 uint64_t node_call_send_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len) {
+    node_settle_locked(n);
     if (n->failed) return 0;
     const uint64_t id = ++n->next_id;
     n->messages++;
@@ -103,6 +115,7 @@ int node_call_reply_locked(struct client_node * n, uint16_t cmd, uint64_t id, vo
 // Caller holds n->lock.
 int node_call_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len,
                             void * out, size_t out_len) {
+    node_settle_locked(n);
     if (n->failed) return -1;
     const char * step = tb_cmd_name(cmd);
     const uint64_t id = ++n->next_id;
@@ -125,6 +138,7 @@ int node_call(struct client_node * n, uint16_t cmd, const void * a, size_t a_len
 
 // Queue a request that has no reply. Caller holds n->lock.
 int node_post_locked(struct client_node * n, uint16_t cmd, const void * a, size_t a_len, const void * b, size_t b_len) {
+    node_settle_locked(n);
     if (n->failed) return -1;
     n->messages++;
     if (tb_msg_send(n->tp, cmd, 0, ++n->next_id, a, a_len, b, b_len) != 0) {

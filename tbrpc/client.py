@@ -407,6 +407,11 @@ def _install_error_hooks(c: Cluster) -> None:
             # earlier model must not fail a later one that does not use it.
             before = c.failed_indexes()
             result = original(*args)
+            if name == "llama_decode" and result == 0:
+                # llama.cpp leaves the outputs' reads in flight (tbrpc's get_tensor_async) until the
+                # caller asks for them; a node failing during them must fail this call, not hand
+                # zeroed logits to the sampler
+                llama_lib.llama_synchronize(args[0])
             new = sorted(c.failed_indexes() - before)
             if new:
                 _free_result(llama_lib, name, result)

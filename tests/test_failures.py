@@ -137,6 +137,94 @@ def test_node_killed_mid_generation(model_name: str, transport: str, nodes: Any,
     assert result["survivor_status"][a.endpoint]["clients"] >= 1
 
 
+class CuttingProxy:
+    """Between the head and one node: passes every byte, and ends both
+    connections halfway through the node's `cut_at`-th GET_TENSOR reply that
+    carries data (with a model on one node, the reads of the logits)."""
+
+    def __init__(self, node_endpoint: str, cut_at: int) -> None:
+        self.node_endpoint, self.cut_at, self.seen = node_endpoint, cut_at, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        head, _ = self.listener.accept()
+        host, port = self.node_endpoint.rsplit(":", 1)
+        node = socket.create_connection((host, int(port)))
+        threading.Thread(target=self._pump, args=(head, node), daemon=True).start()
+        ffi, lib = load()
+        size = ffi.sizeof("struct tb_header")
+        try:
+            while True:
+                raw = self._exactly(node, size)
+                _magic, cmd, flags, _id, length = struct.unpack("<IHHQQ", raw)
+                body = self._exactly(node, length)
+                if cmd == lib.TB_CMD_GET_TENSOR and flags & 1 and length > 8:
+                    self.seen += 1
+                    if self.seen == self.cut_at:
+                        head.sendall(raw + body[:length // 2])
+                        break
+                head.sendall(raw + body)
+        except OSError:
+            pass
+        for s in (head, node):
+            s.close()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while chunk := source.recv(65536):
+                sink.sendall(chunk)
+        except OSError:
+            pass
+
+    @staticmethod
+    def _exactly(sock: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        return data
+
+
+def test_a_node_failing_while_the_logits_come_is_raised_by_that_decode(nodes: Any) -> None:
+    """llama.cpp leaves the read of a decode's logits in flight (tbrpc's
+    get_tensor_async) until they are asked for; tbrpc's llama_decode reads
+    it before returning, so a connection that ends in the middle of the
+    logits fails that very decode with NodeError naming the node, and no
+    caller ever sees the zeros the failed read leaves in their place."""
+    (a,) = nodes(1)
+    proxy = CuttingProxy(a.endpoint, cut_at=2)   # the prompt's logits pass, the first generated token's are cut
+    script = (
+        "import json, sys\n"
+        "import numpy as np, llama_cpp, tbrpc\n"
+        "tbrpc.connect([sys.argv[2]], transport='tcp')\n"
+        "llm = llama_cpp.Llama(sys.argv[1], n_gpu_layers=-1, n_ctx=256, n_threads=1, verbose=False)\n"
+        "seen = []\n"
+        "def last_row():\n"
+        "    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),)).copy()\n"
+        "try:\n"
+        "    llm.eval(llm.tokenize(b'Once upon a time', add_bos=True))\n"
+        "    for step in range(3):\n"
+        "        row = last_row()\n"
+        "        seen.append({'step': step, 'zeros': bool(not row.any())})\n"
+        "        llm.eval([int(np.argmax(row))])\n"
+        "except tbrpc.NodeError as e:\n"
+        "    seen.append({'raised': type(e).__name__, 'message': str(e)})\n"
+        "print(json.dumps(seen))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(models.ensure("llama")), proxy.endpoint], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen[:1] == [{"step": 0, "zeros": False}], seen   # the prompt's logits, read whole
+    assert seen[1]["raised"] == "NodeFailed" and len(seen) == 2, seen   # raised by the decode of step 0's token
+    assert proxy.endpoint in seen[1]["message"] and "GET_TENSOR" in seen[1]["message"], seen
+    assert a.proc.poll() is None   # the node itself lives on
+
+
 def test_node_dead_before_the_first_decode(nodes: Any, tmp_path: Path) -> None:
     """The head learns of the death inside its first decode after it (a CPU
     node's supports_op is answered on the head, so the first request is a
