@@ -187,7 +187,7 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
     """Plan the split; DoesNotFitError (with the planner's table) when it does not fit."""
     try:
         # every node is a TBRPC device; the head keeps only embeddings, inputs and logits (result.head)
-        result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="none",
+        result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device=defaults.HEAD_DEVICE,
                       **{"allreduce": allreduce_of(specs), **plan_kwargs})
     except (PlanError, GGUFError) as exc:
         raise _plan_failed(exc) from exc
