@@ -107,11 +107,14 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--swa-full/--no-swa-full", default=True, show_default=True, help="Full-size cache for sliding-window layers (llama.cpp's default).")
 @click.option("--margin", default="2GiB", show_default=True, help="Memory kept free on every node.")
 @click.option("--metal-fraction", type=float, default=defaults.METAL_FRACTION, show_default=True, help="Share of RAM Metal may wire when a node gives no limit.")
-@click.option("--head-device", type=click.Choice(["gpu", "cpu", "none"]), default="gpu", show_default=True,
-              help="Backend the head runs its own layers on; none: every layer on a node (as `tbrpc launch` does).")
+@click.option("--head-device", type=click.Choice(["gpu", "cpu", "none"]), default=defaults.HEAD_DEVICE,
+              show_default=True,
+              help="Backend the head runs its own layers on: gpu (its own device, e.g. a Mac's MTL0, as node 0), cpu, "
+                   "or none: every layer on a node. The default is what `tbrpc launch` and tbrpc.Llama do on any head "
+                   "(they give llama.cpp the nodes only); gpu or cpu plan llama.cpp run by hand with the head's own device.")
 @click.option("--split", type=click.Choice(["layer", "tensor", "ffn"]), default="layer", show_default=True,
               help="layer: contiguous layer ranges per node; tensor: every layer cut across the nodes (llama.cpp "
-                   "split_mode=3, flash attention on; not for deepseek2 or one KV head); ffn: the FFN, experts and "
+                   "split_mode=3, flash attention on; not for deepseek2, one KV head, or a weight cut by rows that is one quant block wide); ffn: the FFN, experts and "
                    "output cut, attention whole (tbrpc's own rules, for those).")
 @click.option("--tensor-split", "tensor_split", default=None, metavar="A,B,...",
               help="Each node's share: of every layer (--split tensor or ffn) [default: equal, or by free memory when "
@@ -213,7 +216,7 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=None, help="Tokens --draft-model guesses per step [default: 8].")
 @click.option("--split", type=click.Choice(["layer", "tensor", "ffn"]), default=None,
               help="layer: contiguous layer ranges per node (default); tensor: every layer cut across the nodes, "
-                   "partial sums all-reduced node to node (flash attention on; not for deepseek2 or one KV head); ffn: "
+                   "partial sums all-reduced node to node (flash attention on; not for deepseek2, one KV head, or a weight cut by rows that is one quant block wide); ffn: "
                    "tbrpc's own rules, the FFN, experts and output cut, the rest whole on every node (for deepseek2: "
                    "Kimi K2, DeepSeek V3; Gemma 3 270M).")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")

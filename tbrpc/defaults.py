@@ -19,6 +19,11 @@ ASK_TIMEOUT_S = 3.0          # plan: each node has this long to say its memory
 CHECK_TIMEOUT_S = 5.0        # doctor and status: each node (each network check) has this long to answer
 FACTS_TIMEOUT_S = 30.0       # doctor and launch: a machine's facts (`python -m tbrpc.facts`, over ssh) within this
 
+# launch and tbrpc.Llama give llama.cpp the TBRPC devices only, on any head (a
+# Mac's Metal too stays unused): the head runs no layers. `tbrpc plan` plans
+# that unless told otherwise.
+HEAD_DEVICE = "none"
+
 # macOS's default GPU wired-memory cap on machines with more than 64 GB of
 # RAM (recommendedMaxWorkingSetSize); smaller Macs get about two thirds.
 METAL_FRACTION = 0.75

@@ -26,8 +26,7 @@ from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
-from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_model_tensor_mode
-from tbrpc.llama import (ClusterArg, DoesNotFitError, Llama, ProgressBar, discover_links, resolve_cluster,
+from tbrpc.llama import (ClusterArg, DoesNotFitError, Llama, ProgressBar, check_split, discover_links, resolve_cluster,
                          say_cable_order, with_secret)
 from tbrpc.native import TbrpcError
 from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
@@ -182,15 +181,11 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             say_cable_order(specs, say)
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything
-                model = load_gguf(opts.gguf)
+                load_gguf(opts.gguf)
             except GGUFError as exc:
                 raise TbrpcError.at("plan", f"{exc}\n  try: --gguf must be a GGUF model "
                                     "(for a split set, its first shard)") from exc
-            if opts.split == "tensor" or opts.llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR:
-                try:   # a model llama.cpp will not tensor-split: say so before starting nodes
-                    check_model_tensor_mode(model)
-                except (PlanError, GGUFError) as exc:
-                    raise TbrpcError.at("plan", str(exc)) from exc
+            check_split(opts.gguf, opts.split, len(specs), opts.llama_kwargs)
             if opts.prompt is None and not opts.chat:
                 require_server()
             check_draft(opts.draft, opts.draft_model, opts.gguf)

@@ -34,7 +34,7 @@ from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.client import NodeError, connect
 from tbrpc.cluster_file import cluster_secret_file, load_cluster_file, load_specs
-from tbrpc.gguf_model import GGUFError
+from tbrpc.gguf_model import GGUFError, load_gguf
 from tbrpc.native import TbrpcError
 from tbrpc.node_memory import Node, Report, size_nodes
 from tbrpc.node_processes import LaunchError, Nodes, head_secret_file, start_nodes
@@ -47,6 +47,7 @@ from tbrpc.plan import (
     PlanError,
     TensorSplitError,
     cache_type_name,
+    check_model_split,
     format_table,
     plan,
 )
@@ -160,18 +161,36 @@ def plan_nodes(specs: Sequence[NodeSpec], nodes: Nodes) -> list[Node]:
                       [Report(info.node_device, info.mem_free, info.mem_total) for info in nodes.infos])
 
 
+def _plan_failed(exc: PlanError | GGUFError) -> TbrpcError:
+    """The planner's refusal as step plan's error."""
+    if isinstance(exc, TensorSplitError):   # the planner's own way out is in the message
+        return TbrpcError.at("plan", str(exc))
+    return TbrpcError.at("plan", f"{exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
+                         "and the context size")
+
+
+def check_split(model_path: str | os.PathLike[str], split: str | None, n_nodes: int, llama_kwargs: dict[str, Any]) -> None:
+    """Refuse, before any node starts, a tensor or FFN split llama.cpp refuses or
+    aborts on (``plan.check_model_split``): ``split`` as ``tbrpc.Llama`` takes it,
+    or llama.cpp's own ``split_mode=3`` among ``llama_kwargs``."""
+    tensor = split == "tensor" or llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR
+    if not tensor and split != "ffn":
+        return
+    try:
+        check_model_split(load_gguf(model_path), "tensor" if tensor else "ffn", n_nodes)
+    except (PlanError, GGUFError) as exc:
+        raise _plan_failed(exc) from exc
+
+
 def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nodes: Nodes, ctx: int | None,
               **plan_kwargs: Any) -> Plan:
     """Plan the split; DoesNotFitError (with the planner's table) when it does not fit."""
     try:
         # every node is a TBRPC device; the head keeps only embeddings, inputs and logits (result.head)
-        result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device="none",
+        result = plan(model_path, plan_nodes(specs, nodes), ctx=ctx, head_device=defaults.HEAD_DEVICE,
                       **{"allreduce": allreduce_of(specs), **plan_kwargs})
     except (PlanError, GGUFError) as exc:
-        if isinstance(exc, TensorSplitError):   # the planner's own way out is in the message
-            raise TbrpcError.at("plan", str(exc)) from exc
-        raise TbrpcError.at("plan", f"{exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
-                            "and the context size") from exc
+        raise _plan_failed(exc) from exc
     if not result.fits:
         why = result.shortfall.message if result.shortfall else "does not fit"
         raise DoesNotFitError(
@@ -369,6 +388,7 @@ class Llama(llama_cpp.Llama):
                 cluster_secret.use(secret_file)
             logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="tbrpc-logs-"))
             specs = resolve_cluster(cluster)
+            check_split(model_path, split, len(specs), kwargs)
             if isinstance(cluster, (str, os.PathLike)):
                 specs = discover_links(specs, say)
             say_cable_order(specs, say)

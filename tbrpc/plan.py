@@ -1096,9 +1096,10 @@ def all_reduces_per_token(model: GGUFModel, p: ArchParams, ffn_only: bool = Fals
     return count
 
 
-def check_tensor_mode(arch: str, n_head_kv: Sequence[int] = ()) -> None:
+def check_tensor_mode(arch: str, n_head_kv: Sequence[int] = (), instead: str = "--split layer") -> None:
     """Refuse what llama.cpp's tensor split refuses or aborts on. ``n_head_kv``:
-    KV heads per layer (0 where a layer has no attention), when known and not MLA.
+    KV heads per layer (0 where a layer has no attention), when known and not MLA;
+    ``instead``: the split to advise for a model llama.cpp would abort on.
 
     llama.cpp cuts attention by whole KV heads, so a layer with one KV head is
     not shared at all: one node gets the whole of it. Worse, for such a model
@@ -1121,16 +1122,86 @@ def check_tensor_mode(arch: str, n_head_kv: Sequence[int] = ()) -> None:
         raise TensorSplitError(f"tensor split: architecture '{arch}' has split rules of its own in llama.cpp that the planner "
                         "does not model; use --split layer")
     if any(n == 1 for n in n_head_kv):
-        raise PlanError(
+        raise TensorSplitError(
             f"tensor split: this {arch} model has one KV head per layer, which llama.cpp's tensor split gives whole "
-            "to one node (its meta device in llama-cpp-python 0.3.36 aborts on it at the first generated token); "
-            "use --split layer")
+            f"to one node (its meta device in llama-cpp-python 0.3.36 aborts on it at the first generated token); "
+            f"use {instead}")
 
 
-def check_model_tensor_mode(model: GGUFModel) -> None:
-    """check_tensor_mode for a model file's header: its architecture and KV heads."""
+def _one_unit_wide(t: _MetaTensor, axis: int) -> bool:
+    """Whether ``t`` is one block (axis 0) or one row (axis 1) wide along a cut:
+    then its stride above the cut equals the stride at it."""
+    width = t.shape[axis] if axis < len(t.shape) else 1
+    return (width // GGML_QUANT_SIZES[t.ggml_type][0] if axis == 0 else width) == 1
+
+
+def check_empty_slices(model: GGUFModel, p: ArchParams, layout: WeightLayout, n_devices: int,
+                       ffn_only: bool = False) -> None:
+    """Refuse a split the meta buffer of the llama.cpp in 0.3.36 aborts on while loading.
+
+    A slice gets the tensor's strides, those above the cut scaled by the
+    slice's share (ggml_backend_meta_buffer_init_tensor_impl: only
+    ``nb[i] > nb[axis]``). A weight one block wide along the cut (a Q4_K
+    ffn_down whose input is 256 wide: ``nb[1] == nb[0]``) keeps its full row
+    stride on every slice, and a cut in whole blocks leaves all of it on one
+    device; the upload (ggml_backend_meta_buffer_set_tensor) then writes a
+    row of that stride to each device that holds none of it, and
+    ggml_backend_tensor_set_2d aborts (ggml-backend.cpp:382, "tensor write out
+    of bounds"). Any shares over two or more devices leave some device empty,
+    so equal shares stand for all."""
+    if n_devices < 2:
+        return
+    shares = [1.0] * n_devices
+    splitter: _MetaSplitter | _FfnSplitter = (
+        _FfnSplitter(shares, ffn_granularity(model)) if ffn_only else _MetaSplitter(model, p, shares))
+    bad = []
+    for t in _meta_tensors(model, p, layout):
+        axis, counts = splitter.slices(t)
+        if counts and 0 in counts and _one_unit_wide(t, axis):
+            bad.append((t, axis))
+    if not bad:
+        return
+    t, axis = bad[0]
+    block = GGML_QUANT_SIZES[t.ggml_type][0]
+    width = (f"{t.shape[0]} values wide, one {t.ggml_type.name} block ({block} values)" if axis == 0
+             else f"one row ({t.ggml_type.name})")
+    others = f" (and {len(bad) - 1} more like it)" if len(bad) > 1 else ""
+    mode = "ffn split: tbrpc's FFN split" if ffn_only else "tensor split: llama.cpp's tensor split"
+    instead = "--split layer" if ffn_only else _instead_of_tensor(model, p, layout, n_devices)
+    raise TensorSplitError(
+        f"{mode} cuts {t.name}{others} along dimension {axis} in whole {'blocks' if axis == 0 else 'rows'}, "
+        f"and it is {width}: "
+        f"over {n_devices} nodes all but one of them get none of it, and the meta device of llama-cpp-python "
+        f"0.3.36 aborts while loading it (a slice one block wide keeps the full row stride, so the upload writes "
+        f"past an empty slice: ggml-backend.cpp:382, tensor write out of bounds); use {instead}")
+
+
+def _instead_of_tensor(model: GGUFModel, p: ArchParams, layout: WeightLayout, n_devices: int) -> str:
+    """What to use where llama.cpp's tensor split aborts: tbrpc's FFN split
+    (faster to decode than a layer split) when it can be planned for this
+    model over these devices, else the layer split."""
+    try:
+        check_empty_slices(model, p, layout, n_devices, ffn_only=True)
+    except TensorSplitError:
+        return "--split layer"
+    return "--split ffn (tbrpc's own split of the FFN and output, attention whole on every node; head device none)"
+
+
+def check_model_split(model: GGUFModel, split: str, n_devices: int, layout: WeightLayout | None = None) -> None:
+    """Refuse a ``"tensor"`` or ``"ffn"`` split of a model file over
+    ``n_devices`` nodes that llama.cpp refuses or aborts on: its architecture
+    and KV heads (check_tensor_mode, tensor split), its weights' widths along
+    the cuts (check_empty_slices). ``layout``: the weights loaded (default:
+    without MTP blocks)."""
     params = arch_params(model)
-    check_tensor_mode(params.arch, () if params.is_mla else params.n_head_kv)
+    layout = layout or weight_layout(model, params)
+    if split == "ffn":
+        check_empty_slices(model, params, layout, n_devices, ffn_only=True)
+        return
+    refused = params.arch in TENSOR_REFUSED_ARCHS | TENSOR_UNMODELLED_ARCHS
+    instead = "--split layer" if refused else _instead_of_tensor(model, params, layout, n_devices)
+    check_tensor_mode(params.arch, () if params.is_mla else params.n_head_kv, instead)
+    check_empty_slices(model, params, layout, n_devices)
 
 
 # --- public API -------------------------------------------------------------------
@@ -1217,10 +1288,9 @@ def plan(
     params = arch_params(model)
     layout = weight_layout(model, params, load_mtp=load_mtp)
     if split in ("tensor", "ffn"):
-        if split == "tensor":
-            check_model_tensor_mode(model)
-        elif head_device != "none":
+        if split == "ffn" and head_device != "none":
             raise PlanError("ffn split: tbrpc's meta device is made of TBRPC nodes only; use head_device 'none'")
+        check_model_split(model, split, len(nodes), layout)
         if head_device == "cpu":
             raise TensorSplitError("tensor split: the head's CPU is not one of the devices llama.cpp cuts layers across; "
                             "use head_device 'gpu' or 'none'")

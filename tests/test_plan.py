@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as QT
+import models
 from helpers import free_port
 
 from tbrpc.cli import main as cli_main
@@ -627,3 +628,24 @@ def pad_ctx(ctx: int) -> int:
 def test_unused_import_guard() -> None:
     # QT is used by fixtures; keep the import honest for linters
     assert QT.Q4_K.name == "Q4_K"
+
+
+def test_plan_head_device_default_is_launchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tbrpc plan` without --head-device plans what `tbrpc launch` loads on this
+    machine: launch's own plan (``tbrpc.llama.make_plan``, four local nodes
+    reporting 16 GiB each) has the same head device, tensor_split and
+    n_gpu_layers as the command's default (with the head's GPU as node 0,
+    Gemma 3's layers would go 3, 5, 5, 6 instead of 5, 5, 5, 4)."""
+    import tbrpc.llama
+    from tbrpc.spec import local_specs
+
+    path = models.ensure("gemma")
+    monkeypatch.setattr(tbrpc.llama, "plan_nodes",
+                        lambda specs, nodes: [make_node(s.name, "16GiB", kind="cpu") for s in specs])
+    launchs = tbrpc.llama.make_plan(path, local_specs(4), None, None)   # type: ignore[arg-type]
+    result = CliRunner().invoke(cli_main, ["plan", "--gguf", str(path), "--nodes", "4x16GiB", "--json"])
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.output)
+    assert (planned["head_device"], planned["tensor_split"], planned["n_gpu_layers"]) == (
+        launchs.head_device, launchs.tensor_split, launchs.n_gpu_layers)
+    assert launchs.head_device == "none" and launchs.tensor_split == [5, 5, 5, 4]

@@ -25,8 +25,9 @@ import models
 from helpers import ENV, assert_gone, http_json, run_head, start_launch
 from tbrpc.cli import main as cli_main
 from tbrpc.gguf_model import load_gguf
+from tbrpc.native import TbrpcError
 from tbrpc.node_memory import make_node
-from tbrpc.plan import PlanError, plan
+from tbrpc.plan import PlanError, TensorSplitError, plan
 from tbrpc.units import format_size
 
 TINY = dict(n_layer=6, n_embd=128, n_vocab=384, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
@@ -34,6 +35,11 @@ TINY = dict(n_layer=6, n_embd=128, n_vocab=384, n_head=4, n_head_kv=2, head_dim=
 # Q/K/V by columns (whole heads), attn_output and ffn_down by rows, ffn_gate/up
 # by columns, the output head by vocabulary rows. Everything else is mirrored.
 SPLIT = re.compile(r"(blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)|output)\.weight")
+
+MORE_FFN_DOWN = " (and 5 more like it)"   # the tiny llama's six layers
+ONE_BLOCK = ("cuts blk.0.ffn_down.weight (and 5 more like it) along dimension 0 in whole blocks, and it is 256 values "
+             "wide, one Q4_K block (256 values): over {n} nodes all but one of them get none of it, and the meta device "
+             "of llama-cpp-python 0.3.36 aborts while loading it")
 
 
 def _cpu_nodes(n: int, size: str = "4GiB") -> list[Any]:
@@ -411,14 +417,20 @@ def test_launch_plans_its_draft_model(llama_f32: Path, tmp_path: Path) -> None:
     assert_gone(launch.node_pids())
 
 
-@pytest.mark.parametrize("model,why", [("deepseek2", "refuses architecture 'deepseek2' in tensor mode"),
-                                       ("gemma", "one KV head per layer")])
-def test_launch_refuses_tensor_split_before_starting_nodes(model: str, why: str, tmp_path: Path) -> None:
-    launch = start_launch(tmp_path, "--gguf", str(models.ensure(model)), "--local", "2", "--ctx", "256",
-                          "--split", "tensor", "--prompt", "x")
+@pytest.mark.parametrize("model,split,n_nodes,why,instead", [
+    ("deepseek2", "tensor", 2, "refuses architecture 'deepseek2' in tensor mode", "--split layer"),
+    ("gemma", "tensor", 2, "one KV head per layer", "--split ffn"),
+    ("llama", "tensor", 2, f"cuts blk.0.ffn_down.weight{MORE_FFN_DOWN} along dimension 0", "--split layer"),
+    ("llama", "tensor", 4, f"cuts blk.0.ffn_down.weight{MORE_FFN_DOWN} along dimension 0", "--split layer"),
+    ("llama", "ffn", 2, "tbrpc's FFN split cuts blk.0.ffn_down.weight", "--split layer"),
+])
+def test_launch_refuses_split_before_starting_nodes(model: str, split: str, n_nodes: int, why: str, instead: str,
+                                                    tmp_path: Path) -> None:
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure(model)), "--local", str(n_nodes), "--ctx", "256",
+                          "--split", split, "--prompt", "x")
     assert launch.finish(timeout=60) == 1, launch.stderr
-    assert why in launch.stderr and "--split layer" in launch.stderr
-    assert "starting" not in launch.stderr, launch.stderr
+    assert "step plan" in launch.stderr and why in launch.stderr and f"use {instead}" in launch.stderr, launch.stderr
+    assert "starting" not in launch.stderr and "try: check the model file" not in launch.stderr, launch.stderr
 
 
 # --- tbrpc's own FFN split (ggml_backend/split_rules.c): deepseek2 -------------------
@@ -493,16 +505,60 @@ def test_the_page_shows_each_nodes_share_of_a_tensor_split(llama_f32: Path, tmp_
         assert launch.finish() == 0, launch.stderr
 
 
+@pytest.mark.parametrize("n_nodes", [2, 4])
+def test_one_block_wide_cut_refused(n_nodes: int) -> None:
+    """The quantized tiny llama's ffn_down (Q4_K, 256 wide: one block per row)
+    is cut by rows in whole blocks, so all but one node get none of it, and
+    llama.cpp's meta buffer aborts the load on such a slice (its row stride
+    is not rescaled: test_tensor_split.py::test_llamas_own_tensor_split_still_aborts).
+    The planner refuses it before anything loads, naming the tensor and the
+    layer split (tbrpc's FFN split cuts the same tensor the same way)."""
+    path = models.ensure("llama")
+    with pytest.raises(TensorSplitError) as refused:
+        plan(path, _cpu_nodes(n_nodes), ctx=256, split="tensor", head_device="none", margin=0)
+    assert str(refused.value) == (
+        "tensor split: llama.cpp's tensor split " + ONE_BLOCK.format(n=n_nodes) + " (a slice one block wide keeps the "
+        "full row stride, so the upload writes past an empty slice: ggml-backend.cpp:382, tensor write out of bounds); "
+        "use --split layer")
+    with pytest.raises(TensorSplitError, match=r"^ffn split: tbrpc's FFN split cuts blk\.0\.ffn_down\.weight.*use --split layer$"):
+        plan(path, _cpu_nodes(n_nodes), ctx=256, split="ffn", head_device="none")
+    result = CliRunner().invoke(cli_main, ["plan", "--gguf", str(path), "--nodes", f"{n_nodes}x4GiB", "--split", "tensor",
+                                           "--head-device", "none", "--margin", "0"])
+    assert result.exit_code == 1 and ONE_BLOCK.format(n=n_nodes) in " ".join(result.output.split()), result.output
+    assert "FITS" not in result.output
+    assert plan(path, _cpu_nodes(n_nodes), ctx=256, head_device="none").fits   # the layer split is unchanged
+    assert plan(path, _cpu_nodes(1), ctx=256, split="tensor", head_device="none").fits   # one node: nothing is cut
+    # F32: an ffn_down row is 256 one-value blocks, cut in 128s; an empty slice's row stride is rescaled to 0
+    f32 = plan(models.ensure("llama-f32"), _cpu_nodes(n_nodes), ctx=256, split="tensor", head_device="none", margin=0)
+    assert f32.fits and f32.split_mode == "tensor"
+
+
 def test_one_kv_head_refused_in_tensor_mode() -> None:
     """Gemma 3 270M has one KV head per layer: llama.cpp's tensor split cuts
     attention by whole KV heads, so one node would get all of it, and its meta
     device aborts the process on such a model at the first generated token.
     The planner refuses it with that reason instead, before anything loads."""
     path = models.ensure("gemma")
-    with pytest.raises(PlanError, match=r"one KV head per layer.*aborts.*--split layer"):
+    with pytest.raises(TensorSplitError, match=r"one KV head per layer.*aborts.*; use --split ffn \(tbrpc's own split"):
         plan(path, _cpu_nodes(2), ctx=256, split="tensor", head_device="none")
     result = CliRunner().invoke(cli_main, ["plan", "--gguf", str(path), "--nodes", "2x4GiB", "--split", "tensor"])
-    assert result.exit_code != 0 and "one KV head" in result.output
+    assert result.exit_code != 0 and "one KV head" in result.output and "use --split ffn" in result.output
+    assert plan(path, _cpu_nodes(2), ctx=256, split="ffn", head_device="none").fits   # what it advises plans
     assert plan(path, _cpu_nodes(2), ctx=256, head_device="none").fits   # the layer split is unchanged
     # two KV heads (the tiny llama) are cut, one whole head per node
     assert plan(models.ensure("llama-f32"), _cpu_nodes(2), ctx=256, split="tensor", head_device="none").fits
+
+
+@pytest.mark.parametrize("how", [{"split": "tensor"}, {"split_mode": 3}, {"split": "ffn"}])
+def test_llama_refuses_split_before_starting_nodes(how: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """tbrpc.Llama refuses the quantized tiny llama's tensor or FFN split (llama.cpp
+    aborts loading it) as launch does: from the file's header, before any node starts."""
+    import tbrpc.llama
+
+    monkeypatch.setattr(tbrpc.llama, "start_nodes", lambda *args, **kwargs: pytest.fail("nodes started"))
+    with pytest.raises(TbrpcError) as refused:
+        tbrpc.llama.Llama(str(models.ensure("llama")), cluster=4, **how)
+    mode = "ffn split: tbrpc's FFN split" if how.get("split") == "ffn" else "tensor split: llama.cpp's tensor split"
+    assert str(refused.value).startswith(f"step plan: {mode} cuts blk.0.ffn_down.weight"), refused.value
+    assert "over 4 nodes all but one of them get none of it" in str(refused.value)
+    assert str(refused.value).endswith("use --split layer")

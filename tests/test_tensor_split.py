@@ -223,8 +223,8 @@ UPSTREAM_ABORTS = {
     # Gemma 3 270M, one KV head, at the first generated token: the reshape of the one-head K row keeps the
     # split inside the head (ggml-backend-meta.cpp:622), and the k-norm's per-row rule asserts
     "gemma": "ggml-backend-meta.cpp:543: GGML_ASSERT(src_ss[0].axis != GGML_BACKEND_SPLIT_AXIS_0) failed",
-    # the quantized tiny llama (Q4_K ffn_down rows exactly one block wide), while loading: the meta buffer's
-    # upload of a weight computes a slice write past the end of a node's slice
+    # the quantized tiny llama (Q4_K ffn_down rows exactly one block wide), while loading: a slice keeps the
+    # full row stride (nb[1] == nb[0] is not rescaled), so the upload writes a row to the node whose slice is empty
     "llama": 'ggml-backend.cpp:382: GGML_ASSERT(offset + (n_copies-1)*stride_tensor + size <= ggml_nbytes(tensor)'
              ' && "tensor write out of bounds") failed',
 }
@@ -233,9 +233,9 @@ UPSTREAM_ABORTS = {
 @pytest.mark.parametrize("model_name", sorted(UPSTREAM_ABORTS))
 def test_llamas_own_tensor_split_still_aborts(model_name: str, nodes: Any, tmp_path: Path) -> None:
     """Why tensor mode is refused for a model with one KV head (Gemma 3 270M)
-    and why the quantized tiny llama is not run in it: llama.cpp's meta
-    backend aborts the head process, at the assertion named above, in code
-    tbrpc does not control (the planner refuses the first with the reason,
+    and for the quantized tiny llama: llama.cpp's meta backend aborts the head
+    process, at the assertion named above, in code tbrpc does not control
+    (the planner refuses both with the reason, check_model_split,
     tests/test_plan_tensor.py). Run here in a head of its own over real
     nodes, which outlive it. When this test fails, upstream has fixed the
     abort: then run these models in tensor mode and lift the refusal."""
