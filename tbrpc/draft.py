@@ -3,8 +3,12 @@
 In a layer split a decode step visits every node in turn, and checking N
 guessed tokens costs about one such step (one graph per node, one round
 trip), so every accepted guess saves a whole trip through the cluster.
-llama-cpp-python verifies the guesses (``Llama(draft_model=...)``) and keeps
-exactly what greedy decoding would produce; the guesses only change speed.
+llama-cpp-python verifies the guesses (``Llama(draft_model=...)``): every
+token it keeps is the argmax of the logits of the batch that checked it. A
+batch rounds differently from one token in llama.cpp's CPU kernels, so where
+a position's top two choices are nearly tied the text can differ from
+one-token greedy decoding, in one process as over a split (docs/cluster.md,
+Speculative decoding); elsewhere the guesses only change speed.
 
 - ``prompt-lookup[:N]``: llama-cpp-python's prompt lookup, up to N tokens
   copied from where the text so far repeats itself (code edits, quoting).

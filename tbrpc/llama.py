@@ -351,7 +351,8 @@ class Llama(llama_cpp.Llama):
     and output cut, the rest whole on every node; for deepseek2 and models
     with one KV head such as Gemma 3 270M, which llama.cpp will not
     tensor-split). The layer split is the default because it is exact (the
-    same logits, bit for bit, as one process; a tensor split adds partial
+    same logits, bit for bit, as one process running the nodes' kernels, for
+    the same decode calls; a tensor split adds partial
     sums in another order), runs every architecture llama.cpp loads, and
     needs no full compute buffer or replicated tensors on every node; a
     tensor split is faster only when every node has compute of its own
