@@ -108,6 +108,11 @@ def _first_load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Calla
     return llm
 
 
+def _read_from_files(nodes: Nodes) -> int:
+    """What the launch's nodes read from their own model files so far, as this head counts it."""
+    return sum(i.bytes_from_files for i in client_cluster().nodes() if i.endpoint in nodes.endpoints)
+
+
 def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted: Callable[[], bool],
           record: Path) -> Llama:
     """Plan, connect and load (again, when a failed node is back); the load stops at its next
@@ -127,9 +132,10 @@ def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted
     if draft is not None:
         kwargs["draft_model"] = draft
     started = time.monotonic()
+    read_before = _read_from_files(nodes)   # the head's counters run on across reloads: this load's is the difference
     llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, **kwargs)
     cluster = client_cluster()
-    from_files = sum(cluster.info(i).bytes_from_files for i, e in enumerate(cluster.endpoints) if e in nodes.endpoints)
+    from_files = _read_from_files(nodes) - read_before
     say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"
         + (f"; the nodes read {format_size(from_files)} of weights from their own model files" if from_files else ""))
     names = dict(zip(nodes.endpoints, (s.name for s in nodes.specs)))

@@ -99,6 +99,7 @@ class Serving:
         self._say = say
         self._head_model = head_model
         self.stopping = threading.Event()
+        self.on_loaded: list[Callable[[], None]] = []   # run after each reload, before a request uses it
 
     def model(self) -> Any:
         """The loaded model; ModelAway while it waits for a node."""
@@ -162,6 +163,8 @@ class Serving:
                 async with model_lock():
                     await asyncio.to_thread(self._reconnect, indices)
                     llm = await asyncio.to_thread(self._reload, self.stopping.is_set)
+                    for hook in self.on_loaded:
+                        hook()
                     self.llm = self.shown = llm
             except (TbrpcError, ValueError) as exc:   # a node failed again: wait again
                 if self.stopping.is_set():

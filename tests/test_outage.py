@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,6 +134,44 @@ def test_restarts_a_node_it_started(tmp_path: Path) -> None:
         pids = with_descendants(after)
         stop(launch)
         assert_gone(pids)
+
+
+def load_figures(launch: Launch) -> list[str]:
+    """What each load said the nodes read from their own model files."""
+    return re.findall(r"the nodes read (\S+ \S+) of weights from their own model files", launch.stderr)
+
+
+def figures(root: str, tmp_path: Path, requests: int) -> list[tuple[float, float, int]]:
+    """Per node: (round trips per token, bytes per token) from the page once it counted `requests`
+    requests, and `tbrpc status`'s `from files`."""
+    deadline = time.monotonic() + 30
+    while (page := http_json(f"{root}/tbrpc/status.json"))["requests"]["count"] < requests:
+        assert time.monotonic() < deadline, page["requests"]
+        time.sleep(0.05)
+    shown = json.loads(subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=ENV,
+                                      capture_output=True, text=True, timeout=60).stdout)["nodes"]
+    assert all(n["up"] for n in shown), shown
+    from_files = {n["endpoint"]: n["bytes_from_files"] for n in shown}
+    return [(n["round_trips_per_token"], n["bytes_per_token"], from_files[n["endpoint"]]) for n in page["nodes"]]
+
+
+def test_figures_after_a_reload_are_those_of_the_new_load(tmp_path: Path) -> None:
+    """A node restarted and the model reloaded: what the load says the nodes read, `tbrpc status`'s
+    `from files` and the page's per-token figures count this load, as they did the first."""
+    with start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
+                      "--port", "0") as launch:   # Gemma: large enough that the nodes read weights from files
+        base = launch.http_base()
+        root = base.removesuffix("/v1")
+        completion(base)
+        before = figures(root, tmp_path, 1)
+        assert all(moved > 0 and read > 0 for _, moved, read in before), before
+        os.kill(launch.node_pids()[1], signal.SIGKILL)
+        launch.wait_for(r"model reloaded in [\d.]+ s; serving again")
+        reads = load_figures(launch)
+        assert len(reads) == 2 and reads[0] == reads[1], launch.stderr
+        completion(base)
+        assert figures(root, tmp_path, 2) == before
+        stop(launch)
 
 
 def test_requests_in_flight_get_the_error_and_a_node_that_never_returns_is_waited_for(tmp_path: Path) -> None:
