@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -155,8 +156,8 @@ def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted
     return llm
 
 
-def _serve(opts: LaunchOptions, serving: Serving, record: Path, say: Callable[[str], None]) -> int:
-    sock = listen(opts.host, opts.port)
+def _serve(opts: LaunchOptions, serving: Serving, sock: socket.socket, record: Path,
+           say: Callable[[str], None]) -> int:
     host, port = sock.getsockname()[:2]
     reachable = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)   # how status here asks
     note_serving(record, f"http://{f'[{reachable}]' if ':' in reachable else reachable}:{port}", opts.api_key)
@@ -197,8 +198,11 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                     check_model_tensor_mode(model)
                 except (PlanError, GGUFError) as exc:
                     raise TbrpcError.at("plan", str(exc)) from exc
+            sock: socket.socket | None = None
             if opts.prompt is None and not opts.chat:
                 require_server()
+                # Held from now on: a port in use is said before a node starts or the model is read.
+                sock = records.enter_context(listen(opts.host, opts.port))
             check_draft(opts.draft, opts.draft_model, opts.gguf)
             step = "start"
             say(f"{len(specs)} node(s); node logs in {log_dir}")
@@ -216,9 +220,10 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 chat(llm, opts.max_tokens, opts.temperature, out=out)
                 return EXIT_OK
             step = "serve"
+            assert sock is not None   # serving: the socket was opened before the nodes started
             serving = Serving(llm, nodes, lambda aborted: _load(opts, nodes, say, aborted, record), say, opts.gguf)
             llm = None   # the server's now: it frees and reloads it when a node fails
-            return _serve(opts, serving, record, say)
+            return _serve(opts, serving, sock, record, say)
         except (_Interrupted, KeyboardInterrupt) as exc:
             if step == "serve":   # the normal way to stop a server
                 say(f"stopping ({exc or 'SIGINT'}): the model, then the nodes started here")

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -517,6 +518,18 @@ def test_missing_http_server_package_starts_nothing(tmp_path: Path) -> None:
                           shadow=shadow.parent)
     assert launch.finish() == 1, launch.stderr
     assert "(uvicorn is missing)" in launch.stderr and "pip install 'llama-cpp-python[server]==0.3.36'" in launch.stderr
+    assert "node(s)" not in launch.stderr and not launch.node_pids()
+
+
+def test_port_in_use_starts_nothing(tmp_path: Path) -> None:
+    """The HTTP port is taken before the nodes start: one in use is said at once, not after the load."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--port", str(port))
+        assert launch.finish() == 1, launch.stderr
+    assert f"step serve: cannot listen on 127.0.0.1:{port}: Address already in use" in launch.stderr, launch.stderr
     assert "node(s)" not in launch.stderr and not launch.node_pids()
 
 
