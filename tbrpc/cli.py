@@ -237,7 +237,7 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
         raise click.UsageError("use either --prompt or --chat")
     _use_secret(secret_file)
     try:
-        cluster = choose_cluster(cluster_file, local)
+        cluster = choose_cluster(cluster_file, local, instead="--local N")
     except ClusterError as e:
         raise click.UsageError(str(e)) from e
     code = run_launch(LaunchOptions(
@@ -268,7 +268,7 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, secret_fi
     from tbrpc.spec import endpoint_specs
 
     try:
-        path = None if endpoints else choose_cluster(cluster_file, None)
+        path = None if endpoints else choose_cluster(cluster_file, None, instead="the nodes' host:port endpoints")
         if path is None:
             specs = endpoint_specs(list(endpoints))
         else:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 import models
 from helpers import (
@@ -33,6 +34,7 @@ from helpers import (
     start_sshd, with_descendants,
 )
 
+from tbrpc.cli import main as cli_main
 from tbrpc.cluster_file import choose_cluster, load_specs, spec_from_table
 from tbrpc.doctor import transport_fix
 from tbrpc.llama import resolve_cluster
@@ -114,19 +116,36 @@ def test_cluster_file_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     with pytest.raises(ClusterError, match="--local N"):
-        choose_cluster(None, None)
+        choose_cluster(None, None, instead="--local N")
     user_file = tmp_path / "config" / "tbrpc" / "tbrpc.toml"
     user_file.parent.mkdir(parents=True)
     user_file.write_text("")
-    assert choose_cluster(None, None) == str(user_file)
+    assert choose_cluster(None, None, instead="--local N") == str(user_file)
     (tmp_path / "tbrpc.toml").write_text("")
-    assert choose_cluster(None, None) == str(tmp_path / "tbrpc.toml")
-    assert choose_cluster("other.toml", None) == "other.toml"
-    assert choose_cluster(None, 3) == 3
+    assert choose_cluster(None, None, instead="--local N") == str(tmp_path / "tbrpc.toml")
+    assert choose_cluster("other.toml", None, instead="--local N") == "other.toml"
+    assert choose_cluster(None, 3, instead="--local N") == 3
     specs = local_specs(3)
     assert [s.name for s in specs] == ["local0", "local1", "local2"] and all(s.port == 0 for s in specs)
     assert spec_from_table({"name": "n", "host": "h", "ssh": "u@h2"}, None, "t").ssh == SshTarget("h2", "u")
     assert isinstance(specs[0], NodeSpec)
+
+
+@pytest.mark.parametrize("command, expected", [
+    ("launch", "no cluster: pass --cluster FILE or --local N (no cluster file at tbrpc.toml, "),
+    ("doctor", "no cluster: pass --cluster FILE or the nodes' host:port endpoints (no cluster file at tbrpc.toml, "),
+    ("status", "no nodes: pass --cluster FILE or host:port, or start `tbrpc launch` first"),
+])
+def test_no_cluster_names_only_options_the_command_has(command: str, expected: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))   # no launch running here
+    args = ["--gguf", str(models.ensure("llama"))] if command == "launch" else []
+    result = CliRunner().invoke(cli_main, [command, *args])
+    assert result.exit_code == 2 and expected in result.output, result.output
+    options = {o for p in cli_main.commands[command].params for o in p.opts}
+    assert set(re.findall(r"--[a-z-]+", expected)) <= options, (expected, options)
 
 
 # --- serving over HTTP -------------------------------------------------------------------
