@@ -23,6 +23,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import models
 from helpers import (
     ENV, PROMPT, Launch, assert_gone, baseline, http_json, http_stream, start_launch, start_node, stop_nodes,
@@ -113,6 +115,32 @@ def test_waits_for_a_node_started_by_hand_then_reloads(tmp_path: Path) -> None:
             stop(launch)
     finally:
         stop_nodes([n for n in started if n.proc.poll() is None])
+
+
+def test_a_request_failed_by_a_node_logs_one_line(tmp_path: Path) -> None:
+    """The request that meets the dead node gets the 503; the log says which node and why in one line,
+    without llama-cpp-python's traceback (that is for errors nobody handles)."""
+    first, second = start_node(tmp_path), start_node(tmp_path)
+    cluster = tmp_path / "two.toml"
+    cluster.write_text("".join(f'[[node]]\nname = "n{i}"\nhost = "127.0.0.1"\nport = {n.port}\nstart = "manual"\n\n'
+                               for i, n in enumerate((first, second))))
+    env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    try:
+        with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster), "--ctx", "256",
+                          "--port", "0", env=env) as launch:
+            base = launch.http_base()
+            completion(base)
+            second.proc.kill()
+            second.proc.wait()
+            assert refused(f"{base}/completions", BODY)[0] == 503
+            launch.wait_for(r"model freed")
+            failed = [line for line in launch.err_lines if "request failed" in line]
+            assert len(failed) == 1 and failed[0].startswith(f"tbrpc: a request failed: node n1 (127.0.0.1:{second.port})"), \
+                launch.stderr
+            assert "Traceback" not in launch.stderr and "Exception:" not in launch.stderr, launch.stderr
+            stop(launch)
+    finally:
+        stop_nodes([n for n in (first, second) if n.proc.poll() is None])
 
 
 def test_restarts_a_node_it_started(tmp_path: Path) -> None:
@@ -229,5 +257,29 @@ def test_requests_in_flight_get_the_error_and_a_node_that_never_returns_is_waite
             assert http_json(f"{root}/tbrpc/status.json")["waiting"]["probes"] >= 2
             stop(launch)
             assert "stopping (SIGINT)" in launch.stderr
+            assert "Traceback" not in launch.stderr, launch.stderr   # the failed requests: a line each
     finally:
         stop_nodes([n for n in started if n.proc.poll() is None])
+
+
+def test_other_errors_keep_their_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only a node's failure leaves llama-cpp-python's routes (for OutageGuard to answer); any other
+    error is still theirs: a 500 and its traceback."""
+    from fastapi import APIRouter
+    from llama_cpp.server.errors import RouteErrorHandler
+
+    from tbrpc.client import NodeFailed
+    from tbrpc.serve import _node_errors_through
+
+    router = APIRouter(route_class=RouteErrorHandler)
+    router.add_api_route("/x", lambda: None)
+    _node_errors_through(router)
+    route = router.routes[0]
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as exc:
+        code, body = route.error_message_wrapper(exc)
+    assert (code, body["message"]) == (500, "boom")
+    assert "Exception: boom\nTraceback (most recent call last)" in capsys.readouterr().err
+    with pytest.raises(NodeFailed, match="node gone"):
+        route.error_message_wrapper(NodeFailed("node gone", "127.0.0.1:1"))
