@@ -53,7 +53,7 @@ def secret_new(path: str) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 for all).")
 @click.option("--port", default=defaults.PORT, show_default=True, type=int, help="TCP port (0 picks a free one).")
 @click.option("--device", default=None, help="ggml device to serve (default: GPU/Metal if present, else CPU).")
-@click.option("--threads", default=0, type=int, help="Compute threads (default: ggml's choice).")
+@click.option("--threads", default=0, type=click.IntRange(min=0), help="Compute threads (default, 0: ggml's choice).")
 @click.option("--name", default=None, help="Node name shown to clients and in logs.")
 @click.option("--log-file", default=None, type=click.Path(dir_okay=False), help="Append log lines here instead of stderr.")
 @click.option("--timeout", default=defaults.STALL_TIMEOUT_S, show_default=True, type=float, help="Seconds a client may stall mid-message.")

@@ -31,6 +31,7 @@ from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, PlanError, check_model_tensor_mo
 from tbrpc.llama import (ClusterArg, DoesNotFitError, Llama, ProgressBar, discover_links, resolve_cluster,
                          say_cable_order, with_secret)
 from tbrpc.native import TbrpcError
+from tbrpc.node import is_loopback
 from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
 from tbrpc.outage import Serving
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
@@ -203,6 +204,9 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 require_server()
                 # Held from now on: a port in use is said before a node starts or the model is read.
                 sock = records.enter_context(listen(opts.host, opts.port))
+                if opts.api_key is None and not is_loopback(opts.host):
+                    say(f"warning: --host {opts.host} without --api-key: anyone who can reach this machine on the "
+                        "network can use the API (--api-key KEY or TBRPC_API_KEY makes requests bring the key)")
             check_draft(opts.draft, opts.draft_model, opts.gguf)
             step = "start"
             say(f"{len(specs)} node(s); node logs in {log_dir}")

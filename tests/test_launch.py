@@ -148,6 +148,16 @@ def test_no_cluster_names_only_options_the_command_has(command: str, expected: s
     assert set(re.findall(r"--[a-z-]+", expected)) <= options, (expected, options)
 
 
+@pytest.mark.parametrize("command, floor", [("node", 0), ("launch", 1)])
+def test_negative_threads_are_refused(command: str, floor: int) -> None:
+    # were -3 taken, neither would get far: the node has no such device, the launch no such port
+    args = (["--gguf", str(models.ensure("llama")), "--local", "1", "--port", "-1"] if command == "launch"
+            else ["--port", "0", "--device", "no-such-device"])
+    result = CliRunner().invoke(cli_main, [command, *args, "--threads", "-3"])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '--threads': -3 is not in the range x>={floor}" in result.output, result.output
+
+
 # --- serving over HTTP -------------------------------------------------------------------
 
 
@@ -271,6 +281,17 @@ def _rendered(browser: str, url: str, tmp_path: Path, screenshot: Path | None = 
     if screenshot is not None:
         subprocess.run([*args, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True)
     return subprocess.run([*args, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+@pytest.mark.parametrize("key", [(), ("--api-key", "s3cret")])
+def test_all_addresses_without_a_key_warn(key: tuple[str, ...], tmp_path: Path) -> None:
+    env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "1", "--host", "0.0.0.0",
+                      "--port", "0", *key, env=env) as launch:
+        launch.http_base()
+        warning = "tbrpc: warning: --host 0.0.0.0 without --api-key: anyone who can reach this machine on the network can use the API"
+        assert (warning in launch.stderr) == (not key), launch.stderr
+        stop_and_check(launch)
 
 
 def test_dashboard_in_a_browser(tmp_path: Path) -> None:
