@@ -264,7 +264,9 @@ class OutageGuard:
         try:
             await self.app(scope, receive, guarded_send)
         except* NodeError as failed:   # a node failed under the request (the routes let it through: serve.py;
-            exc = failed.exceptions[0]   # a stream's arrives in its task group's ExceptionGroup)
+            exc = failed.exceptions[0]   # a stream's arrives in its task groups' ExceptionGroups)
+            while isinstance(exc, BaseExceptionGroup):
+                exc = exc.exceptions[0]
             assert isinstance(exc, NodeError)
             self.serving.request_failed(exc)
             if not started:   # else the stream under way just ends, without [DONE]
