@@ -61,6 +61,9 @@ static void release_buffer(struct node_conn * c, size_t i) {
     count(&c->slot->bytes_allocated, -(int64_t) c->buffers[i].size);
     ggml_backend_buffer_free(c->buffers[i].buf);
     c->buffers[i] = c->buffers[--c->n_buffers];
+    // What the client read from files is that of the model its buffers hold: with the last one
+    // freed it starts again, so a model loaded again on this connection counts its own load.
+    if (c->n_buffers == 0) __atomic_store_n(&c->slot->bytes_from_files, 0, __ATOMIC_RELAXED);
 }
 
 struct node_buffer * checked_rows(struct node_conn * c, uint64_t handle, uint64_t offset, uint64_t size, uint64_t n,

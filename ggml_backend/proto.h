@@ -288,7 +288,7 @@ struct tb_status {
     uint64_t clients;            // connected clients
     uint64_t graphs_computed;
     uint64_t bytes_received;     // payload bytes received from all clients
-    uint64_t bytes_from_files;   // bytes loaded from the node's own model files
+    uint64_t bytes_from_files;   // bytes loaded from the node's own model files into the buffers clients hold now
     uint64_t allreduces;         // ALLREDUCE requests done (tensor split)
     uint64_t allreduce_ns;       // time spent in them: sending, waiting for the peers, adding
     uint64_t mem_free, mem_total;

@@ -53,7 +53,7 @@ def secret_new(path: str) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 for all).")
 @click.option("--port", default=defaults.PORT, show_default=True, type=int, help="TCP port (0 picks a free one).")
 @click.option("--device", default=None, help="ggml device to serve (default: GPU/Metal if present, else CPU).")
-@click.option("--threads", default=0, type=int, help="Compute threads (default: ggml's choice).")
+@click.option("--threads", default=0, type=click.IntRange(min=0), help="Compute threads (default, 0: ggml's choice).")
 @click.option("--name", default=None, help="Node name shown to clients and in logs.")
 @click.option("--log-file", default=None, type=click.Path(dir_okay=False), help="Append log lines here instead of stderr.")
 @click.option("--timeout", default=defaults.STALL_TIMEOUT_S, show_default=True, type=float, help="Seconds a client may stall mid-message.")
@@ -240,7 +240,7 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
         raise click.UsageError("use either --prompt or --chat")
     _use_secret(secret_file)
     try:
-        cluster = choose_cluster(cluster_file, local)
+        cluster = choose_cluster(cluster_file, local, instead="--local N")
     except ClusterError as e:
         raise click.UsageError(str(e)) from e
     code = run_launch(LaunchOptions(
@@ -271,7 +271,7 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, secret_fi
     from tbrpc.spec import endpoint_specs
 
     try:
-        path = None if endpoints else choose_cluster(cluster_file, None)
+        path = None if endpoints else choose_cluster(cluster_file, None, instead="the nodes' host:port endpoints")
         if path is None:
             specs = endpoint_specs(list(endpoints))
         else:

@@ -100,8 +100,9 @@ def default_cluster_file() -> Path | None:
     return None
 
 
-def choose_cluster(cluster_file: str | os.PathLike[str] | None, local: int | None) -> str | int:
-    """--cluster F, else --local N, else the default cluster file; ClusterError when there is none."""
+def choose_cluster(cluster_file: str | os.PathLike[str] | None, local: int | None, *, instead: str) -> str | int:
+    """--cluster F, else --local N, else the default cluster file; ClusterError when there is none,
+    saying to pass --cluster FILE or `instead`: what else the command asking takes ("--local N", endpoints)."""
     if cluster_file is not None and local is not None:
         raise ClusterError("use either --cluster FILE or --local N, not both")
     if cluster_file is not None:
@@ -111,7 +112,7 @@ def choose_cluster(cluster_file: str | os.PathLike[str] | None, local: int | Non
     found = default_cluster_file()
     if found is None:
         places = ", ".join(str(p) for p in [Path(DEFAULT_FILE_NAME)] + [d / DEFAULT_FILE_NAME for d in config_dirs()])
-        raise ClusterError(f"no cluster: pass --cluster FILE or --local N (no cluster file at {places})")
+        raise ClusterError(f"no cluster: pass --cluster FILE or {instead} (no cluster file at {places})")
     return str(found)
 
 

@@ -47,17 +47,29 @@ class Request:
 
 class RequestLog:
     """The recent requests and running totals; shared by the server's threads.
-    `baseline`: each node's (round trips, bytes) when serving began, so that
-    per-token figures leave out the load and the warm-up."""
+    `baseline`: each node's (round trips, bytes) once the model in use was
+    loaded, and `baseline_tokens` the tokens generated before, so that
+    per-token figures are those of this load: they leave out the load and the
+    warm-up, and a reload after a node failed (whose connection, and its
+    counters, are new) starts them again (`loaded`)."""
 
     def __init__(self) -> None:
-        self.baseline = {i.endpoint: (i.round_trips, i.bytes_sent + i.bytes_received) for i in client_cluster().nodes()}
         self._lock = threading.Lock()
         self.recent: deque[Request] = deque(maxlen=RECENT)
         self.count = 0
         self.tokens = 0
         self.seconds = 0.0
         self.in_flight = 0
+        self.baseline: dict[str, tuple[int, int]] = {}
+        self.baseline_tokens = 0
+        self.loaded()
+
+    def loaded(self) -> None:
+        """The model was (re)loaded: per-token figures count from now."""
+        with self._lock:
+            self.baseline = {i.endpoint: (i.round_trips, i.bytes_sent + i.bytes_received)
+                             for i in client_cluster().nodes()}
+            self.baseline_tokens = self.tokens
 
     def begin(self) -> None:
         with self._lock:
@@ -136,7 +148,8 @@ def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | No
         total = sum(plan.tensor_split)
         shares = {n.device: f"{s / total:.0%} of each {'layer' if plan.split_mode == 'tensor' else 'FFN'}"
                   for n, s in zip(plan.nodes, plan.tensor_split)}
-    tokens = max(log.tokens, 1)
+    generated = log.tokens - log.baseline_tokens   # since the model in use was loaded
+    tokens = max(generated, 1)
     nodes = []
     infos = client_cluster().nodes()
     carriers = connection_records(infos, {i.endpoint: i.node_name for i in infos})
@@ -159,8 +172,8 @@ def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | No
             "on_tcp": on_tcp({"name": info.node_name, **carriers[info.endpoint]}),   # each with its kind and fix
             "failed": info.failed, "error": info.error or None,
             "round_trips": info.round_trips, "bytes": info.bytes_sent + info.bytes_received,
-            "round_trips_per_token": trips / tokens if log.tokens else None,   # since serving began
-            "bytes_per_token": moved / tokens if log.tokens else None,
+            "round_trips_per_token": trips / tokens if generated else None,   # since the model was loaded
+            "bytes_per_token": moved / tokens if generated else None,
         })
     recent = [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in reversed(log.recent)]
     return {
@@ -276,6 +289,7 @@ def install(app: Any, serving: Any, alias: str, api_key: str | None) -> RequestL
     """Add the page, its JSON and /metrics to a FastAPI app, and time its completion routes.
     `serving`: a tbrpc.outage.Serving (the model shown, and the node it may wait for)."""
     log = RequestLog()
+    serving.on_loaded.append(log.loaded)
     app.add_middleware(RequestTimer, log=log)
 
     def allowed(request: HttpRequest) -> None:

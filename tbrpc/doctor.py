@@ -117,6 +117,13 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
     if not spec.port:
         n.add("reachable", SKIP, "no fixed port: started by launch on a free one")
         return False, None
+    # The handshake before the connection that times reaching the node: a node frees a client's
+    # slot a moment after it closes, so that connection would still count as a client of the
+    # node when the probe reads how many it has.
+    try:
+        answer: tuple[Any, Any] | NodeError = probe(spec.endpoint, timeout=timeout)
+    except NodeError as exc:
+        answer = exc
     up, how = _tcp(spec.host, spec.port, timeout)
     if not up:
         if spec.start in ("local", "ssh"):
@@ -126,20 +133,18 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
                   f"start it on {spec.host}: `{_start_command(spec)}`; check that a firewall lets port {spec.port} in")
         return False, None
     n.add("reachable", OK, f"{spec.endpoint}: {how}")
-    try:
-        info, status = probe(spec.endpoint, timeout=timeout)
-    except AuthenticationError as exc:
+    if isinstance(answer, AuthenticationError):
         n.add("handshake", OK, "protocol and ggml ABI match")
-        n.add("secret", FAIL, str(exc), _secret_fix(spec))
+        n.add("secret", FAIL, str(answer), _secret_fix(spec))
         return False, None
-    except NodeError as exc:
-        message = str(exc)
-        if isinstance(exc, NodeVersionMismatch):
+    if isinstance(answer, NodeError):
+        if isinstance(answer, NodeVersionMismatch):
             fix = _SAME_VERSIONS
         else:
             fix = "is this port a tbrpc node? restart it: " + _start_command(spec)
-        n.add("handshake", FAIL, message, fix)
+        n.add("handshake", FAIL, str(answer), fix)
         return False, None
+    info, status = answer
     others = max(0, status.clients - 1)   # this probe is a client too
     n.add("handshake", OK, f"protocol and ggml ABI match; node {info.node_name!r}, {others} other client(s)")
     if cluster_secret.file_for() is not None:

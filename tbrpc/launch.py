@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -29,6 +30,7 @@ from tbrpc.gguf_model import GGUFError, load_gguf
 from tbrpc.llama import (ClusterArg, DoesNotFitError, Llama, ProgressBar, check_split, discover_links, resolve_cluster,
                          say_cable_order, with_secret)
 from tbrpc.native import TbrpcError
+from tbrpc.node import is_loopback
 from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
 from tbrpc.outage import Serving
 from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
@@ -107,6 +109,11 @@ def _first_load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Calla
     return llm
 
 
+def _read_from_files(nodes: Nodes) -> int:
+    """What the launch's nodes read from their own model files so far, as this head counts it."""
+    return sum(i.bytes_from_files for i in client_cluster().nodes() if i.endpoint in nodes.endpoints)
+
+
 def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted: Callable[[], bool],
           record: Path) -> Llama:
     """Plan, connect and load (again, when a failed node is back); the load stops at its next
@@ -126,9 +133,10 @@ def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted
     if draft is not None:
         kwargs["draft_model"] = draft
     started = time.monotonic()
+    read_before = _read_from_files(nodes)   # the head's counters run on across reloads: this load's is the difference
     llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, **kwargs)
     cluster = client_cluster()
-    from_files = sum(cluster.info(i).bytes_from_files for i, e in enumerate(cluster.endpoints) if e in nodes.endpoints)
+    from_files = _read_from_files(nodes) - read_before
     say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"
         + (f"; the nodes read {format_size(from_files)} of weights from their own model files" if from_files else ""))
     names = dict(zip(nodes.endpoints, (s.name for s in nodes.specs)))
@@ -148,8 +156,8 @@ def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted
     return llm
 
 
-def _serve(opts: LaunchOptions, serving: Serving, record: Path, say: Callable[[str], None]) -> int:
-    sock = listen(opts.host, opts.port)
+def _serve(opts: LaunchOptions, serving: Serving, sock: socket.socket, record: Path,
+           say: Callable[[str], None]) -> int:
     host, port = sock.getsockname()[:2]
     reachable = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)   # how status here asks
     note_serving(record, f"http://{f'[{reachable}]' if ':' in reachable else reachable}:{port}", opts.api_key)
@@ -186,8 +194,14 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 raise TbrpcError.at("plan", f"{exc}\n  try: --gguf must be a GGUF model "
                                     "(for a split set, its first shard)") from exc
             check_split(opts.gguf, opts.split, len(specs), opts.llama_kwargs)
+            sock: socket.socket | None = None
             if opts.prompt is None and not opts.chat:
                 require_server()
+                # Held from now on: a port in use is said before a node starts or the model is read.
+                sock = records.enter_context(listen(opts.host, opts.port))
+                if opts.api_key is None and not is_loopback(opts.host):
+                    say(f"warning: --host {opts.host} without --api-key: anyone who can reach this machine on the "
+                        "network can use the API (--api-key KEY or TBRPC_API_KEY makes requests bring the key)")
             check_draft(opts.draft, opts.draft_model, opts.gguf)
             step = "start"
             say(f"{len(specs)} node(s); node logs in {log_dir}")
@@ -205,9 +219,10 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 chat(llm, opts.max_tokens, opts.temperature, out=out)
                 return EXIT_OK
             step = "serve"
+            assert sock is not None   # serving: the socket was opened before the nodes started
             serving = Serving(llm, nodes, lambda aborted: _load(opts, nodes, say, aborted, record), say, opts.gguf)
             llm = None   # the server's now: it frees and reloads it when a node fails
-            return _serve(opts, serving, record, say)
+            return _serve(opts, serving, sock, record, say)
         except (_Interrupted, KeyboardInterrupt) as exc:
             if step == "serve":   # the normal way to stop a server
                 say(f"stopping ({exc or 'SIGINT'}): the model, then the nodes started here")

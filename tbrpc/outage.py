@@ -5,7 +5,8 @@ When a node fails while the HTTP API is served, the server stays up:
 1. every request for the model gets ``503`` with a JSON error naming the
    node and saying the server waits for it (``Retry-After`` too); requests
    that were running when it failed get the same answer (a stream already
-   under way ends without ``[DONE]``: its 200 was sent before the failure);
+   under way ends without ``[DONE]``: its 200 was sent before the failure),
+   and the log says so in one line naming the node (no traceback: it is handled);
    ``/tbrpc``, its JSON, ``/metrics`` and ``/v1/models`` keep answering and
    say what the server waits for (``tbrpc status`` shows it as well);
 2. the model is freed (its buffers on the nodes that survive, and on this
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tbrpc.client import cluster as client_cluster
-from tbrpc.client import default_transport
+from tbrpc.client import NodeError, default_transport
 from tbrpc.native import TbrpcError
 from tbrpc.node_processes import LaunchError, Nodes, answers, head_secret_file
 
@@ -99,6 +100,7 @@ class Serving:
         self._say = say
         self._head_model = head_model
         self.stopping = threading.Event()
+        self.on_loaded: list[Callable[[], None]] = []   # run after each reload, before a request uses it
 
     def model(self) -> Any:
         """The loaded model; ModelAway while it waits for a node."""
@@ -113,6 +115,12 @@ class Serving:
             return self.outage.message()
         failed = self.nodes.failed()   # before the watcher noticed: what it is about to do
         return self._outage(failed).message() if failed else None
+
+    def request_failed(self, error: NodeError) -> None:
+        """Say in one line that a request failed because a node did (its answer is the 503)."""
+        index = self.nodes.endpoints.index(error.endpoint) if error.endpoint in self.nodes.endpoints else None
+        node = f"node {self.nodes.specs[index].name} ({error.endpoint}): " if index is not None else ""
+        self._say(f"a request failed: {node}{error}")
 
     def close(self) -> None:
         self.stopping.set()
@@ -162,6 +170,8 @@ class Serving:
                 async with model_lock():
                     await asyncio.to_thread(self._reconnect, indices)
                     llm = await asyncio.to_thread(self._reload, self.stopping.is_set)
+                    for hook in self.on_loaded:
+                        hook()
                     self.llm = self.shown = llm
             except (TbrpcError, ValueError) as exc:   # a node failed again: wait again
                 if self.stopping.is_set():
@@ -237,10 +247,10 @@ class OutageGuard:
         if why:
             await self._refuse(send, why)
             return
-        replaced = False
+        replaced = started = False
 
         async def guarded_send(message: Message) -> None:
-            nonlocal replaced
+            nonlocal replaced, started
             if message["type"] == "http.response.start" and int(message["status"]) >= 500:
                 why = await asyncio.to_thread(self.serving.unavailable)
                 if why:
@@ -248,7 +258,17 @@ class OutageGuard:
                     await self._refuse(send, why)
                     return
             if not replaced:
+                started = True
                 await send(message)
 
-        await self.app(scope, receive, guarded_send)
+        try:
+            await self.app(scope, receive, guarded_send)
+        except* NodeError as failed:   # a node failed under the request (the routes let it through: serve.py;
+            exc = failed.exceptions[0]   # a stream's arrives in its task groups' ExceptionGroups)
+            while isinstance(exc, BaseExceptionGroup):
+                exc = exc.exceptions[0]
+            assert isinstance(exc, NodeError)
+            self.serving.request_failed(exc)
+            if not started:   # else the stream under way just ends, without [DONE]
+                await self._refuse(send, await asyncio.to_thread(self.serving.unavailable) or str(exc))
 

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import llama_cpp
 
+from tbrpc.client import NodeError
 from tbrpc.native import SUPPORTED_LLAMA_CPP_PYTHON, TbrpcError
 from tbrpc.outage import OutageGuard, Serving
 
@@ -69,6 +70,7 @@ def make_app(serving: Serving, alias: str, api_key: str | None = None) -> Any:
         def free(self) -> None:
             pass
 
+    _node_errors_through(app_module.router)
     proxy = LoadedProxy()
     original = app_module.set_llama_proxy
     app_module.set_llama_proxy = lambda model_settings: setattr(app_module, "_llama_proxy", proxy)
@@ -82,6 +84,24 @@ def make_app(serving: Serving, alias: str, api_key: str | None = None) -> Any:
     app.add_middleware(OutageGuard, serving=serving)
     install(app, serving, alias, api_key)   # /tbrpc, /tbrpc/status.json, /metrics (outermost: sees the 503s)
     return app
+
+
+def _node_errors_through(router: Any) -> None:
+    """llama-cpp-python's routes answer any error a request raises with a 500 and a traceback on
+    stderr. A node's failure is not theirs to answer: it goes up to OutageGuard, which answers 503
+    and says it in one line. Other errors keep their 500 and traceback: nobody handled them.
+    (These routes are llama-cpp-python's module-level router's, shared by the apps of a process.)"""
+    from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
+
+    class NodeErrorsThrough(RouteErrorHandler):
+        def error_message_wrapper(self, error: Exception, body: Any = None) -> tuple[int, ErrorResponse]:
+            if isinstance(error, NodeError):
+                raise error
+            return super().error_message_wrapper(error, body)
+
+    for route in router.routes:
+        if type(route) is RouteErrorHandler:
+            route.__class__ = NodeErrorsThrough   # its handler asks self for the wrapper at each error
 
 
 def model_lock() -> Any:

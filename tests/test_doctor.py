@@ -26,7 +26,7 @@ from helpers import ENV, free_port
 from tbrpc.doctor import FAIL, OK, WARN, Check, _check_linux, _check_macos, _Node, diagnose, failed, format_checks
 from tbrpc.facts import file_fingerprint, linux_facts, macos_facts, model_identity, sampled_ranges
 from tbrpc.cluster_file import load_specs
-from tbrpc.spec import NodeSpec
+from tbrpc.spec import NodeSpec, endpoint_specs
 from tbrpc.units import format_size
 
 
@@ -94,6 +94,18 @@ def test_cluster_file_without_memory(nodes: Any, tmp_path: Path) -> None:
                           env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no `memory` given: plan and launch use what the node reports" in proc.stdout
+
+
+def test_idle_nodes_have_no_other_client(nodes: Any) -> None:
+    """Doctor's own connections are not counted as other clients (its reachability check's included,
+    which the node frees a moment after it closes); one that is really there is."""
+    a, b, c = nodes(3)
+    with socket.create_connection(("127.0.0.1", c.port)) as other:
+        time.sleep(0.2)   # accepted: the node has a slot in use for it
+        checks = diagnose(endpoint_specs([f"127.0.0.1:{n.port}" for n in (a, b, c)]), launches=[])
+    table = format_checks(checks)
+    shown = [re.search(r"(\d+) other client\(s\)", ch.detail) for ch in checks if ch.name == "handshake"]
+    assert [int(m.group(1)) if m else None for m in shown] == [0, 0, 1], table
 
 
 def test_node_down_fails_with_a_fix(nodes: Any, tmp_path: Path) -> None:

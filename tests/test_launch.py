@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 import models
 from helpers import (
@@ -32,6 +34,7 @@ from helpers import (
     start_sshd, with_descendants,
 )
 
+from tbrpc.cli import main as cli_main
 from tbrpc.cluster_file import choose_cluster, load_specs, spec_from_table
 from tbrpc.doctor import transport_fix
 from tbrpc.llama import resolve_cluster
@@ -113,19 +116,46 @@ def test_cluster_file_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     with pytest.raises(ClusterError, match="--local N"):
-        choose_cluster(None, None)
+        choose_cluster(None, None, instead="--local N")
     user_file = tmp_path / "config" / "tbrpc" / "tbrpc.toml"
     user_file.parent.mkdir(parents=True)
     user_file.write_text("")
-    assert choose_cluster(None, None) == str(user_file)
+    assert choose_cluster(None, None, instead="--local N") == str(user_file)
     (tmp_path / "tbrpc.toml").write_text("")
-    assert choose_cluster(None, None) == str(tmp_path / "tbrpc.toml")
-    assert choose_cluster("other.toml", None) == "other.toml"
-    assert choose_cluster(None, 3) == 3
+    assert choose_cluster(None, None, instead="--local N") == str(tmp_path / "tbrpc.toml")
+    assert choose_cluster("other.toml", None, instead="--local N") == "other.toml"
+    assert choose_cluster(None, 3, instead="--local N") == 3
     specs = local_specs(3)
     assert [s.name for s in specs] == ["local0", "local1", "local2"] and all(s.port == 0 for s in specs)
     assert spec_from_table({"name": "n", "host": "h", "ssh": "u@h2"}, None, "t").ssh == SshTarget("h2", "u")
     assert isinstance(specs[0], NodeSpec)
+
+
+@pytest.mark.parametrize("command, expected", [
+    ("launch", "no cluster: pass --cluster FILE or --local N (no cluster file at tbrpc.toml, "),
+    ("doctor", "no cluster: pass --cluster FILE or the nodes' host:port endpoints (no cluster file at tbrpc.toml, "),
+    ("status", "no nodes: pass --cluster FILE or host:port, or start `tbrpc launch` first"),
+])
+def test_no_cluster_names_only_options_the_command_has(command: str, expected: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))   # no launch running here
+    args = ["--gguf", str(models.ensure("llama"))] if command == "launch" else []
+    result = CliRunner().invoke(cli_main, [command, *args])
+    assert result.exit_code == 2 and expected in result.output, result.output
+    options = {o for p in cli_main.commands[command].params for o in p.opts}
+    assert set(re.findall(r"--[a-z-]+", expected)) <= options, (expected, options)
+
+
+@pytest.mark.parametrize("command, floor", [("node", 0), ("launch", 1)])
+def test_negative_threads_are_refused(command: str, floor: int) -> None:
+    # were -3 taken, neither would get far: the node has no such device, the launch no such port
+    args = (["--gguf", str(models.ensure("llama")), "--local", "1", "--port", "-1"] if command == "launch"
+            else ["--port", "0", "--device", "no-such-device"])
+    result = CliRunner().invoke(cli_main, [command, *args, "--threads", "-3"])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '--threads': -3 is not in the range x>={floor}" in result.output, result.output
 
 
 # --- serving over HTTP -------------------------------------------------------------------
@@ -251,6 +281,17 @@ def _rendered(browser: str, url: str, tmp_path: Path, screenshot: Path | None = 
     if screenshot is not None:
         subprocess.run([*args, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True)
     return subprocess.run([*args, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+@pytest.mark.parametrize("key", [(), ("--api-key", "s3cret")])
+def test_all_addresses_without_a_key_warn(key: tuple[str, ...], tmp_path: Path) -> None:
+    env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "1", "--host", "0.0.0.0",
+                      "--port", "0", *key, env=env) as launch:
+        launch.http_base()
+        warning = "tbrpc: warning: --host 0.0.0.0 without --api-key: anyone who can reach this machine on the network can use the API"
+        assert (warning in launch.stderr) == (not key), launch.stderr
+        stop_and_check(launch)
 
 
 def test_dashboard_in_a_browser(tmp_path: Path) -> None:
@@ -519,6 +560,18 @@ def test_missing_http_server_package_starts_nothing(tmp_path: Path) -> None:
                           shadow=shadow.parent)
     assert launch.finish() == 1, launch.stderr
     assert "(uvicorn is missing)" in launch.stderr and "pip install 'llama-cpp-python[server]==0.3.36'" in launch.stderr
+    assert "node(s)" not in launch.stderr and not launch.node_pids()
+
+
+def test_port_in_use_starts_nothing(tmp_path: Path) -> None:
+    """The HTTP port is taken before the nodes start: one in use is said at once, not after the load."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--port", str(port))
+        assert launch.finish() == 1, launch.stderr
+    assert f"step serve: cannot listen on 127.0.0.1:{port}: Address already in use" in launch.stderr, launch.stderr
     assert "node(s)" not in launch.stderr and not launch.node_pids()
 
 

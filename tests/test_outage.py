@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import urllib.request
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import models
 from helpers import (
@@ -114,6 +117,32 @@ def test_waits_for_a_node_started_by_hand_then_reloads(tmp_path: Path) -> None:
         stop_nodes([n for n in started if n.proc.poll() is None])
 
 
+def test_a_request_failed_by_a_node_logs_one_line(tmp_path: Path) -> None:
+    """The request that meets the dead node gets the 503; the log says which node and why in one line,
+    without llama-cpp-python's traceback (that is for errors nobody handles)."""
+    first, second = start_node(tmp_path), start_node(tmp_path)
+    cluster = tmp_path / "two.toml"
+    cluster.write_text("".join(f'[[node]]\nname = "n{i}"\nhost = "127.0.0.1"\nport = {n.port}\nstart = "manual"\n\n'
+                               for i, n in enumerate((first, second))))
+    env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    try:
+        with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster), "--ctx", "256",
+                          "--port", "0", env=env) as launch:
+            base = launch.http_base()
+            completion(base)
+            second.proc.kill()
+            second.proc.wait()
+            assert refused(f"{base}/completions", BODY)[0] == 503
+            launch.wait_for(r"model freed")
+            failed = [line for line in launch.err_lines if "request failed" in line]
+            assert len(failed) == 1 and failed[0].startswith(f"tbrpc: a request failed: node n1 (127.0.0.1:{second.port})"), \
+                launch.stderr
+            assert "Traceback" not in launch.stderr and "Exception:" not in launch.stderr, launch.stderr
+            stop(launch)
+    finally:
+        stop_nodes([n for n in (first, second) if n.proc.poll() is None])
+
+
 def test_restarts_a_node_it_started(tmp_path: Path) -> None:
     want = expected_text()
     with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256",
@@ -133,6 +162,44 @@ def test_restarts_a_node_it_started(tmp_path: Path) -> None:
         pids = with_descendants(after)
         stop(launch)
         assert_gone(pids)
+
+
+def load_figures(launch: Launch) -> list[str]:
+    """What each load said the nodes read from their own model files."""
+    return re.findall(r"the nodes read (\S+ \S+) of weights from their own model files", launch.stderr)
+
+
+def figures(root: str, tmp_path: Path, requests: int) -> list[tuple[float, float, int]]:
+    """Per node: (round trips per token, bytes per token) from the page once it counted `requests`
+    requests, and `tbrpc status`'s `from files`."""
+    deadline = time.monotonic() + 30
+    while (page := http_json(f"{root}/tbrpc/status.json"))["requests"]["count"] < requests:
+        assert time.monotonic() < deadline, page["requests"]
+        time.sleep(0.05)
+    shown = json.loads(subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=ENV,
+                                      capture_output=True, text=True, timeout=60).stdout)["nodes"]
+    assert all(n["up"] for n in shown), shown
+    from_files = {n["endpoint"]: n["bytes_from_files"] for n in shown}
+    return [(n["round_trips_per_token"], n["bytes_per_token"], from_files[n["endpoint"]]) for n in page["nodes"]]
+
+
+def test_figures_after_a_reload_are_those_of_the_new_load(tmp_path: Path) -> None:
+    """A node restarted and the model reloaded: what the load says the nodes read, `tbrpc status`'s
+    `from files` and the page's per-token figures count this load, as they did the first."""
+    with start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--ctx", "256",
+                      "--port", "0") as launch:   # Gemma: large enough that the nodes read weights from files
+        base = launch.http_base()
+        root = base.removesuffix("/v1")
+        completion(base)
+        before = figures(root, tmp_path, 1)
+        assert all(moved > 0 and read > 0 for _, moved, read in before), before
+        os.kill(launch.node_pids()[1], signal.SIGKILL)
+        launch.wait_for(r"model reloaded in [\d.]+ s; serving again")
+        reads = load_figures(launch)
+        assert len(reads) == 2 and reads[0] == reads[1], launch.stderr
+        completion(base)
+        assert figures(root, tmp_path, 2) == before
+        stop(launch)
 
 
 def test_requests_in_flight_get_the_error_and_a_node_that_never_returns_is_waited_for(tmp_path: Path) -> None:
@@ -190,5 +257,29 @@ def test_requests_in_flight_get_the_error_and_a_node_that_never_returns_is_waite
             assert http_json(f"{root}/tbrpc/status.json")["waiting"]["probes"] >= 2
             stop(launch)
             assert "stopping (SIGINT)" in launch.stderr
+            assert "Traceback" not in launch.stderr, launch.stderr   # the failed requests: a line each
     finally:
         stop_nodes([n for n in started if n.proc.poll() is None])
+
+
+def test_other_errors_keep_their_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only a node's failure leaves llama-cpp-python's routes (for OutageGuard to answer); any other
+    error is still theirs: a 500 and its traceback."""
+    from fastapi import APIRouter
+    from llama_cpp.server.errors import RouteErrorHandler
+
+    from tbrpc.client import NodeFailed
+    from tbrpc.serve import _node_errors_through
+
+    router = APIRouter(route_class=RouteErrorHandler)
+    router.add_api_route("/x", lambda: None)
+    _node_errors_through(router)
+    route = router.routes[0]
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as exc:
+        code, body = route.error_message_wrapper(exc)
+    assert (code, body["message"]) == (500, "boom")
+    assert "Exception: boom\nTraceback (most recent call last)" in capsys.readouterr().err
+    with pytest.raises(NodeFailed, match="node gone"):
+        route.error_message_wrapper(NodeFailed("node gone", "127.0.0.1:1"))
