@@ -362,27 +362,48 @@ class Nodes:
             new.stop()
             raise
 
+    def exited(self) -> int | None:
+        """The index of the first node whose process, started here, has exited; else None."""
+        return next((i for i in range(len(self.endpoints))
+                     if (node := self.started_here(i)) is not None and not node.alive()), None)
+
+    def blamed(self, error: TbrpcError | str, index: int | None = None) -> int | None:
+        """The node to blame for `error`: `index` when given; else one whose process, started here,
+        has exited (a node that could not reach an upstream node that died only witnessed it);
+        else the node a NodeError names by its endpoint; else None."""
+        if index is not None or not isinstance(error, NodeError) or error.endpoint not in self.endpoints:
+            return index
+        dead = self.exited()
+        return dead if dead is not None else self.endpoints.index(error.endpoint)
+
     def explain(self, step: str, error: TbrpcError | str, index: int | None = None) -> str:
-        """`error` as: node NAME (endpoint), step STEP: ... try: ..., for node `index`, else the node a
-        NodeError names by its endpoint; otherwise: step STEP: ... A failure() message (a str) already
-        says how the process ended; for a NodeError of a node whose process exited, that is added."""
-        if index is None and isinstance(error, NodeError) and error.endpoint in self.endpoints:
-            index = self.endpoints.index(error.endpoint)
+        """`error` as: node NAME (endpoint), step STEP: ... try: ..., for node `index`, else the node
+        to blame (``blamed``); otherwise: step STEP: ... When the blamed node is not the one the
+        NodeError came from, what that one saw follows. A failure() message (a str) already says
+        how the process ended; for a NodeError of a node whose process exited, that is added."""
         message = str(error)
+        index = self.blamed(error, index)
         if index is None:
             return f"step {step}: {message}\n  try: `tbrpc doctor` checks every node"
         spec, endpoint, node = self.specs[index], self.endpoints[index], self.started_here(index)
+        if isinstance(error, NodeError) and error.endpoint != endpoint and error.endpoint in self.endpoints:
+            witness = self.specs[self.endpoints.index(error.endpoint)].name
+            message = f"node {witness} ({error.endpoint}) saw: {message}"
         if node is not None and not node.alive() and isinstance(error, NodeError):
-            message += f" (the node process exited with code {node.proc.returncode})"
+            died = f"the node process exited with code {node.proc.returncode}"
+            message = f"{message} ({died})" if error.endpoint == endpoint else f"{died}; {message}"
         log = f"its log: {node.log_path}" if node else f"its log on {spec.host}"
         hint = f"{log}; `tbrpc status` shows its memory in use; `tbrpc doctor` checks every node; then launch again"
         message = message.removeprefix(f"node {spec.name} ({endpoint}): ")
         return f"node {spec.name} ({endpoint}), step {step}: {message}\n  try: {hint}"
 
     def explained(self, step: str, error: TbrpcError, index: int | None = None) -> TbrpcError:
-        """`error` again, of the same class, its message explained (``explain``) and its step set."""
+        """`error` again, of the same class, its message explained (``explain``), its step set and,
+        for a NodeError, the endpoint of the node blamed."""
         if isinstance(error, NodeError):
-            again: TbrpcError = type(error)(self.explain(step, error, index), error.endpoint)
+            blamed = self.blamed(error, index)
+            endpoint = error.endpoint if blamed is None else self.endpoints[blamed]
+            again: TbrpcError = type(error)(self.explain(step, error, index), endpoint)
         else:
             again = type(error)(self.explain(step, error, index))
         again.step = step

@@ -589,6 +589,19 @@ def test_node_killed_during_generation(tmp_path: Path) -> None:
     assert_gone(pids)
 
 
+def test_upstream_node_killed_during_generation_is_blamed(tmp_path: Path) -> None:
+    """local1 only waits for local0's activations when local0 dies: the error names local0 and its
+    log, and says what local1 saw."""
+    launch, pids = generating_launch(tmp_path)
+    os.kill(launch.node_pids()[0], signal.SIGKILL)
+    assert launch.finish() == 1, launch.stderr
+    m = re.search(r"tbrpc: node (\S+) \(127\.0\.0\.1:\d+\), step generate: (.*)\n  try: its log: (\S+);", launch.stderr)
+    assert m, launch.stderr
+    assert m.group(1) == "local0" and m.group(3).endswith("local0.log"), launch.stderr
+    assert m.group(2).startswith("the node process exited with code -9; node local1 (127.0.0.1:"), launch.stderr
+    assert_gone(pids)
+
+
 def test_ctrl_c_during_generation(tmp_path: Path) -> None:
     launch, pids = generating_launch(tmp_path)
     launch.proc.send_signal(signal.SIGINT)
