@@ -693,6 +693,7 @@ int tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * 
     n->dirty = false;
     n->failed = false;
     n->error_kind = 0;
+    n->failed_peer = 0;
     n->error[0] = '\0';
     forget_kept_graphs(n);                 // the new session holds no graph, file or link of the old one
     n->n_files = 0;
@@ -760,12 +761,31 @@ static size_t reg_index_of(struct tbrpc_client * c, const struct client_node * m
     return i;
 }
 
+// The index of the node at the other end of node n's link with peer id
+// `peer` (n's own number for it): a node whose link to n n receives on
+// (in_id), or one n sends to (out_id); -1 when none is. Takes one node's lock
+// at a time, none of n's.
+static int node_of_peer(struct tbrpc_client * c, const struct client_node * n, uint32_t peer) {
+    int found = -1;
+    struct client_node * m;
+    for (size_t i = 0; found < 0 && (m = node_at(c, i)) != NULL; i++) {
+        pthread_mutex_lock(&m->lock);
+        for (size_t k = 0; k < m->n_links; k++) {
+            const struct peer_link * l = &m->links[k];
+            if ((m != n && l->to == n && l->in_id == peer) || (m == n && l->out_id == peer))
+                found = (int) reg_index_of(c, m == n ? l->to : m);
+        }
+        pthread_mutex_unlock(&m->lock);
+    }
+    return found;
+}
+
 int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out) {
     struct client_node * n = node_at(c, i);
     if (!n) return -1;
     pthread_mutex_lock(&n->lock);
     *out = (struct tbrpc_node_info) {
-        .hello = n->info, .failed = n->failed, .error_kind = n->failed ? n->error_kind : 0,
+        .hello = n->info, .failed = n->failed, .error_kind = n->failed ? n->error_kind : 0, .failed_peer = -1,
         .bytes_sent = n->tp->bytes_sent, .bytes_received = n->tp->bytes_received, .round_trips = n->round_trips,
         .messages = n->messages, .graphs_sent = n->graphs_sent, .graphs_reused = n->graphs_reused,
         .bytes_from_files = n->bytes_from_files, .peer_copies = n->peer_copies, .allreduces = n->allreduces,
@@ -791,7 +811,9 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
                          n->links[k].transport);
         if (w > 0) used += (size_t) w;
     }
+    const uint32_t peer = n->failed ? n->failed_peer : 0;
     pthread_mutex_unlock(&n->lock);
+    if (peer) out->failed_peer = node_of_peer(c, n, peer);
     return 0;
 }
 

@@ -97,6 +97,7 @@ int node_call_reply_locked(struct client_node * n, uint16_t cmd, uint64_t id, vo
         size_t keep = body < sizeof msg - 1 ? (size_t) body : sizeof msg - 1;
         if (tb_recv(n->tp, msg, keep) != 0) { node_fail(n, step, n->tp->error); return -1; }
         msg[keep] = '\0';
+        if (!n->failed) n->failed_peer = st.peer;
         node_fail_kind(n, reply_kind(n, cmd, st.status), step, msg);   // the stream is not resynchronised past an error: stop using it
         return -1;
     }

@@ -103,7 +103,8 @@ enum tb_reply_code {
 };
 struct tb_reply_status {
     int32_t  status;
-    uint32_t reserved;
+    uint32_t peer;           // a failure: the peer id (PEER_SEND's, PEER_RECV's) of the node-to-node link that
+                             // failed the request, when one did (the head names the node at its other end); else 0
 };
 
 // What both sides must agree on before anything else crosses the wire.

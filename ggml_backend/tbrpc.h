@@ -46,6 +46,8 @@ struct tbrpc_node_info {
     struct tb_hello hello;           // what the node said at the handshake
     int      failed;
     int      error_kind;             // enum tbrpc_error_kind of the failure (0 while it works)
+    int      failed_peer;            // the index of the node at the other end of the node-to-node link whose failure
+                                     // failed this one (it waited for that node's activations, or sent it some); -1 none
     char     error[512];
     char     transport[96];          // what carries the bytes and why: "shm 16x256K", "tcp: peer has no RDMA device"
     int      transport_why;          // enum tb_why (transport.h): the kind of that reason; 0 when it moved off TCP

@@ -27,13 +27,17 @@ class NodeError(TbrpcError):
 
     Each kind of failure is a subclass (``kind`` names it too); the message
     names the node and says what happened, ``endpoint`` is the node's
-    "host:port" (None when not known). Callers branch on the class."""
+    "host:port" (None when not known). ``peer``: the endpoint of the node at
+    the other end of the node-to-node link whose failure failed this one (it
+    waited for that node's activations, or sent it some), else None: the
+    node to look at first. Callers branch on the class."""
 
     kind = "error"
 
-    def __init__(self, message: str, endpoint: str | None = None) -> None:
+    def __init__(self, message: str, endpoint: str | None = None, peer: str | None = None) -> None:
         super().__init__(message)
         self.endpoint = endpoint
+        self.peer = peer
 
 
 class NodeUnreachable(NodeError):
@@ -81,9 +85,9 @@ _ERROR_CLASSES: dict[int, type[NodeError]] = {
 }
 
 
-def node_error(kind: int, message: str, endpoint: str | None = None) -> NodeError:
+def node_error(kind: int, message: str, endpoint: str | None = None, peer: str | None = None) -> NodeError:
     """The NodeError subclass for a C error kind (positive or negative), with `message`."""
-    return _ERROR_CLASSES.get(abs(kind), NodeError)(message, endpoint)
+    return _ERROR_CLASSES.get(abs(kind), NodeError)(message, endpoint, peer)
 
 
 # enum tb_why (ggml_backend/transport.h): why a connection or link is on TCP (or has no link) when it
@@ -137,10 +141,11 @@ class NodeInfo:
     error_kind: int = 0       # enum tbrpc_error_kind of the failure (tbrpc.h); node_error() makes its exception
     transport_why: str = ""   # the kind of the reason in `transport` when it is TCP (WHY_NAMES); "" when it moved
     peer_links: tuple[PeerLink, ...] = ()   # its links to other nodes, made or not, with their kinds
+    failed_peer: str = ""     # the node at the other end of the link whose failure failed this one; "" none
 
     def exception(self) -> NodeError:
         """The NodeError of this node's failure (its class says the kind)."""
-        return node_error(self.error_kind, self.error, self.endpoint)
+        return node_error(self.error_kind, self.error, self.endpoint, self.failed_peer or None)
 
 
 @dataclass(frozen=True)
@@ -269,6 +274,7 @@ class Cluster:
             error_kind=out.error_kind,
             allreduces=out.allreduces, allreduce=text(out.allreduce), bytes_allocated=out.bytes_allocated,
             transport_why=why_name(out.transport_why), peer_links=links,
+            failed_peer=self._endpoints[out.failed_peer] if 0 <= out.failed_peer < len(self._endpoints) else "",
         )
 
     def device_names(self) -> list[str]:
@@ -315,7 +321,7 @@ class Cluster:
                           "device registered for the life of this process, and a plain llama_cpp.Llama takes every "
                           "such device: load it in a new process, or start the node again on its endpoint and call "
                           f"tbrpc.connect(['{info.endpoint}']))",
-                          info.endpoint)
+                          info.endpoint, info.failed_peer or None)
 
     def failures(self) -> dict[str, NodeInfo]:
         """endpoint -> info of every node that has failed (``info.exception()`` is its NodeError)."""

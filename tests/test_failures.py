@@ -280,6 +280,8 @@ def test_stalled_upstream_node_is_named(nodes: Any, tmp_path: Path) -> None:
         assert result["error"]["type"] == "NodeFailed"
         message = result["error"]["message"]
         assert f"waiting for activations from node 127.0.0.1:{a.port}" in message, message
+        # the same as data: the node whose link failed (b's), for a caller to blame (launch does)
+        assert result["error"]["endpoint"] == b.endpoint and result["error"]["peer"] == a.endpoint, result["error"]
     finally:
         os.killpg(a.proc.pid, signal.SIGCONT)
 
