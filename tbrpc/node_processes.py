@@ -128,7 +128,9 @@ class RunningNode:
             self.port = self.port or port
 
     def begin_stop(self) -> None:
-        """Ask the node to stop: end of its stdin (over ssh too), and SIGTERM to a local node."""
+        """Ask the node to stop: end of its stdin (over ssh too), and SIGTERM to a local node, then
+        SIGCONT to its process group: a node someone stopped (SIGSTOP, ^Z) would otherwise hold
+        the SIGTERM until the stop timeout kills it."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()
@@ -136,6 +138,10 @@ class RunningNode:
                 pass
         if self.proc.poll() is None and self.spec.start == "local":
             self._signal(signal.SIGTERM)
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)   # its own group (start_new_session), workers included
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def finish_stop(self, deadline: float) -> None:
         """Wait until `deadline` (monotonic), then make sure: ssh kill by pid, SIGKILL."""
@@ -370,11 +376,15 @@ class Nodes:
     def blamed(self, error: TbrpcError | str, index: int | None = None) -> int | None:
         """The node to blame for `error`: `index` when given; else one whose process, started here,
         has exited (a node that could not reach an upstream node that died only witnessed it);
-        else the node a NodeError names by its endpoint; else None."""
+        else the node at the other end of the link the NodeError's node says failed it (``peer``:
+        one that stopped answering has not exited); else the node a NodeError names by its
+        endpoint; else None."""
         if index is not None or not isinstance(error, NodeError) or error.endpoint not in self.endpoints:
             return index
         dead = self.exited()
-        return dead if dead is not None else self.endpoints.index(error.endpoint)
+        if dead is not None:
+            return dead
+        return self.endpoints.index(error.peer if error.peer in self.endpoints else error.endpoint)
 
     def explain(self, step: str, error: TbrpcError | str, index: int | None = None) -> str:
         """`error` as: node NAME (endpoint), step STEP: ... try: ..., for node `index`, else the node
@@ -403,7 +413,7 @@ class Nodes:
         if isinstance(error, NodeError):
             blamed = self.blamed(error, index)
             endpoint = error.endpoint if blamed is None else self.endpoints[blamed]
-            again: TbrpcError = type(error)(self.explain(step, error, index), endpoint)
+            again: TbrpcError = type(error)(self.explain(step, error, index), endpoint, error.peer)
         else:
             again = type(error)(self.explain(step, error, index))
         again.step = step
