@@ -23,9 +23,10 @@ from tbrpc.client import (
     probe,
 )
 from tbrpc.native import TbrpcError, VersionMismatchError
+from tbrpc.node_processes import LaunchError
 
 __all__ = [
-    "AuthenticationError", "Cluster", "HandshakeRefused", "Llama", "NodeError", "NodeFailed", "NodeFullError",
+    "AuthenticationError", "Cluster", "HandshakeRefused", "LaunchError", "Llama", "NodeError", "NodeFailed", "NodeFullError",
     "NodeInfo", "NodeStatus", "NodeUnreachable", "NodeVersionMismatch", "TbrpcError", "VersionMismatchError",
     "cluster", "connect", "probe",
 ]

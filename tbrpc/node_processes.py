@@ -6,8 +6,11 @@ stops by itself when its launcher goes away, however that happens. A node
 that already answers the handshake at its address is used as it is and left
 running at the end: ``launch`` stops exactly what it started.
 
-Every failure is a ``LaunchError`` naming the node, the step (start,
-handshake, ...) and what to try.
+Every failure names the node, the step (start, handshake, ...) and what to
+try. A node that answers but whose handshake fails raises the NodeError of
+that cause, as ``tbrpc.connect`` does (``NodeUnreachable``,
+``AuthenticationError``, ...); a node process that would not start or stop
+raises ``LaunchError``, a NodeError too.
 """
 
 from __future__ import annotations
@@ -43,15 +46,20 @@ _LISTENING_RE = re.compile(r"tbrpc node listening on \S+?:(\d+)")   # what `tbrp
 _PID_RE = re.compile(r"tbrpc node pid (\d+)")
 
 
-class LaunchError(TbrpcError):
-    """A node could not be started, reached or stopped; the message names it, the step and a fix."""
+def step_message(node: str, step: str, what: str, hint: str = "") -> str:
+    """node NODE, step STEP: WHAT, then the hint on a line of its own."""
+    message = f"node {node}, step {step}: {what}"
+    return message + f"\n  try: {hint}" if hint else message
 
-    def __init__(self, node: str, step: str, what: str, hint: str = "") -> None:
+
+class LaunchError(NodeError):
+    """A node process could not be started or stopped; the message names it, the step and a fix."""
+
+    kind = "launch"
+
+    def __init__(self, node: str, step: str, what: str, hint: str = "", endpoint: str | None = None) -> None:
+        super().__init__(step_message(node, step, what, hint), endpoint)
         self.node, self.step, self.what, self.hint = node, step, what, hint
-        message = f"node {node}, step {step}: {what}"
-        if hint:
-            message += f"\n  try: {hint}"
-        super().__init__(message)
 
 
 def listening_port(log: str) -> int | None:
@@ -61,7 +69,16 @@ def listening_port(log: str) -> int | None:
 
 
 def step_error(spec: NodeSpec, step: str, what: str, hint: str = "") -> LaunchError:
-    return LaunchError(f"{spec.name} ({spec.endpoint})", step, what, hint)
+    return LaunchError(f"{spec.name} ({spec.endpoint})", step, what, hint, spec.endpoint)
+
+
+def handshake_error(spec: NodeSpec, error: NodeError) -> NodeError:
+    """`error` (why `spec`'s node did not complete the handshake) again, of the same class, its
+    message naming the node and step handshake, with what to try."""
+    again = type(error)(step_message(f"{spec.name} ({spec.endpoint})", "handshake", str(error),
+                                     handshake_hint(spec, error)), error.endpoint or spec.endpoint, error.peer)
+    again.step = "handshake"
+    return again
 
 
 # Handshake failures that waiting will not cure: launch stops at once.
@@ -259,7 +276,7 @@ def _wait_listening(node: RunningNode, deadline: float) -> None:
 
 def until_answering(spec: NodeSpec, node: RunningNode | None, deadline: float) -> tuple[str, NodeInfo]:
     """Wait for a node to listen (one started here: its log says so) and to answer the handshake;
-    returns its endpoint and what it said. LaunchError naming the node otherwise."""
+    returns its endpoint and what it said. A NodeError naming the node and step otherwise."""
     endpoint = spec.endpoint
     if node is not None:
         _wait_listening(node, deadline)
@@ -286,7 +303,8 @@ def _start_hint(spec: NodeSpec, log: str) -> str:
 
 
 def wait_handshake(spec: NodeSpec, endpoint: str, deadline: float, node: RunningNode | None = None) -> NodeInfo:
-    """Probe `endpoint` until it answers the handshake; raise LaunchError naming the node otherwise."""
+    """Probe `endpoint` until it answers the handshake; raise the NodeError of why not, naming the
+    node and the step (LaunchError when the node process started here exited)."""
     last: NodeError = NodeUnreachable(f"tbrpc node {endpoint}: no answer yet")
     while True:
         try:
@@ -295,12 +313,12 @@ def wait_handshake(spec: NodeSpec, endpoint: str, deadline: float, node: Running
         except NodeError as exc:
             last = exc
             if isinstance(exc, FINAL):
-                raise step_error(spec, "handshake", str(exc), handshake_hint(spec, exc)) from exc
+                raise handshake_error(spec, exc) from exc
         if node is not None and not node.alive():
             raise step_error(spec, "start", f"the node exited with code {node.proc.returncode}; its log "
                              f"({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
         if time.monotonic() >= deadline:
-            raise step_error(spec, "handshake", str(last), handshake_hint(spec, last))
+            raise handshake_error(spec, last)
         time.sleep(0.1)
 
 
@@ -353,7 +371,7 @@ class Nodes:
 
     def restart(self, index: int, head_model: str | None, timeout: float = defaults.START_TIMEOUT_S) -> NodeInfo:
         """Start node `index` again, on the port it had, after its process exited; wait until it
-        answers. Its old log is kept beside the new one (NAME.log.1). LaunchError naming it otherwise."""
+        answers. Its old log is kept beside the new one (NAME.log.1). A NodeError naming it otherwise."""
         old = self.started_here(index)
         if old is None or old.alive():
             raise ValueError(f"node {self.specs[index].name} was not started here, or still runs")
@@ -410,6 +428,8 @@ class Nodes:
     def explained(self, step: str, error: TbrpcError, index: int | None = None) -> TbrpcError:
         """`error` again, of the same class, its message explained (``explain``), its step set and,
         for a NodeError, the endpoint of the node blamed."""
+        if isinstance(error, LaunchError):   # it names its node and step already
+            return error
         if isinstance(error, NodeError):
             blamed = self.blamed(error, index)
             endpoint = error.endpoint if blamed is None else self.endpoints[blamed]
@@ -461,7 +481,7 @@ def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = defau
             if spec.port:
                 found, why = answers(spec.endpoint, secret_file=head_secret_file(spec))
                 if found is None and isinstance(why, FINAL):
-                    raise step_error(spec, "handshake", str(why), handshake_hint(spec, why))
+                    raise handshake_error(spec, why)
             if found is not None:
                 say(f"node {spec.name}: already running at {spec.endpoint}, using it")
                 slots.append(None)
