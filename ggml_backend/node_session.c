@@ -123,6 +123,7 @@ static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
     snprintf(h->device_name, sizeof h->device_name, "%s", ggml_backend_dev_name(n->dev));
     snprintf(h->device_description, sizeof h->device_description, "%s", ggml_backend_dev_description(n->dev));
     snprintf(h->node_name, sizeof h->node_name, "%s", n->name);
+    memcpy(h->node_id, n->id, sizeof h->node_id);
 }
 
 static int handle_hello(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {

@@ -29,6 +29,7 @@ enum tbrpc_error_kind {
     TBRPC_ERR_AUTH        = 5,   // the shared secret did not match, or one side has none
     TBRPC_ERR_FULL        = 6,   // the node serves as many clients as it may
     TBRPC_ERR_OTHER       = 7,   // a bad argument, out of memory
+    TBRPC_ERR_DUPLICATE   = 8,   // the node answers as one this client is connected to already (at another address)
 };
 
 // One node-to-node link the head made, from the node it belongs to.
@@ -68,7 +69,9 @@ struct tbrpc_node_info {
 };
 
 struct tbrpc_client * tbrpc_client_new(void);
-// Connect and handshake. Returns the node's index, or -kind with err.
+// Connect and handshake. Returns the node's index, or -kind with err;
+// -TBRPC_ERR_DUPLICATE when the node process is one this client is already
+// connected to (and not failed) at another endpoint (HELLO's node_id).
 // transport: "tcp" forces TCP; NULL or "auto": shared memory with a node on this host, else TCP.
 // secret: the cluster secret, proven in the handshake and never sent (NULL:
 // none; a node that has one then refuses us, and we refuse a node without

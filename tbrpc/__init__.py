@@ -10,6 +10,7 @@ from __future__ import annotations
 from tbrpc.client import (
     AuthenticationError,
     Cluster,
+    DuplicateNodeError,
     HandshakeRefused,
     NodeError,
     NodeFailed,
@@ -26,7 +27,7 @@ from tbrpc.native import TbrpcError, VersionMismatchError
 from tbrpc.node_processes import LaunchError
 
 __all__ = [
-    "AuthenticationError", "Cluster", "HandshakeRefused", "LaunchError", "Llama", "NodeError", "NodeFailed", "NodeFullError",
+    "AuthenticationError", "Cluster", "DuplicateNodeError", "HandshakeRefused", "LaunchError", "Llama", "NodeError", "NodeFailed", "NodeFullError",
     "NodeInfo", "NodeStatus", "NodeUnreachable", "NodeVersionMismatch", "TbrpcError", "VersionMismatchError",
     "cluster", "connect", "probe",
 ]

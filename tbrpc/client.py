@@ -78,10 +78,17 @@ class NodeFullError(NodeError):
     kind = "full"
 
 
+class DuplicateNodeError(NodeError):
+    """The node is one this process is connected to already, at another address (or listed twice):
+    one node as two devices would count its memory twice."""
+
+    kind = "duplicate"
+
+
 # enum tbrpc_error_kind (ggml_backend/tbrpc.h) -> the class raised for it
 _ERROR_CLASSES: dict[int, type[NodeError]] = {
     1: NodeUnreachable, 2: HandshakeRefused, 3: NodeVersionMismatch, 4: NodeFailed,
-    5: AuthenticationError, 6: NodeFullError,
+    5: AuthenticationError, 6: NodeFullError, 8: DuplicateNodeError,
 }
 
 
@@ -142,6 +149,7 @@ class NodeInfo:
     transport_why: str = ""   # the kind of the reason in `transport` when it is TCP (WHY_NAMES); "" when it moved
     peer_links: tuple[PeerLink, ...] = ()   # its links to other nodes, made or not, with their kinds
     failed_peer: str = ""     # the node at the other end of the link whose failure failed this one; "" none
+    node_id: str = ""         # the node process's random id (hex): the same at every address it answers at
 
     def exception(self) -> NodeError:
         """The NodeError of this node's failure (its class says the kind)."""
@@ -275,6 +283,7 @@ class Cluster:
             allreduces=out.allreduces, allreduce=text(out.allreduce), bytes_allocated=out.bytes_allocated,
             transport_why=why_name(out.transport_why), peer_links=links,
             failed_peer=self._endpoints[out.failed_peer] if 0 <= out.failed_peer < len(self._endpoints) else "",
+            node_id=bytes(h.node_id).hex(),
         )
 
     def device_names(self) -> list[str]:
@@ -376,10 +385,16 @@ def connect(nodes: Sequence[str], timeout: float = defaults.STALL_TIMEOUT_S, tra
 
     After this, a plain ``llama_cpp.Llama(..., n_gpu_layers=-1, tensor_split=[...])``
     places layers on the nodes. Raises NodeError naming the first node that is
-    unreachable or refuses the handshake.
+    unreachable or refuses the handshake; DuplicateNodeError for a node listed
+    twice, or one that answers as a node this process is connected to at
+    another address.
     """
     if isinstance(nodes, str):
         raise TypeError('connect() takes a list of "host:port" strings')
+    for i, endpoint in enumerate(nodes):
+        if endpoint in nodes[:i]:
+            raise DuplicateNodeError(f"tbrpc node {endpoint} is listed twice (entries #{nodes.index(endpoint) + 1} "
+                                     f"and #{i + 1}): list each node once", endpoint)
     from tbrpc import secret as cluster_secret
 
     key = cluster_secret.load(secret_file)
@@ -486,6 +501,6 @@ def probe(endpoint: str, timeout: float = defaults.STALL_TIMEOUT_S,
         endpoint=endpoint, device_name="", node_name=text(hello.node_name), node_device=text(hello.device_name),
         description=text(hello.device_description), mem_free=hello.mem_free, mem_total=hello.mem_total,
         failed=False, error="", bytes_sent=0, bytes_received=0, round_trips=0, messages=0, graphs_sent=0,
-        graphs_reused=0, bytes_from_files=0, transport="tcp: a probe connection",
+        graphs_reused=0, bytes_from_files=0, transport="tcp: a probe connection", node_id=bytes(hello.node_id).hex(),
     )
     return info, _status_from_c(status)

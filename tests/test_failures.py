@@ -496,3 +496,33 @@ def test_a_pipelined_prompt_outlasts_the_stall_timeout(links: str, transport: st
     assert out["took"] > 2.0, out   # pieces of seconds: a sender waited past the 1 s timeout
     carrier = "tcp" if transport == "tcp" else "shm"
     assert out["links"][0].startswith(f"{b.endpoint} {carrier}") == (links == "node to node"), out["links"]
+
+
+@pytest.mark.parametrize("isolation", ["process", "spawn", "thread"])
+def test_one_node_at_two_addresses_is_one_device(nodes: Any, isolation: str) -> None:
+    """A node process reached at localhost and at 127.0.0.1 answers HELLO with the same node id
+    (its workers too, spawned ones included): connect() refuses the second address, naming both,
+    and a node listed twice; another node with the same name is another node."""
+    a, b = nodes(2, "--isolation", isolation, "--name", "same")
+    script = (
+        "import sys, tbrpc\n"
+        "a, a_again, b = sys.argv[1:]\n"
+        "print(tbrpc.connect([a]))\n"
+        "for endpoints in ([a_again], [b, b]):\n"
+        "    try:\n"
+        "        tbrpc.connect(endpoints)\n"
+        "    except tbrpc.DuplicateNodeError as e:\n"
+        "        print(type(e).__name__, e.endpoint, '|', e)\n"
+        "print(tbrpc.connect([b]), len({n.node_id for n in tbrpc.cluster().nodes()}))\n")
+    proc = subprocess.run([sys.executable, "-c", script, a.endpoint, f"localhost:{a.port}", b.endpoint], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines == [
+        "['TBRPC0']",
+        f"DuplicateNodeError localhost:{a.port} | tbrpc node localhost:{a.port} is node {a.endpoint} (TBRPC0), which "
+        "this process is connected to already: the same node process answers at both addresses; list each node once",
+        f"DuplicateNodeError {b.endpoint} | tbrpc node {b.endpoint} is listed twice (entries #1 and #2): "
+        "list each node once",
+        "['TBRPC1'] 2",
+    ], proc.stdout
