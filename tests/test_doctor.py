@@ -25,7 +25,8 @@ from helpers import ENV, free_port
 
 from tbrpc.doctor import FAIL, OK, WARN, Check, _check_linux, _check_macos, _Node, diagnose, failed, format_checks
 from tbrpc.facts import file_fingerprint, linux_facts, macos_facts, model_identity, sampled_ranges
-from tbrpc.cluster_file import load_specs
+from tbrpc.cluster_file import load_cluster_file, load_specs
+from tbrpc.node_memory import ClusterError
 from tbrpc.spec import NodeSpec
 from tbrpc.units import format_size
 
@@ -124,6 +125,11 @@ def test_one_node_at_two_addresses_fails(nodes: Any, tmp_path: Path) -> None:
     assert row.detail == f"127.0.0.2:{a.port} is the node process of a (127.0.0.1:{a.port}), reached at another address"
     assert row.fix == "list each node once: remove b or a"
     assert not [c for c in checks if c.name == "distinct" and c.node != "b"], format_checks(checks)
+    # planning with what the nodes report would count its memory twice
+    with pytest.raises(ClusterError) as refused:
+        load_cluster_file(cluster, ask=True)
+    assert str(refused.value) == (f"nodes a (127.0.0.1:{a.port}) and b (127.0.0.2:{a.port}) are one node process "
+                                  "reached at two addresses (it answers both with the same node id): list each node once")
 
 
 def test_wrong_and_missing_model_file(nodes: Any, tmp_path: Path) -> None:
