@@ -406,9 +406,10 @@ def _install_error_hooks(c: Cluster) -> None:
     """Make llama-cpp-python raise NodeError (naming the node) when a node fails.
 
     ggml's backend interface has no error path for most calls; our C side
-    marks the node failed and makes ggml's calls fail softly. These wrappers,
-    around the entry points llama-cpp-python uses for loading, context
-    creation and decoding, turn that state into a Python exception. The load
+    marks the node failed (printing nothing) and makes ggml's calls fail
+    softly. These wrappers, around the entry points llama-cpp-python uses for
+    loading, context creation, decoding and reading the state, turn that
+    state into a Python exception. The load
     wrapper also turns off the CPU's extra buffer types for a model that uses
     tbrpc devices (why: tbrpc/head_buffers.py).
     """
@@ -448,7 +449,10 @@ def _install_error_hooks(c: Cluster) -> None:
         checked._tbrpc_wrapped = True  # type: ignore[attr-defined]
         setattr(llama_lib, name, checked)
 
-    for entry_point in ("llama_decode", "llama_model_load_from_file", "llama_init_from_model"):
+    # the state reads copy KV cache bytes from the nodes: a node failing under them must not hand
+    # back zeros as a saved state
+    for entry_point in ("llama_decode", "llama_model_load_from_file", "llama_init_from_model",
+                        "llama_state_get_data", "llama_state_seq_get_data"):
         wrap(entry_point)
 
 
@@ -464,7 +468,7 @@ def _free_result(llama_lib: Any, name: str, result: Any) -> None:
 
 def _call_failed(name: str, result: Any) -> bool:
     """llama_decode: a negative code is an error (positive ones are "no KV slot" and the like);
-    loading and context creation: a NULL pointer."""
+    loading and context creation: a NULL pointer; the state reads: nothing copied."""
     return result < 0 if name == "llama_decode" else not result
 
 

@@ -23,7 +23,7 @@ import pytest
 
 import models
 import tbrpc
-from helpers import ROOT, run_head, start_node, stop_nodes
+from helpers import ENV, ROOT, run_head, start_node, stop_nodes
 from tbrpc import secret
 from tbrpc.native import load
 from wire import Wire, pack
@@ -121,6 +121,16 @@ def test_the_drop_in_raises_what_connect_raises(nodes: Any, key: Path, tmp_path:
     assert "step handshake" in lines[0] and "try: is the node running" in lines[0], lines[0]
     assert lines[1].startswith(f"AuthenticationError {node.endpoint} node 127.0.0.1:"), lines[1]
     assert "step handshake" in lines[1] and "authentication failed" in lines[1], lines[1]
+
+
+def test_doctor_shows_a_wrong_secret_in_its_table_only(nodes: Any, key: Path, tmp_path: Path) -> None:
+    """The refusal is the `secret` row of doctor's table; no line of the library's comes before it."""
+    node = nodes(1, "--secret-file", str(key))[0]
+    proc = subprocess.run([sys.executable, "-m", "tbrpc.cli", "doctor", "--secret-file", str(other_key(tmp_path)),
+                           node.endpoint], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "authentication failed" in proc.stdout, proc.stdout
+    assert "tbrpc node" not in proc.stderr, proc.stderr
 
 
 def test_no_secret_against_a_secured_node(nodes: Any, key: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -236,6 +236,27 @@ def test_node_dead_before_the_first_decode(nodes: Any, tmp_path: Path) -> None:
     assert result["error"]["type"] == "NodeFailed" and b.endpoint in result["error"]["message"]
 
 
+def test_a_failure_is_raised_not_printed(nodes: Any, tmp_path: Path) -> None:
+    """A node killed before a saved state is read: llama_state_get_data raises the node's NodeError
+    (the zeros of the failed reads never become a state), probe raises for a node that is gone, and
+    the library writes no line of its own to stderr for either."""
+    a, b = nodes(2)
+    script = (
+        "import sys, os, signal, time, tbrpc, llama_cpp, models\n"
+        "tbrpc.connect(sys.argv[1:3])\n"
+        "llm = llama_cpp.Llama(str(models.ensure('llama')), n_gpu_layers=-1, tensor_split=[1, 1], n_ctx=256,\n"
+        "                      verbose=False)\n"
+        "llm.eval(llm.tokenize(b'Once upon a time'))\n"
+        "os.kill(int(sys.argv[3]), signal.SIGKILL); time.sleep(0.5)\n"
+        "try:\n    llm.save_state()\nexcept tbrpc.NodeError as e:\n    print('STATE', type(e).__name__, e.endpoint)\n"
+        "try:\n    tbrpc.probe(sys.argv[2], timeout=2)\nexcept tbrpc.NodeError as e:\n    print('PROBE', type(e).__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", script, a.endpoint, b.endpoint, str(b.proc.pid)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines() == [f"STATE NodeFailed {b.endpoint}", "PROBE NodeUnreachable"], \
+        proc.stdout + proc.stderr[-3000:]
+    assert "tbrpc node" not in proc.stderr, proc.stderr
+
+
 def test_an_old_failure_does_not_fail_a_new_model(tmp_path: Path) -> None:
     script = (
         "import os, signal, time\n"

@@ -599,6 +599,7 @@ def test_upstream_node_killed_during_generation_is_blamed(tmp_path: Path) -> Non
     assert m, launch.stderr
     assert m.group(1) == "local0" and m.group(3).endswith("local0.log"), launch.stderr
     assert m.group(2).startswith("the node process exited with code -9; node local1 (127.0.0.1:"), launch.stderr
+    assert not re.search(r"^tbrpc node ", launch.stderr, re.M), launch.stderr   # the error once, explained
     assert_gone(pids)
 
 
