@@ -639,6 +639,30 @@ static void describe_node(struct client_node * n) {
              n->info.device_name, n->info.device_description);
 }
 
+// True, with err naming both endpoints, when node n (just opened) is a node
+// process c is already connected to: one node at two addresses (localhost
+// and 127.0.0.1, a LAN address and a cable's) would be two devices, its
+// memory counted twice. A failed node's process may be gone: not compared;
+// nor is `skip` (the node n connects again).
+static bool same_node_as(struct tbrpc_client * c, const struct client_node * n, const struct client_node * skip,
+                         char * err, size_t err_len) {
+    static const uint8_t none[TB_NODE_ID_LEN];
+    if (memcmp(n->info.node_id, none, sizeof none) == 0) return false;
+    struct client_node * m;
+    bool same = false;
+    for (size_t i = 0; !same && (m = node_at(c, i)) != NULL; i++) {
+        if (m == skip) continue;
+        pthread_mutex_lock(&m->lock);
+        same = !m->failed && memcmp(m->info.node_id, n->info.node_id, sizeof n->info.node_id) == 0;
+        if (same)
+            snprintf(err, err_len, "tbrpc node %s is node %s (%s), which this process is connected to already: the "
+                     "same node process answers at both addresses; list each node once", n->endpoint, m->endpoint,
+                     m->name);
+        pthread_mutex_unlock(&m->lock);
+    }
+    return same;
+}
+
 int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int timeout_ms, const char * transport,
                           const uint8_t * secret, size_t secret_len, char * err, size_t err_len) {
     char name[32];
@@ -649,6 +673,10 @@ int tbrpc_client_add_node(struct tbrpc_client * c, const char * endpoint, int ti
     int kind = TBRPC_ERR_OTHER;
     struct client_node * n = node_open(endpoint, name, timeout_ms, transport, secret, secret_len, &kind, err, err_len);
     if (!n) return -kind;
+    if (same_node_as(c, n, NULL, err, err_len)) {
+        node_destroy(n);
+        return -TBRPC_ERR_DUPLICATE;
+    }
     n->client = c;
     describe_node(n);
     n->buft = (struct ggml_backend_buffer_type) { .iface = buft_iface, .device = &n->dev, .context = n };
@@ -682,6 +710,10 @@ int tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * 
     struct client_node * fresh = node_open(n->endpoint, n->name, n->timeout_ms, transport,
                                            n->secret_len ? n->secret : NULL, n->secret_len, &kind, err, err_len);
     if (!fresh) return -kind;
+    if (same_node_as(c, fresh, n, err, err_len)) {
+        node_destroy(fresh);
+        return -TBRPC_ERR_DUPLICATE;
+    }
     pthread_mutex_lock(&n->lock);
     node_settle_locked(n);                 // (a failed node: zeroes a read left in flight)
     struct tb_transport * old = n->tp;
@@ -693,6 +725,7 @@ int tbrpc_client_reconnect_node(struct tbrpc_client * c, size_t i, const char * 
     n->dirty = false;
     n->failed = false;
     n->error_kind = 0;
+    n->failed_peer = 0;
     n->error[0] = '\0';
     forget_kept_graphs(n);                 // the new session holds no graph, file or link of the old one
     n->n_files = 0;
@@ -760,12 +793,31 @@ static size_t reg_index_of(struct tbrpc_client * c, const struct client_node * m
     return i;
 }
 
+// The index of the node at the other end of node n's link with peer id
+// `peer` (n's own number for it): a node whose link to n n receives on
+// (in_id), or one n sends to (out_id); -1 when none is. Takes one node's lock
+// at a time, none of n's.
+static int node_of_peer(struct tbrpc_client * c, const struct client_node * n, uint32_t peer) {
+    int found = -1;
+    struct client_node * m;
+    for (size_t i = 0; found < 0 && (m = node_at(c, i)) != NULL; i++) {
+        pthread_mutex_lock(&m->lock);
+        for (size_t k = 0; k < m->n_links; k++) {
+            const struct peer_link * l = &m->links[k];
+            if ((m != n && l->to == n && l->in_id == peer) || (m == n && l->out_id == peer))
+                found = (int) reg_index_of(c, m == n ? l->to : m);
+        }
+        pthread_mutex_unlock(&m->lock);
+    }
+    return found;
+}
+
 int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_info * out) {
     struct client_node * n = node_at(c, i);
     if (!n) return -1;
     pthread_mutex_lock(&n->lock);
     *out = (struct tbrpc_node_info) {
-        .hello = n->info, .failed = n->failed, .error_kind = n->failed ? n->error_kind : 0,
+        .hello = n->info, .failed = n->failed, .error_kind = n->failed ? n->error_kind : 0, .failed_peer = -1,
         .bytes_sent = n->tp->bytes_sent, .bytes_received = n->tp->bytes_received, .round_trips = n->round_trips,
         .messages = n->messages, .graphs_sent = n->graphs_sent, .graphs_reused = n->graphs_reused,
         .bytes_from_files = n->bytes_from_files, .peer_copies = n->peer_copies, .allreduces = n->allreduces,
@@ -791,7 +843,9 @@ int tbrpc_client_node_info(struct tbrpc_client * c, size_t i, struct tbrpc_node_
                          n->links[k].transport);
         if (w > 0) used += (size_t) w;
     }
+    const uint32_t peer = n->failed ? n->failed_peer : 0;
     pthread_mutex_unlock(&n->lock);
+    if (peer) out->failed_peer = node_of_peer(c, n, peer);
     return 0;
 }
 

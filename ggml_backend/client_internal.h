@@ -49,6 +49,7 @@ struct client_node {
     bool   forced_tcp;                       // asked for TCP: its links are asked to stay on TCP too
     bool   handshaking;                      // failures now are TBRPC_ERR_HANDSHAKE, later TBRPC_ERR_FAILED
     int    error_kind;                       // enum tbrpc_error_kind of the failure
+    uint32_t failed_peer;                    // the node's peer id of the link it blamed for it (0: none; proto.h)
     char   error[512];
 
     uint8_t * encode;  size_t encode_cap;    // graph message being built

@@ -19,12 +19,16 @@
 
 // ---- talking to a node -------------------------------------------------------
 
+// The failure is kept, not printed: a call that returns -kind hands it to
+// its caller (connect, probe, status), and tbrpc's wrappers around
+// llama.cpp's entry points raise it as the node's NodeError
+// (tbrpc/client.py). A line on stderr would only repeat it, ahead of what
+// the user is shown (doctor's table, launch's explanation).
 void node_fail_kind(struct client_node * n, int kind, const char * step, const char * why) {
     if (n->failed) return;
     n->failed = true;
     n->error_kind = kind;
     snprintf(n->error, sizeof n->error, "tbrpc node %s (%s) failed during %s: %s", n->endpoint, n->name, step, why);
-    fprintf(stderr, "%s\n", n->error);
 }
 
 void node_fail(struct client_node * n, const char * step, const char * why) {
@@ -97,6 +101,7 @@ int node_call_reply_locked(struct client_node * n, uint16_t cmd, uint64_t id, vo
         size_t keep = body < sizeof msg - 1 ? (size_t) body : sizeof msg - 1;
         if (tb_recv(n->tp, msg, keep) != 0) { node_fail(n, step, n->tp->error); return -1; }
         msg[keep] = '\0';
+        if (!n->failed) n->failed_peer = st.peer;
         node_fail_kind(n, reply_kind(n, cmd, st.status), step, msg);   // the stream is not resynchronised past an error: stop using it
         return -1;
     }

@@ -2,6 +2,7 @@
 // or a freshly spawned process, or a thread), keeps per-client counters in
 // shared memory for STATUS, and stops cleanly. One client's session is node_session.c.
 #include "node_internal.h"
+#include "auth.h"
 #include "model_file.h"
 
 #include <errno.h>
@@ -48,6 +49,8 @@ void node_log(struct tb_node * node, const char * fmt, ...) {
 // ---- the client table ---------------------------------------------------------
 // Page 0 of the shared table: which slots are in use (written by the parent only).
 static int32_t * table_in_use(struct tb_node * n) { return (int32_t *) n->shared; }
+// After in_use, page 0 holds the node's id, for spawned workers to answer HELLO with.
+static uint8_t * table_node_id(struct tb_node * n) { return n->shared + MAX_CLIENTS * sizeof(int32_t); }
 // Page 1 + i: slot i's counters (written by its own server only).
 static struct client_slot * slot_counters(struct tb_node * n, int i) {
     return (struct client_slot *) (n->shared + (size_t) (i + 1) * n->page);
@@ -376,7 +379,7 @@ static int node_init(struct tb_node * n, const struct tb_node_config * cfg, char
 static void table_geometry(struct tb_node * n) {
     long page = sysconf(_SC_PAGESIZE);
     n->page = page > 0 ? (size_t) page : 4096;
-    while (n->page < sizeof(struct client_slot) || n->page < MAX_CLIENTS * sizeof(int32_t)) n->page *= 2;
+    while (n->page < sizeof(struct client_slot) || n->page < MAX_CLIENTS * sizeof(int32_t) + TB_NODE_ID_LEN) n->page *= 2;
     n->shared_len = (MAX_CLIENTS + 1) * n->page;
 }
 
@@ -461,6 +464,8 @@ struct tb_node * tb_node_create(const struct tb_node_config * cfg, char * err, s
         return NULL;
     }
     if (node_init(n, cfg, err, err_len) != 0 || create_slots(n, err, err_len) != 0) goto fail;
+    if (tb_random(n->id, sizeof n->id) != 0) { snprintf(err, err_len, "no random bytes for the node's id"); goto fail; }
+    memcpy(table_node_id(n), n->id, sizeof n->id);
     if (n->serve_mode == SERVE_SPAWN && copy_worker_argv(n, cfg->worker_argv, err, err_len) != 0) goto fail;
     n->listener = tb_listen(cfg->host, cfg->port, err, err_len);
     if (!n->listener) goto fail;
@@ -500,6 +505,7 @@ int tb_node_worker_serve(const struct tb_node_config * cfg, int client_fd, int s
     if (slot < 0 || slot >= MAX_CLIENTS) { snprintf(err, err_len, "slot %d out of range", slot); goto done; }
     if (node_init(n, cfg, err, err_len) != 0) goto done;
     if (map_worker_view(n, status_fd, slot, err, err_len) != 0) { status_fd = -1; goto done; }
+    memcpy(n->id, table_node_id(n), sizeof n->id);
     if (pthread_create(&watcher, NULL, watch_parent, (void *) (intptr_t) parent_fd) != 0) {
         snprintf(err, err_len, "cannot watch the node process");
         goto done;

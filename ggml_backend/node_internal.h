@@ -36,6 +36,7 @@ struct slot_control {
 struct tb_node {
     struct tb_node_config cfg;
     char     name[TB_NAME_LEN];
+    uint8_t  id[TB_NODE_ID_LEN];  // this node process's random id (HELLO's node_id), its workers' too
     char     host[256];           // listen address; peer links listen there too
     struct tb_listener * listener;   // clients dial here
     int      port;

@@ -299,7 +299,11 @@ int handle_peer_send(struct node_conn * c, const struct tb_header * h, char * er
     set_busy(c, SENDING_TO_PEER);
     const int rc = send_to_peer(peer, data, req.size);
     set_busy(c, IDLE);
-    if (rc != 0) { snprintf(err, err_len, "PEER_SEND: %s", peer->tp->error); return -1; }
+    if (rc != 0) {
+        c->failed_peer = req.peer_id;
+        snprintf(err, err_len, "PEER_SEND: %s", peer->tp->error);
+        return -1;
+    }
     return 0;
 }
 
@@ -320,7 +324,10 @@ int handle_peer_recv(struct node_conn * c, const struct tb_header * h, char * er
         ggml_backend_tensor_set(&t, c->payload, 0, (size_t) req.size);
     }
     set_busy(c, IDLE);
-    if (rc != 0) snprintf(err, err_len, "waiting for activations from node %s: %s", c->peers[req.peer_id - 1].name, why);
+    if (rc != 0) {
+        c->failed_peer = req.peer_id;
+        snprintf(err, err_len, "waiting for activations from node %s: %s", c->peers[req.peer_id - 1].name, why);
+    }
     return rc;
 }
 

@@ -126,6 +126,7 @@ static void fill_device_info(struct tb_node * n, struct tb_hello * h) {
     snprintf(h->device_name, sizeof h->device_name, "%s", ggml_backend_dev_name(n->dev));
     snprintf(h->device_description, sizeof h->device_description, "%s", ggml_backend_dev_description(n->dev));
     snprintf(h->node_name, sizeof h->node_name, "%s", n->name);
+    memcpy(h->node_id, n->id, sizeof h->node_id);
 }
 
 static int handle_hello(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
@@ -547,8 +548,10 @@ static int send_reply(struct node_conn * c, const struct tb_header * h, int rc, 
     struct tb_reply_status st = { .status = rc == 0 ? TB_STATUS_OK : (r->refusal ? r->refusal : TB_STATUS_ERROR) };
     const void * body = r->data;
     size_t body_len = r->len;
+    if (rc != 0) st.peer = (uint32_t) c->failed_peer;
     if (rc == 0 && c->sticky[0]) {       // an earlier posted request failed: report that instead
         st.status = TB_STATUS_ERROR;
+        st.peer = (uint32_t) c->sticky_peer;
         err = c->sticky;
     }
     if (st.status != 0) { body = err; body_len = strlen(err); }
@@ -557,6 +560,7 @@ static int send_reply(struct node_conn * c, const struct tb_header * h, int rc, 
     if (io == 0) io = tb_flush(c->tp);
     pthread_mutex_unlock(&c->send_lock);
     c->sticky[0] = '\0';
+    c->sticky_peer = 0;
     return io;
 }
 
@@ -627,6 +631,7 @@ static int serve_one(struct node_conn * c) {
     struct reply r = { 0 };
     bool io_failed = false;
     int rc;
+    c->failed_peer = 0;
     if (h.cmd == TB_CMD_SET_TENSOR) {
         rc = handle_set(c, &h, err, sizeof err, &io_failed);   // receives its payload straight into the buffer
     } else {
@@ -667,8 +672,11 @@ static int serve_one(struct node_conn * c) {
     }
     c->scratch_need = 0;
     if (tb_cmd_posted(h.cmd)) {
-        if (rc != 0 && !c->sticky[0]) snprintf(c->sticky, sizeof c->sticky, "earlier %s (request %llu) failed: %s",
-                                               tb_cmd_name(h.cmd), (unsigned long long) h.id, err);
+        if (rc != 0 && !c->sticky[0]) {
+            snprintf(c->sticky, sizeof c->sticky, "earlier %s (request %llu) failed: %s", tb_cmd_name(h.cmd),
+                     (unsigned long long) h.id, err);
+            c->sticky_peer = c->failed_peer;
+        }
         return 0;
     }
     if (send_reply(c, &h, rc, &r, err) != 0) return -1;

@@ -46,6 +46,8 @@ struct node_conn {
     size_t   scratch_need;          // the most of it the current request asked for (scratch_reserve)
     uint32_t scratch_idle;          // requests in a row that needed under a quarter of payload_cap
     char     sticky[512];           // first failure of a posted request, reported with the next reply
+    uint64_t failed_peer;           // the peer id of the link whose failure failed the current request (0: none)
+    uint64_t sticky_peer;           // the same for the sticky failure
     struct { struct ggml_context * ctx; struct ggml_cgraph * graph; uint64_t cost; } kept[TB_KEPT_GRAPHS];   // for GRAPH_RECOMPUTE
     struct ggml_cgraph *  graph;    // the one to run
 

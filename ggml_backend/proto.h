@@ -30,12 +30,13 @@ extern "C" {
 #endif
 
 #define TB_MAGIC            0x43504254u   // "TBPC" on the wire
-#define TB_PROTO_VERSION    7u
+#define TB_PROTO_VERSION    8u
 #define TB_MAX_PAYLOAD      (256ull << 20) // one message; larger tensor writes are split by the client
 #define TB_MAX_GRAPH_TENSORS (1u << 20)
 #define TB_MAX_GRAPH_NODES   (1u << 20)
 #define TB_MAX_DIM_ELEMENTS  (1ll << 48)   // per dimension; keeps size arithmetic far from overflow
 #define TB_NAME_LEN          64
+#define TB_NODE_ID_LEN       16
 #define TB_KEEPALIVE_MIN_MS  20            // floor for the keepalive period a client may ask for
 #define TB_KEEPALIVE_MAX_MS  60000         // and its ceiling (a silent peer times out after three periods)
 #define TB_HANDSHAKE_MS      5000          // HELLO and AUTH, together, must be done within this
@@ -103,7 +104,8 @@ enum tb_reply_code {
 };
 struct tb_reply_status {
     int32_t  status;
-    uint32_t reserved;
+    uint32_t peer;           // a failure: the peer id (PEER_SEND's, PEER_RECV's) of the node-to-node link that
+                             // failed the request, when one did (the head names the node at its other end); else 0
 };
 
 // What both sides must agree on before anything else crosses the wire.
@@ -131,6 +133,8 @@ struct tb_hello {            // request and reply share it; the node fills the d
     char     node_name[TB_NAME_LEN];
     char     ggml_build[TB_NAME_LEN];  // ggml_version() and ggml_commit() of the side that sent it
     uint8_t  nonce[TB_NONCE_LEN];      // fresh random bytes of the side that sent it (the AUTH challenge)
+    uint8_t  node_id[TB_NODE_ID_LEN];  // reply: drawn at random when the node process starts, the same to all its
+                                       // clients: two addresses that answer with the same one reach one node
 };
 
 // The device sizes every tensor as ggml_nbytes (the CPU does; Metal does not):

@@ -29,6 +29,7 @@ enum tbrpc_error_kind {
     TBRPC_ERR_AUTH        = 5,   // the shared secret did not match, or one side has none
     TBRPC_ERR_FULL        = 6,   // the node serves as many clients as it may
     TBRPC_ERR_OTHER       = 7,   // a bad argument, out of memory
+    TBRPC_ERR_DUPLICATE   = 8,   // the node answers as one this client is connected to already (at another address)
 };
 
 // One node-to-node link the head made, from the node it belongs to.
@@ -46,6 +47,8 @@ struct tbrpc_node_info {
     struct tb_hello hello;           // what the node said at the handshake
     int      failed;
     int      error_kind;             // enum tbrpc_error_kind of the failure (0 while it works)
+    int      failed_peer;            // the index of the node at the other end of the node-to-node link whose failure
+                                     // failed this one (it waited for that node's activations, or sent it some); -1 none
     char     error[512];
     char     transport[96];          // what carries the bytes and why: "shm 16x256K", "tcp: peer has no RDMA device"
     int      transport_why;          // enum tb_why (transport.h): the kind of that reason; 0 when it moved off TCP
@@ -66,7 +69,9 @@ struct tbrpc_node_info {
 };
 
 struct tbrpc_client * tbrpc_client_new(void);
-// Connect and handshake. Returns the node's index, or -kind with err.
+// Connect and handshake. Returns the node's index, or -kind with err;
+// -TBRPC_ERR_DUPLICATE when the node process is one this client is already
+// connected to (and not failed) at another endpoint (HELLO's node_id).
 // transport: "tcp" forces TCP; NULL or "auto": shared memory with a node on this host, else TCP.
 // secret: the cluster secret, proven in the handshake and never sent (NULL:
 // none; a node that has one then refuses us, and we refuse a node without

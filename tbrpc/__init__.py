@@ -10,6 +10,7 @@ from __future__ import annotations
 from tbrpc.client import (
     AuthenticationError,
     Cluster,
+    DuplicateNodeError,
     HandshakeRefused,
     NodeError,
     NodeFailed,
@@ -23,9 +24,10 @@ from tbrpc.client import (
     probe,
 )
 from tbrpc.native import TbrpcError, VersionMismatchError
+from tbrpc.node_processes import LaunchError
 
 __all__ = [
-    "AuthenticationError", "Cluster", "HandshakeRefused", "Llama", "NodeError", "NodeFailed", "NodeFullError",
+    "AuthenticationError", "Cluster", "DuplicateNodeError", "HandshakeRefused", "LaunchError", "Llama", "NodeError", "NodeFailed", "NodeFullError",
     "NodeInfo", "NodeStatus", "NodeUnreachable", "NodeVersionMismatch", "TbrpcError", "VersionMismatchError",
     "cluster", "connect", "probe",
 ]

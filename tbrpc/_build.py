@@ -44,12 +44,12 @@ struct tb_abi { uint32_t proto_version; uint32_t backend_api_version; uint32_t g
 struct tb_hello { struct tb_abi abi; uint64_t mem_free; uint64_t mem_total; uint64_t alignment;
                   uint64_t max_size; uint32_t device_type; uint32_t keepalive_ms; uint64_t caps; uint8_t file_nonce[16];
                   char device_name[...]; char device_description[...]; char node_name[...]; char ggml_build[...];
-                  uint8_t nonce[32]; ...; };
+                  uint8_t nonce[32]; uint8_t node_id[16]; ...; };
 struct tb_status { uint64_t buffers; uint64_t bytes_allocated; uint64_t clients; uint64_t graphs_computed;
                    uint64_t bytes_received; uint64_t bytes_from_files; uint64_t allreduces; uint64_t allreduce_ns;
                    uint64_t mem_free; uint64_t mem_total; char device_name[...]; ...; };
 struct tb_header { uint32_t magic; uint16_t cmd; uint16_t flags; uint64_t id; uint64_t len; };
-struct tb_reply_status { int32_t status; uint32_t reserved; };
+struct tb_reply_status { int32_t status; uint32_t peer; };
 struct tb_range { uint64_t handle, offset, size; };
 struct tb_alloc_req { uint64_t size; };
 struct tb_alloc_reply { uint64_t handle, base, size; };

@@ -27,13 +27,17 @@ class NodeError(TbrpcError):
 
     Each kind of failure is a subclass (``kind`` names it too); the message
     names the node and says what happened, ``endpoint`` is the node's
-    "host:port" (None when not known). Callers branch on the class."""
+    "host:port" (None when not known). ``peer``: the endpoint of the node at
+    the other end of the node-to-node link whose failure failed this one (it
+    waited for that node's activations, or sent it some), else None: the
+    node to look at first. Callers branch on the class."""
 
     kind = "error"
 
-    def __init__(self, message: str, endpoint: str | None = None) -> None:
+    def __init__(self, message: str, endpoint: str | None = None, peer: str | None = None) -> None:
         super().__init__(message)
         self.endpoint = endpoint
+        self.peer = peer
 
 
 class NodeUnreachable(NodeError):
@@ -74,16 +78,23 @@ class NodeFullError(NodeError):
     kind = "full"
 
 
+class DuplicateNodeError(NodeError):
+    """The node is one this process is connected to already, at another address (or listed twice):
+    one node as two devices would count its memory twice."""
+
+    kind = "duplicate"
+
+
 # enum tbrpc_error_kind (ggml_backend/tbrpc.h) -> the class raised for it
 _ERROR_CLASSES: dict[int, type[NodeError]] = {
     1: NodeUnreachable, 2: HandshakeRefused, 3: NodeVersionMismatch, 4: NodeFailed,
-    5: AuthenticationError, 6: NodeFullError,
+    5: AuthenticationError, 6: NodeFullError, 8: DuplicateNodeError,
 }
 
 
-def node_error(kind: int, message: str, endpoint: str | None = None) -> NodeError:
+def node_error(kind: int, message: str, endpoint: str | None = None, peer: str | None = None) -> NodeError:
     """The NodeError subclass for a C error kind (positive or negative), with `message`."""
-    return _ERROR_CLASSES.get(abs(kind), NodeError)(message, endpoint)
+    return _ERROR_CLASSES.get(abs(kind), NodeError)(message, endpoint, peer)
 
 
 # enum tb_why (ggml_backend/transport.h): why a connection or link is on TCP (or has no link) when it
@@ -137,10 +148,12 @@ class NodeInfo:
     error_kind: int = 0       # enum tbrpc_error_kind of the failure (tbrpc.h); node_error() makes its exception
     transport_why: str = ""   # the kind of the reason in `transport` when it is TCP (WHY_NAMES); "" when it moved
     peer_links: tuple[PeerLink, ...] = ()   # its links to other nodes, made or not, with their kinds
+    failed_peer: str = ""     # the node at the other end of the link whose failure failed this one; "" none
+    node_id: str = ""         # the node process's random id (hex): the same at every address it answers at
 
     def exception(self) -> NodeError:
         """The NodeError of this node's failure (its class says the kind)."""
-        return node_error(self.error_kind, self.error, self.endpoint)
+        return node_error(self.error_kind, self.error, self.endpoint, self.failed_peer or None)
 
 
 @dataclass(frozen=True)
@@ -269,6 +282,8 @@ class Cluster:
             error_kind=out.error_kind,
             allreduces=out.allreduces, allreduce=text(out.allreduce), bytes_allocated=out.bytes_allocated,
             transport_why=why_name(out.transport_why), peer_links=links,
+            failed_peer=self._endpoints[out.failed_peer] if 0 <= out.failed_peer < len(self._endpoints) else "",
+            node_id=bytes(h.node_id).hex(),
         )
 
     def device_names(self) -> list[str]:
@@ -315,7 +330,7 @@ class Cluster:
                           "device registered for the life of this process, and a plain llama_cpp.Llama takes every "
                           "such device: load it in a new process, or start the node again on its endpoint and call "
                           f"tbrpc.connect(['{info.endpoint}']))",
-                          info.endpoint)
+                          info.endpoint, info.failed_peer or None)
 
     def failures(self) -> dict[str, NodeInfo]:
         """endpoint -> info of every node that has failed (``info.exception()`` is its NodeError)."""
@@ -370,10 +385,16 @@ def connect(nodes: Sequence[str], timeout: float = defaults.STALL_TIMEOUT_S, tra
 
     After this, a plain ``llama_cpp.Llama(..., n_gpu_layers=-1, tensor_split=[...])``
     places layers on the nodes. Raises NodeError naming the first node that is
-    unreachable or refuses the handshake.
+    unreachable or refuses the handshake; DuplicateNodeError for a node listed
+    twice, or one that answers as a node this process is connected to at
+    another address.
     """
     if isinstance(nodes, str):
         raise TypeError('connect() takes a list of "host:port" strings')
+    for i, endpoint in enumerate(nodes):
+        if endpoint in nodes[:i]:
+            raise DuplicateNodeError(f"tbrpc node {endpoint} is listed twice (entries #{nodes.index(endpoint) + 1} "
+                                     f"and #{i + 1}): list each node once", endpoint)
     from tbrpc import secret as cluster_secret
 
     key = cluster_secret.load(secret_file)
@@ -385,9 +406,10 @@ def _install_error_hooks(c: Cluster) -> None:
     """Make llama-cpp-python raise NodeError (naming the node) when a node fails.
 
     ggml's backend interface has no error path for most calls; our C side
-    marks the node failed and makes ggml's calls fail softly. These wrappers,
-    around the entry points llama-cpp-python uses for loading, context
-    creation and decoding, turn that state into a Python exception. The load
+    marks the node failed (printing nothing) and makes ggml's calls fail
+    softly. These wrappers, around the entry points llama-cpp-python uses for
+    loading, context creation, decoding and reading the state, turn that
+    state into a Python exception. The load
     wrapper also turns off the CPU's extra buffer types for a model that uses
     tbrpc devices (why: tbrpc/head_buffers.py).
     """
@@ -427,7 +449,10 @@ def _install_error_hooks(c: Cluster) -> None:
         checked._tbrpc_wrapped = True  # type: ignore[attr-defined]
         setattr(llama_lib, name, checked)
 
-    for entry_point in ("llama_decode", "llama_model_load_from_file", "llama_init_from_model"):
+    # the state reads copy KV cache bytes from the nodes: a node failing under them must not hand
+    # back zeros as a saved state
+    for entry_point in ("llama_decode", "llama_model_load_from_file", "llama_init_from_model",
+                        "llama_state_get_data", "llama_state_seq_get_data"):
         wrap(entry_point)
 
 
@@ -443,7 +468,7 @@ def _free_result(llama_lib: Any, name: str, result: Any) -> None:
 
 def _call_failed(name: str, result: Any) -> bool:
     """llama_decode: a negative code is an error (positive ones are "no KV slot" and the like);
-    loading and context creation: a NULL pointer."""
+    loading and context creation: a NULL pointer; the state reads: nothing copied."""
     return result < 0 if name == "llama_decode" else not result
 
 
@@ -480,6 +505,6 @@ def probe(endpoint: str, timeout: float = defaults.STALL_TIMEOUT_S,
         endpoint=endpoint, device_name="", node_name=text(hello.node_name), node_device=text(hello.device_name),
         description=text(hello.device_description), mem_free=hello.mem_free, mem_total=hello.mem_total,
         failed=False, error="", bytes_sent=0, bytes_received=0, round_trips=0, messages=0, graphs_sent=0,
-        graphs_reused=0, bytes_from_files=0, transport="tcp: a probe connection",
+        graphs_reused=0, bytes_from_files=0, transport="tcp: a probe connection", node_id=bytes(hello.node_id).hex(),
     )
     return info, _status_from_c(status)

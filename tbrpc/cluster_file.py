@@ -64,7 +64,7 @@ from tbrpc.node_memory import (
     size_nodes,
     with_origin,
 )
-from tbrpc.spec import STARTS, NodeSpec, SshTarget, cable_order
+from tbrpc.spec import STARTS, NodeSpec, SshTarget, cable_order, check_distinct
 
 DEFAULT_FILE_NAME = "tbrpc.toml"
 SSH_KEYS = ("user", "host", "key", "port", "options")
@@ -144,6 +144,7 @@ def read(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FR
         nodes.append(node)
         specs.append(replace(spec_from_table(table, node.given, where, secret_file), file_position=i))
     check_unique(nodes)
+    check_distinct(specs, str(path))
     names = {s.name for s in specs}
     for s in specs:
         for other, _ in s.links:

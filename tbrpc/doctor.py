@@ -157,6 +157,15 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
     return True, (info, status)
 
 
+def _check_distinct(n: _Node, info: Any, answered: dict[str, NodeSpec]) -> None:
+    """A FAIL row when this entry's node answers with the node id of an earlier entry's: one node
+    process reached at two addresses, whose memory a plan would count twice."""
+    first = answered.setdefault(info.node_id, n.spec) if info.node_id else n.spec
+    if first is not n.spec:
+        n.add("distinct", FAIL, f"{n.spec.endpoint} is the node process of {first.name} ({first.endpoint}), "
+              "reached at another address", f"list each node once: remove {n.spec.name} or {first.name}")
+
+
 def _check_device(n: _Node, info: Any) -> None:
     spec = n.spec
     detail = (f"{info.node_device} ({info.description}), {format_size(info.mem_free)} free of "
@@ -614,10 +623,12 @@ def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float 
     for a, _, address in rdma_links(specs):
         toward.setdefault(a, []).append(address)
     node_facts: dict[str, dict[str, Any]] = {}
+    answered: dict[str, NodeSpec] = {}   # node id -> the first entry whose node answered with it
     for spec in specs:
         n = _Node(spec)
         up, answer = _check_reachable(n, timeout)
         if up:
+            _check_distinct(n, answer[0], answered)
             _check_device(n, answer[0])
         model = spec.model or gguf
         facts, why, failing = gather_facts(spec, model, timeout=max(defaults.FACTS_TIMEOUT_S, timeout),

@@ -120,6 +120,7 @@ class Report:
     device: str  # the node's ggml device (CPU, MTL0, ...)
     free: int
     total: int
+    node_id: str = ""   # the node process's id (HELLO): the same at every address it answers at
 
     @property
     def usable(self) -> int:
@@ -135,7 +136,8 @@ class NoAnswer:
 
 
 def ask_nodes(entries: Sequence[ClusterNode], timeout: float = defaults.ASK_TIMEOUT_S) -> list[Report | NoAnswer]:
-    """Ask every node for its memory (a handshake, in parallel); a node without a fixed port cannot be asked."""
+    """Ask every node for its memory (a handshake, in parallel); a node without a fixed port cannot be asked.
+    ClusterError naming both entries when two answer as one node process (at two addresses)."""
     try:
         from tbrpc.client import probe
         from tbrpc.native import TbrpcError, load
@@ -151,12 +153,21 @@ def ask_nodes(entries: Sequence[ClusterNode], timeout: float = defaults.ASK_TIME
             info, _ = probe(entry.endpoint, timeout=timeout)
         except TbrpcError as exc:
             return NoAnswer(str(exc))
-        return Report(info.node_device, info.mem_free, info.mem_total)
+        return Report(info.node_device, info.mem_free, info.mem_total, info.node_id)
 
     if not entries:
         return []
     with ThreadPoolExecutor(max_workers=min(16, len(entries))) as pool:
-        return list(pool.map(ask, entries))
+        answers = list(pool.map(ask, entries))
+    first: dict[str, ClusterNode] = {}
+    for entry, answer in zip(entries, answers):
+        if isinstance(answer, Report) and answer.node_id:
+            seen = first.setdefault(answer.node_id, entry)
+            if seen is not entry:
+                raise ClusterError(f"nodes {seen.name} ({seen.endpoint}) and {entry.name} ({entry.endpoint}) are one node "
+                                   "process reached at two addresses (it answers both with the same node id): "
+                                   "list each node once")
+    return answers
 
 
 def _machine(host: str) -> str:

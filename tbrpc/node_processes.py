@@ -6,8 +6,11 @@ stops by itself when its launcher goes away, however that happens. A node
 that already answers the handshake at its address is used as it is and left
 running at the end: ``launch`` stops exactly what it started.
 
-Every failure is a ``LaunchError`` naming the node, the step (start,
-handshake, ...) and what to try.
+Every failure names the node, the step (start, handshake, ...) and what to
+try. A node that answers but whose handshake fails raises the NodeError of
+that cause, as ``tbrpc.connect`` does (``NodeUnreachable``,
+``AuthenticationError``, ...); a node process that would not start or stop
+raises ``LaunchError``, a NodeError too.
 """
 
 from __future__ import annotations
@@ -43,15 +46,20 @@ _LISTENING_RE = re.compile(r"tbrpc node listening on \S+?:(\d+)")   # what `tbrp
 _PID_RE = re.compile(r"tbrpc node pid (\d+)")
 
 
-class LaunchError(TbrpcError):
-    """A node could not be started, reached or stopped; the message names it, the step and a fix."""
+def step_message(node: str, step: str, what: str, hint: str = "") -> str:
+    """node NODE, step STEP: WHAT, then the hint on a line of its own."""
+    message = f"node {node}, step {step}: {what}"
+    return message + f"\n  try: {hint}" if hint else message
 
-    def __init__(self, node: str, step: str, what: str, hint: str = "") -> None:
+
+class LaunchError(NodeError):
+    """A node process could not be started or stopped; the message names it, the step and a fix."""
+
+    kind = "launch"
+
+    def __init__(self, node: str, step: str, what: str, hint: str = "", endpoint: str | None = None) -> None:
+        super().__init__(step_message(node, step, what, hint), endpoint)
         self.node, self.step, self.what, self.hint = node, step, what, hint
-        message = f"node {node}, step {step}: {what}"
-        if hint:
-            message += f"\n  try: {hint}"
-        super().__init__(message)
 
 
 def listening_port(log: str) -> int | None:
@@ -61,7 +69,16 @@ def listening_port(log: str) -> int | None:
 
 
 def step_error(spec: NodeSpec, step: str, what: str, hint: str = "") -> LaunchError:
-    return LaunchError(f"{spec.name} ({spec.endpoint})", step, what, hint)
+    return LaunchError(f"{spec.name} ({spec.endpoint})", step, what, hint, spec.endpoint)
+
+
+def handshake_error(spec: NodeSpec, error: NodeError) -> NodeError:
+    """`error` (why `spec`'s node did not complete the handshake) again, of the same class, its
+    message naming the node and step handshake, with what to try."""
+    again = type(error)(step_message(f"{spec.name} ({spec.endpoint})", "handshake", str(error),
+                                     handshake_hint(spec, error)), error.endpoint or spec.endpoint, error.peer)
+    again.step = "handshake"
+    return again
 
 
 # Handshake failures that waiting will not cure: launch stops at once.
@@ -128,7 +145,9 @@ class RunningNode:
             self.port = self.port or port
 
     def begin_stop(self) -> None:
-        """Ask the node to stop: end of its stdin (over ssh too), and SIGTERM to a local node."""
+        """Ask the node to stop: end of its stdin (over ssh too), and SIGTERM to a local node, then
+        SIGCONT to its process group: a node someone stopped (SIGSTOP, ^Z) would otherwise hold
+        the SIGTERM until the stop timeout kills it."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()
@@ -136,6 +155,10 @@ class RunningNode:
                 pass
         if self.proc.poll() is None and self.spec.start == "local":
             self._signal(signal.SIGTERM)
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)   # its own group (start_new_session), workers included
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def finish_stop(self, deadline: float) -> None:
         """Wait until `deadline` (monotonic), then make sure: ssh kill by pid, SIGKILL."""
@@ -253,7 +276,7 @@ def _wait_listening(node: RunningNode, deadline: float) -> None:
 
 def until_answering(spec: NodeSpec, node: RunningNode | None, deadline: float) -> tuple[str, NodeInfo]:
     """Wait for a node to listen (one started here: its log says so) and to answer the handshake;
-    returns its endpoint and what it said. LaunchError naming the node otherwise."""
+    returns its endpoint and what it said. A NodeError naming the node and step otherwise."""
     endpoint = spec.endpoint
     if node is not None:
         _wait_listening(node, deadline)
@@ -280,7 +303,8 @@ def _start_hint(spec: NodeSpec, log: str) -> str:
 
 
 def wait_handshake(spec: NodeSpec, endpoint: str, deadline: float, node: RunningNode | None = None) -> NodeInfo:
-    """Probe `endpoint` until it answers the handshake; raise LaunchError naming the node otherwise."""
+    """Probe `endpoint` until it answers the handshake; raise the NodeError of why not, naming the
+    node and the step (LaunchError when the node process started here exited)."""
     last: NodeError = NodeUnreachable(f"tbrpc node {endpoint}: no answer yet")
     while True:
         try:
@@ -289,12 +313,12 @@ def wait_handshake(spec: NodeSpec, endpoint: str, deadline: float, node: Running
         except NodeError as exc:
             last = exc
             if isinstance(exc, FINAL):
-                raise step_error(spec, "handshake", str(exc), handshake_hint(spec, exc)) from exc
+                raise handshake_error(spec, exc) from exc
         if node is not None and not node.alive():
             raise step_error(spec, "start", f"the node exited with code {node.proc.returncode}; its log "
                              f"({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
         if time.monotonic() >= deadline:
-            raise step_error(spec, "handshake", str(last), handshake_hint(spec, last))
+            raise handshake_error(spec, last)
         time.sleep(0.1)
 
 
@@ -347,7 +371,7 @@ class Nodes:
 
     def restart(self, index: int, head_model: str | None, timeout: float = defaults.START_TIMEOUT_S) -> NodeInfo:
         """Start node `index` again, on the port it had, after its process exited; wait until it
-        answers. Its old log is kept beside the new one (NAME.log.1). LaunchError naming it otherwise."""
+        answers. Its old log is kept beside the new one (NAME.log.1). A NodeError naming it otherwise."""
         old = self.started_here(index)
         if old is None or old.alive():
             raise ValueError(f"node {self.specs[index].name} was not started here, or still runs")
@@ -362,27 +386,54 @@ class Nodes:
             new.stop()
             raise
 
+    def exited(self) -> int | None:
+        """The index of the first node whose process, started here, has exited; else None."""
+        return next((i for i in range(len(self.endpoints))
+                     if (node := self.started_here(i)) is not None and not node.alive()), None)
+
+    def blamed(self, error: TbrpcError | str, index: int | None = None) -> int | None:
+        """The node to blame for `error`: `index` when given; else one whose process, started here,
+        has exited (a node that could not reach an upstream node that died only witnessed it);
+        else the node at the other end of the link the NodeError's node says failed it (``peer``:
+        one that stopped answering has not exited); else the node a NodeError names by its
+        endpoint; else None."""
+        if index is not None or not isinstance(error, NodeError) or error.endpoint not in self.endpoints:
+            return index
+        dead = self.exited()
+        if dead is not None:
+            return dead
+        return self.endpoints.index(error.peer if error.peer in self.endpoints else error.endpoint)
+
     def explain(self, step: str, error: TbrpcError | str, index: int | None = None) -> str:
-        """`error` as: node NAME (endpoint), step STEP: ... try: ..., for node `index`, else the node a
-        NodeError names by its endpoint; otherwise: step STEP: ... A failure() message (a str) already
-        says how the process ended; for a NodeError of a node whose process exited, that is added."""
-        if index is None and isinstance(error, NodeError) and error.endpoint in self.endpoints:
-            index = self.endpoints.index(error.endpoint)
+        """`error` as: node NAME (endpoint), step STEP: ... try: ..., for node `index`, else the node
+        to blame (``blamed``); otherwise: step STEP: ... When the blamed node is not the one the
+        NodeError came from, what that one saw follows. A failure() message (a str) already says
+        how the process ended; for a NodeError of a node whose process exited, that is added."""
         message = str(error)
+        index = self.blamed(error, index)
         if index is None:
             return f"step {step}: {message}\n  try: `tbrpc doctor` checks every node"
         spec, endpoint, node = self.specs[index], self.endpoints[index], self.started_here(index)
+        if isinstance(error, NodeError) and error.endpoint != endpoint and error.endpoint in self.endpoints:
+            witness = self.specs[self.endpoints.index(error.endpoint)].name
+            message = f"node {witness} ({error.endpoint}) saw: {message}"
         if node is not None and not node.alive() and isinstance(error, NodeError):
-            message += f" (the node process exited with code {node.proc.returncode})"
+            died = f"the node process exited with code {node.proc.returncode}"
+            message = f"{message} ({died})" if error.endpoint == endpoint else f"{died}; {message}"
         log = f"its log: {node.log_path}" if node else f"its log on {spec.host}"
         hint = f"{log}; `tbrpc status` shows its memory in use; `tbrpc doctor` checks every node; then launch again"
         message = message.removeprefix(f"node {spec.name} ({endpoint}): ")
         return f"node {spec.name} ({endpoint}), step {step}: {message}\n  try: {hint}"
 
     def explained(self, step: str, error: TbrpcError, index: int | None = None) -> TbrpcError:
-        """`error` again, of the same class, its message explained (``explain``) and its step set."""
+        """`error` again, of the same class, its message explained (``explain``), its step set and,
+        for a NodeError, the endpoint of the node blamed."""
+        if isinstance(error, LaunchError):   # it names its node and step already
+            return error
         if isinstance(error, NodeError):
-            again: TbrpcError = type(error)(self.explain(step, error, index), error.endpoint)
+            blamed = self.blamed(error, index)
+            endpoint = error.endpoint if blamed is None else self.endpoints[blamed]
+            again: TbrpcError = type(error)(self.explain(step, error, index), endpoint, error.peer)
         else:
             again = type(error)(self.explain(step, error, index))
         again.step = step
@@ -430,7 +481,7 @@ def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = defau
             if spec.port:
                 found, why = answers(spec.endpoint, secret_file=head_secret_file(spec))
                 if found is None and isinstance(why, FINAL):
-                    raise step_error(spec, "handshake", str(why), handshake_hint(spec, why))
+                    raise handshake_error(spec, why)
             if found is not None:
                 say(f"node {spec.name}: already running at {spec.endpoint}, using it")
                 slots.append(None)

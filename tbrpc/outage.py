@@ -37,7 +37,7 @@ from typing import Any
 from tbrpc.client import cluster as client_cluster
 from tbrpc.client import NodeError, default_transport
 from tbrpc.native import TbrpcError
-from tbrpc.node_processes import LaunchError, Nodes, answers, head_secret_file
+from tbrpc.node_processes import Nodes, answers, head_secret_file
 
 WATCH_EVERY_S = 0.5         # how often the server looks for a failed node
 FIRST_PROBE_S = 0.5         # the first wait between two probes of a failed node; it doubles ...
@@ -201,7 +201,7 @@ class Serving:
                     await asyncio.to_thread(self.nodes.restart, index, self._head_model)
                     self._say(f"node {spec.name} ({endpoint}): restarted")
                     return True
-                except LaunchError as exc:
+                except NodeError as exc:   # LaunchError, or why it would not answer
                     self.outage.last_probe = str(exc)
                     self._say(f"node {spec.name}: restart failed ({exc}); trying again in {wait:.1f} s")
             else:

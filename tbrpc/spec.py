@@ -5,6 +5,7 @@ endpoints; and which cable each pair of nodes uses (``links``)."""
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -208,4 +209,34 @@ def endpoint_specs(endpoints: list[str]) -> list[NodeSpec]:
         except ValueError as exc:
             raise ClusterError(f"node #{i + 1}: {exc}") from exc
         specs.append(NodeSpec(name=endpoint, host=host, port=port, start="manual"))
+    check_distinct(specs, "cluster")
     return specs
+
+
+def _addresses(host: str) -> frozenset[str]:
+    """The addresses `host` stands for (itself, lower-cased, when it does not resolve)."""
+    try:
+        return frozenset(str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+    except (OSError, UnicodeError):
+        return frozenset({host.lower()})
+
+
+def _label(spec: NodeSpec) -> str:
+    return spec.name if spec.name == spec.endpoint else f"{spec.name} ({spec.endpoint})"
+
+
+def check_distinct(specs: Sequence[NodeSpec], where: str) -> None:
+    """ClusterError naming both entries when two nodes are one: the same port at the same host, by
+    name or by address (localhost and 127.0.0.1), so a machine's memory is not counted twice.
+    Nodes whose port is chosen at start (0) cannot collide. Connecting finds the rest (one node
+    process reached at two addresses, tbrpc.connect)."""
+    by_port: dict[int, list[tuple[NodeSpec, frozenset[str]]]] = {}
+    for spec in specs:
+        if not spec.port:
+            continue
+        addresses = _addresses(spec.host)
+        for other, theirs in by_port.get(spec.port, []):
+            if addresses & theirs:
+                raise ClusterError(f"{where}: nodes {_label(other)} and {_label(spec)} are the same node "
+                                   f"({sorted(addresses & theirs)[0]} port {spec.port}): list each node once")
+        by_port.setdefault(spec.port, []).append((spec, addresses))

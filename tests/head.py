@@ -101,7 +101,8 @@ def main(spec_path: str, out_path: str) -> None:
                                   env={**os.environ, **run.get("env", {})})
             result["then_run"] = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr[-3000:]}
     except Exception as e:  # the test asserts on type and message
-        result["error"] = {"type": type(e).__name__, "message": str(e)}
+        result["error"] = {"type": type(e).__name__, "message": str(e), "endpoint": getattr(e, "endpoint", None),
+                           "peer": getattr(e, "peer", None)}
         if nodes:  # are the nodes that did not fail still usable?
             result["failed_indexes"] = sorted(tbrpc.cluster().failed_indexes())
             result["survivor_status"] = {}

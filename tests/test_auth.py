@@ -23,7 +23,7 @@ import pytest
 
 import models
 import tbrpc
-from helpers import ROOT, run_head, start_node, stop_nodes
+from helpers import ENV, ROOT, run_head, start_node, stop_nodes
 from tbrpc import secret
 from tbrpc.native import load
 from wire import Wire, pack
@@ -96,6 +96,41 @@ def test_wrong_secret_is_refused_naming_the_node(nodes: Any, key: Path, tmp_path
     time.sleep(0.3)
     log = node.log_text()
     assert "authentication failed" in log and "client 127.0.0.1:" in log   # who tried
+
+
+def test_the_drop_in_raises_what_connect_raises(nodes: Any, key: Path, tmp_path: Path) -> None:
+    """tbrpc.Llama(cluster=["host:port"]) fails a handshake with connect()'s class for the same cause
+    (users catch tbrpc.NodeError and its subclasses), its message naming the node and step."""
+    node = nodes(1, "--secret-file", str(key))[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    script = (
+        "import sys, tbrpc, models\n"
+        "m = str(models.ensure('llama'))\n"
+        "for endpoint, extra in [(sys.argv[1], {}), (sys.argv[2], {'secret_file': sys.argv[3]})]:\n"
+        "    try:\n"
+        "        tbrpc.Llama(m, cluster=[endpoint], n_ctx=256, verbose=False, start_timeout=2, **extra)\n"
+        "    except tbrpc.NodeError as e:\n"
+        "        print(type(e).__name__, e.endpoint, str(e).replace(chr(10), ' '))\n")
+    proc = subprocess.run([sys.executable, "-c", script, nobody, node.endpoint, str(other_key(tmp_path))], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, proc.stdout + proc.stderr[-3000:]
+    assert lines[0].startswith(f"NodeUnreachable {nobody} node 127.0.0.1:"), lines[0]
+    assert "step handshake" in lines[0] and "try: is the node running" in lines[0], lines[0]
+    assert lines[1].startswith(f"AuthenticationError {node.endpoint} node 127.0.0.1:"), lines[1]
+    assert "step handshake" in lines[1] and "authentication failed" in lines[1], lines[1]
+
+
+def test_doctor_shows_a_wrong_secret_in_its_table_only(nodes: Any, key: Path, tmp_path: Path) -> None:
+    """The refusal is the `secret` row of doctor's table; no line of the library's comes before it."""
+    node = nodes(1, "--secret-file", str(key))[0]
+    proc = subprocess.run([sys.executable, "-m", "tbrpc.cli", "doctor", "--secret-file", str(other_key(tmp_path)),
+                           node.endpoint], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "authentication failed" in proc.stdout, proc.stdout
+    assert "tbrpc node" not in proc.stderr, proc.stderr
 
 
 def test_no_secret_against_a_secured_node(nodes: Any, key: Path, monkeypatch: pytest.MonkeyPatch) -> None:

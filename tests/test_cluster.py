@@ -89,6 +89,22 @@ def test_cluster_file_errors_name_the_problem(tmp_path: Path) -> None:
         load_cluster_file(path)
 
 
+def test_one_node_listed_twice_is_refused_naming_both(tmp_path: Path) -> None:
+    """The same port at the same host, by name or by address, is one node: its memory must not count twice."""
+    path = tmp_path / "cluster.toml"
+    path.write_text('[[node]]\nname = "a"\nhost = "127.0.0.1"\nport = 50061\nmemory = "1GiB"\n'
+                    '[[node]]\nname = "b"\nhost = "localhost"\nport = 50061\nmemory = "1GiB"\n')
+    for read in (load_cluster_file, load_specs):
+        with pytest.raises(ClusterError) as refused:
+            read(path)
+        assert str(refused.value) == (f"{path}: nodes a (127.0.0.1:50061) and b (localhost:50061) are the same node "
+                                      "(127.0.0.1 port 50061): list each node once")
+    with pytest.raises(ClusterError, match="nodes 127.0.0.1:50061 and 127.0.0.1:50061 are the same node"):
+        endpoint_specs(["127.0.0.1:50061"] * 2)
+    # another port, or another host, is another node
+    assert len(endpoint_specs(["127.0.0.1:50061", "localhost:50062", "10.1.2.3:50061"])) == 3
+
+
 def test_flags() -> None:
     nodes = nodes_from_flags([], "4x512GiB")
     assert [n.name for n in nodes] == ["node0", "node1", "node2", "node3"]

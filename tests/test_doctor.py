@@ -25,7 +25,8 @@ from helpers import ENV, free_port
 
 from tbrpc.doctor import FAIL, OK, WARN, Check, _check_linux, _check_macos, _Node, diagnose, failed, format_checks
 from tbrpc.facts import file_fingerprint, linux_facts, macos_facts, model_identity, sampled_ranges
-from tbrpc.cluster_file import load_specs
+from tbrpc.cluster_file import load_cluster_file, load_specs
+from tbrpc.node_memory import ClusterError
 from tbrpc.spec import NodeSpec, endpoint_specs
 from tbrpc.units import format_size
 
@@ -121,6 +122,26 @@ def test_node_down_fails_with_a_fix(nodes: Any, tmp_path: Path) -> None:
     assert f"tbrpc node --host 127.0.0.1 --port {closed}" in down.fix
     assert by(checks, "up", "handshake").status == OK
     assert "fix: start it on 127.0.0.1" in proc.stdout
+
+
+def test_one_node_at_two_addresses_fails(nodes: Any, tmp_path: Path) -> None:
+    """Two entries whose addresses differ (127.0.0.1, 127.0.0.2) but reach one node process listening on
+    every address: the second fails, naming the first; a second node of the same name passes."""
+    (a,) = nodes(1, "--host", "0.0.0.0", "--insecure", "--name", "same")
+    (other,) = nodes(1, "--name", "same")
+    cluster = write_cluster(tmp_path / "c.toml", [node_table("a", a.port), node_table("b", a.port, host="127.0.0.2"),
+                                                 node_table("c", other.port)])
+    checks = diagnose(load_specs(cluster))
+    row = by(checks, "b", "distinct")
+    assert row.status == FAIL, format_checks(checks)
+    assert row.detail == f"127.0.0.2:{a.port} is the node process of a (127.0.0.1:{a.port}), reached at another address"
+    assert row.fix == "list each node once: remove b or a"
+    assert not [c for c in checks if c.name == "distinct" and c.node != "b"], format_checks(checks)
+    # planning with what the nodes report would count its memory twice
+    with pytest.raises(ClusterError) as refused:
+        load_cluster_file(cluster, ask=True)
+    assert str(refused.value) == (f"nodes a (127.0.0.1:{a.port}) and b (127.0.0.2:{a.port}) are one node process "
+                                  "reached at two addresses (it answers both with the same node id): list each node once")
 
 
 def test_wrong_and_missing_model_file(nodes: Any, tmp_path: Path) -> None:

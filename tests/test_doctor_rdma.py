@@ -280,8 +280,9 @@ def test_doctor_rows_per_machine_and_per_link(sim, tmp_path, monkeypatch) -> Non
     for name, config in (("a", {"TBRPC_HOST_ID": "a"}), ("b", {"TBRPC_HOST_ID": "b", "TBVSIM_PORT": "down"})):
         (envs / f"{name}@127.0.0.1.json").write_text(json.dumps(sim_env(sim, tmp_path, **config)))
     cluster = tmp_path / "c.toml"
-    cluster.write_text("".join(f'[[node]]\nname = "{n}"\nhost = "127.0.0.1"\nport = 1\nmemory = "1GiB"\n'
-                               f'start = "ssh"\nssh = "{n}@127.0.0.1"\npython = "{sys.executable}"\n' for n in "ab"))
+    cluster.write_text("".join(f'[[node]]\nname = "{n}"\nhost = "127.0.0.1"\nport = {i + 1}\nmemory = "1GiB"\n'
+                               f'start = "ssh"\nssh = "{n}@127.0.0.1"\npython = "{sys.executable}"\n'
+                               for i, n in enumerate("ab")))   # two nodes: two ports
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     head_env = sim_env(sim, tmp_path, TBRPC_HOST_ID="head")
     monkeypatch.setattr(doctor, "collect", lambda model, host, toward: facts_of(head_env, tuple(toward)))

@@ -236,6 +236,27 @@ def test_node_dead_before_the_first_decode(nodes: Any, tmp_path: Path) -> None:
     assert result["error"]["type"] == "NodeFailed" and b.endpoint in result["error"]["message"]
 
 
+def test_a_failure_is_raised_not_printed(nodes: Any, tmp_path: Path) -> None:
+    """A node killed before a saved state is read: llama_state_get_data raises the node's NodeError
+    (the zeros of the failed reads never become a state), probe raises for a node that is gone, and
+    the library writes no line of its own to stderr for either."""
+    a, b = nodes(2)
+    script = (
+        "import sys, os, signal, time, tbrpc, llama_cpp, models\n"
+        "tbrpc.connect(sys.argv[1:3])\n"
+        "llm = llama_cpp.Llama(str(models.ensure('llama')), n_gpu_layers=-1, tensor_split=[1, 1], n_ctx=256,\n"
+        "                      verbose=False)\n"
+        "llm.eval(llm.tokenize(b'Once upon a time'))\n"
+        "os.kill(int(sys.argv[3]), signal.SIGKILL); time.sleep(0.5)\n"
+        "try:\n    llm.save_state()\nexcept tbrpc.NodeError as e:\n    print('STATE', type(e).__name__, e.endpoint)\n"
+        "try:\n    tbrpc.probe(sys.argv[2], timeout=2)\nexcept tbrpc.NodeError as e:\n    print('PROBE', type(e).__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", script, a.endpoint, b.endpoint, str(b.proc.pid)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines() == [f"STATE NodeFailed {b.endpoint}", "PROBE NodeUnreachable"], \
+        proc.stdout + proc.stderr[-3000:]
+    assert "tbrpc node" not in proc.stderr, proc.stderr
+
+
 def test_an_old_failure_does_not_fail_a_new_model(tmp_path: Path) -> None:
     script = (
         "import os, signal, time\n"
@@ -280,6 +301,8 @@ def test_stalled_upstream_node_is_named(nodes: Any, tmp_path: Path) -> None:
         assert result["error"]["type"] == "NodeFailed"
         message = result["error"]["message"]
         assert f"waiting for activations from node 127.0.0.1:{a.port}" in message, message
+        # the same as data: the node whose link failed (b's), for a caller to blame (launch does)
+        assert result["error"]["endpoint"] == b.endpoint and result["error"]["peer"] == a.endpoint, result["error"]
     finally:
         os.killpg(a.proc.pid, signal.SIGCONT)
 
@@ -494,3 +517,33 @@ def test_a_pipelined_prompt_outlasts_the_stall_timeout(links: str, transport: st
     assert out["took"] > 2.0, out   # pieces of seconds: a sender waited past the 1 s timeout
     carrier = "tcp" if transport == "tcp" else "shm"
     assert out["links"][0].startswith(f"{b.endpoint} {carrier}") == (links == "node to node"), out["links"]
+
+
+@pytest.mark.parametrize("isolation", ["process", "spawn", "thread"])
+def test_one_node_at_two_addresses_is_one_device(nodes: Any, isolation: str) -> None:
+    """A node process reached at localhost and at 127.0.0.1 answers HELLO with the same node id
+    (its workers too, spawned ones included): connect() refuses the second address, naming both,
+    and a node listed twice; another node with the same name is another node."""
+    a, b = nodes(2, "--isolation", isolation, "--name", "same")
+    script = (
+        "import sys, tbrpc\n"
+        "a, a_again, b = sys.argv[1:]\n"
+        "print(tbrpc.connect([a]))\n"
+        "for endpoints in ([a_again], [b, b]):\n"
+        "    try:\n"
+        "        tbrpc.connect(endpoints)\n"
+        "    except tbrpc.DuplicateNodeError as e:\n"
+        "        print(type(e).__name__, e.endpoint, '|', e)\n"
+        "print(tbrpc.connect([b]), len({n.node_id for n in tbrpc.cluster().nodes()}))\n")
+    proc = subprocess.run([sys.executable, "-c", script, a.endpoint, f"localhost:{a.port}", b.endpoint], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines == [
+        "['TBRPC0']",
+        f"DuplicateNodeError localhost:{a.port} | tbrpc node localhost:{a.port} is node {a.endpoint} (TBRPC0), which "
+        "this process is connected to already: the same node process answers at both addresses; list each node once",
+        f"DuplicateNodeError {b.endpoint} | tbrpc node {b.endpoint} is listed twice (entries #1 and #2): "
+        "list each node once",
+        "['TBRPC1'] 2",
+    ], proc.stdout

@@ -644,6 +644,47 @@ def test_node_killed_during_generation(tmp_path: Path) -> None:
     assert_gone(pids)
 
 
+def test_upstream_node_killed_during_generation_is_blamed(tmp_path: Path) -> None:
+    """local1 only waits for local0's activations when local0 dies: the error names local0 and its
+    log, and says what local1 saw."""
+    launch, pids = generating_launch(tmp_path)
+    os.kill(launch.node_pids()[0], signal.SIGKILL)
+    assert launch.finish() == 1, launch.stderr
+    m = re.search(r"tbrpc: node (\S+) \(127\.0\.0\.1:\d+\), step generate: (.*)\n  try: its log: (\S+);", launch.stderr)
+    assert m, launch.stderr
+    assert m.group(1) == "local0" and m.group(3).endswith("local0.log"), launch.stderr
+    assert m.group(2).startswith("the node process exited with code -9; node local1 (127.0.0.1:"), launch.stderr
+    assert not re.search(r"^tbrpc node ", launch.stderr, re.M), launch.stderr   # the error once, explained
+    assert_gone(pids)
+
+
+def test_stopped_upstream_node_is_blamed_and_launch_exits_at_once(tmp_path: Path) -> None:
+    """local0 SIGSTOPped (with its workers) has not exited: local1 gives up waiting for its activations
+    after the stall timeout, and names it as data (NodeError.peer); launch blames local0 and exits
+    without waiting out the stop timeout for a node that cannot see its SIGTERM."""
+    launch, pids = generating_launch(tmp_path)
+    stopped = with_descendants([launch.node_pids()[0]])
+    try:
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        launch.wait_for(r"step generate", timeout=60)
+        said = time.monotonic()
+        assert launch.finish() == 1, launch.stderr
+        assert time.monotonic() - said < 5, launch.stderr
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    m = re.search(r"tbrpc: node (\S+) \(127\.0\.0\.1:\d+\), step generate: (.*)\n  try: its log: (\S+);", launch.stderr)
+    assert m, launch.stderr
+    assert m.group(1) == "local0" and m.group(3).endswith("local0.log"), launch.stderr
+    assert m.group(2).startswith("node local1 (127.0.0.1:"), launch.stderr
+    assert "waiting for activations from node" in m.group(2), launch.stderr
+    assert_gone(pids)
+
+
 def test_ctrl_c_during_generation(tmp_path: Path) -> None:
     launch, pids = generating_launch(tmp_path)
     launch.proc.send_signal(signal.SIGINT)
