@@ -37,11 +37,15 @@ and one top-level key::
     secret_file = "~/.config/tbrpc/secret"  # the head's copy of the cluster secret (tbrpc/secret.py);
                                             # also where launch tells ssh-started nodes to find theirs
 
-Keys tbrpc does not know are left alone: other tools may keep theirs in the same file.
+A key tbrpc does not know is an error naming the file, the node and the key, and the
+closest known key (``check_keys``): a misspelt `memory` or `secret_file` would otherwise
+change the plan or leave a node without its secret with nothing to say why, and a
+warning would scroll past in launch's output. The file is tbrpc's alone.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import tomllib
@@ -68,6 +72,9 @@ from tbrpc.spec import STARTS, NodeSpec, SshTarget, cable_order, check_distinct
 
 DEFAULT_FILE_NAME = "tbrpc.toml"
 SSH_KEYS = ("user", "host", "key", "port", "options")
+TOP_KEYS = ("secret_file", "node")
+NODE_KEYS = ("name", "host", "port", "memory", "usable_memory", "wired_limit", "metal_fraction", "kind", "start", "ssh", "python", "model", "device", "threads", "listen",
+             "log_file", "transport", "links", "secret_file")
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ def read(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FR
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ClusterError(f"{path}: {exc}") from exc
+    check_keys(data, TOP_KEYS, f"{path}: top level")
     secret_file = data.get("secret_file")
     if secret_file is not None and not isinstance(secret_file, str):
         raise ClusterError(f"{path}: secret_file must be a path")
@@ -136,10 +144,12 @@ def read(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FR
         where = f"{path}: node #{i + 1}"
         if not isinstance(table, dict):
             raise ClusterError(f"{where}: must be a [[node]] table")
+        if "name" in table:
+            where = f"{path}: node {table['name']}"
+        check_keys(table, NODE_KEYS, where)   # first: a misspelt `name` is an unknown key, not a missing one
         for key in ("name", "host", "port"):
             if key not in table:
                 raise ClusterError(f"{where}: missing required key {key!r}")
-        where = f"{path}: node {table['name']}"
         node = _plan_entry(table, where, metal_fraction)
         nodes.append(node)
         specs.append(replace(spec_from_table(table, node.given, where, secret_file), file_position=i))
@@ -152,6 +162,20 @@ def read(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FR
                 raise ClusterError(f"{path}: node {s.name}: links names {other!r}, which is not another node of the file")
     ordered = cable_order(specs)   # the order the layers go: along the cables, when the file lists them
     return ClusterFile(str(path), secret_file, tuple(nodes[s.file_position or 0] for s in ordered), tuple(ordered))
+
+
+def check_keys(table: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    """ClusterError naming each key of `table` not in `known`, with the closest known key when one is close."""
+    unknown = [key for key in table if key not in known]
+    if not unknown:
+        return
+    said, guessed = [], True
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1)
+        said.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        guessed = guessed and bool(close)
+    listed = "" if guessed else f" (known: {', '.join(known)})"
+    raise ClusterError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(said)}{listed}")
 
 
 def read_cluster_file(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FRACTION) -> list[ClusterNode]:
@@ -214,9 +238,7 @@ def _ssh_from(value: Any, host: str, where: str) -> SshTarget:
         user, sep, target = value.rpartition("@")
         return SshTarget(host=target or host, user=user if sep else None)
     if isinstance(value, dict):
-        unknown = set(value) - set(SSH_KEYS)
-        if unknown:
-            raise ClusterError(f"{where}: unknown ssh keys {sorted(unknown)} (use {', '.join(SSH_KEYS)})")
+        check_keys(value, SSH_KEYS, f"{where}: ssh")
         options = value.get("options", [])
         if not isinstance(options, list):
             raise ClusterError(f"{where}: ssh.options must be a list of ssh -o options")

@@ -42,12 +42,10 @@ def test_overrides_of_the_limit() -> None:
         make_node("m", "64GiB", usable_memory="65GiB")
 
 
-def test_cluster_file_ignores_keys_for_other_tools(tmp_path: Path) -> None:
+def test_cluster_file_reads_every_key_it_knows(tmp_path: Path) -> None:
     path = tmp_path / "cluster.toml"
     path.write_text(
         """
-        ssh_user = "ops"   # launcher settings live in the same file
-
         [[node]]
         name = "mac1"
         host = "10.0.0.1"
@@ -70,6 +68,32 @@ def test_cluster_file_ignores_keys_for_other_tools(tmp_path: Path) -> None:
     assert (second.memory_from, second.reported_bytes) == ("cluster file", None)
 
 
+@pytest.mark.parametrize("text, message", [
+    # a misspelt `memory` would plan with what the node reports, a misspelt `secret_file` start it without one
+    ('[[node]]\nname = "s2"\nhost = "h"\nport = 1\nmemroy = "64GiB"\n',
+     "node s2: unknown key 'memroy' (did you mean 'memory'?)"),
+    ('[[node]]\nname = "s2"\nhost = "h"\nport = 1\nsecret_flie = "/s"\nthreds = 2\n',
+     "node s2: unknown keys 'secret_flie' (did you mean 'secret_file'?), 'threds' (did you mean 'threads'?)"),
+    ('[[node]]\nnmae = "s2"\nhost = "h"\nport = 1\n',   # not "missing required key 'name'"
+     "node #1: unknown key 'nmae' (did you mean 'name'?)"),
+    ('secert_file = "/s"\n[[node]]\nname = "s2"\nhost = "h"\nport = 1\n',
+     "top level: unknown key 'secert_file' (did you mean 'secret_file'?)"),
+    ('ssh_user = "ops"\n[[node]]\nname = "s2"\nhost = "h"\nport = 1\n',
+     "top level: unknown key 'ssh_user' (known: secret_file, node)"),
+    ('[[node]]\nname = "s2"\nhost = "h"\nport = 1\nssh = { usr = "me" }\n',
+     "node s2: ssh: unknown key 'usr' (did you mean 'user'?)"),
+])
+def test_unknown_keys_are_refused_naming_the_closest(tmp_path: Path, text: str, message: str) -> None:
+    """A key tbrpc does not know stops every reader of the file, naming the file, the node, the key and the
+    known key it is closest to."""
+    path = tmp_path / "tbrpc.toml"
+    path.write_text(text)
+    for read in (load_specs, load_cluster_file):
+        with pytest.raises(ClusterError) as refused:
+            read(path)
+        assert str(refused.value) == f"{path}: {message}"
+
+
 def test_cluster_file_errors_name_the_problem(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text('[[node]]\nname = "a"\nhost = "h"\nport = 1\n')
@@ -84,7 +108,7 @@ def test_cluster_file_errors_name_the_problem(tmp_path: Path) -> None:
     path.write_text('[[node]]\nname = "a"\nhost = "h"\nport = 1\nmemory = "1GiB"\n[[node]]\nname = "a"\nhost = "h"\nport = 2\nmemory = "1GiB"\n')
     with pytest.raises(ClusterError, match="used twice"):
         load_cluster_file(path)
-    path.write_text("nothing = 1\n")
+    path.write_text('secret_file = "/s"\n')
     with pytest.raises(ClusterError, match="no \\[\\[node\\]\\]"):
         load_cluster_file(path)
 

@@ -411,7 +411,7 @@ def test_cli_json_and_exit_codes(kimi: tuple[ModelSpec, list[Path]], tmp_path: P
         for key in ("name", "usable_bytes", "layers", "weights_bytes", "kv_bytes", "compute_bytes", "total_bytes", "headroom_bytes", "shards"):
             assert key in node
     cluster = tmp_path / "c.toml"
-    cluster.write_text('[[node]]\nname = "solo"\nhost = "h"\nport = 1\nmemory = "512GiB"\nfuture_key = 3\n')
+    cluster.write_text('[[node]]\nname = "solo"\nhost = "h"\nport = 1\nmemory = "512GiB"\n')
     bad = runner.invoke(cli_main, ["plan", "--gguf", str(paths[0]), "--cluster", str(cluster)])
     assert bad.exit_code == 1
     assert "DOES NOT FIT" in bad.output and "over by" in bad.output and "smallest cluster that fits" in bad.output
