@@ -91,7 +91,9 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @main.command()
 @click.option("--gguf", "gguf_path", required=True, type=click.Path(exists=True, dir_okay=False), help="Model file, or any shard of a split set.")
 @click.option("--cluster", "cluster_file", type=click.Path(exists=True, dir_okay=False),
-              help="TOML file with one [[node]] table per machine; nodes without `memory` are asked for theirs.")
+              help="TOML file with one [[node]] table per machine; nodes without `memory` are asked for theirs "
+                   "[default, without --node/--nodes: ./tbrpc.toml, else tbrpc.toml in the user config directory, "
+                   "as for launch].")
 @click.option("--offline", is_flag=True, help="Do not ask the cluster file's nodes: use its `memory` figures (every node needs one) and its order and `links` as written (no cables looked for).")
 @click.option("--timeout", default=defaults.ASK_TIMEOUT_S, show_default=True, type=float,
               help="Seconds each node has to say its memory (looking for cables, a cluster file's machines "
@@ -122,19 +124,26 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--draft-model", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A draft GGUF the head runs for speculative decoding (as `tbrpc launch --draft-model`): planned on the head.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sizes in bytes).")
+@_secret_option
 def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float, node_flags: tuple[str, ...],
          nodes_flag: str | None, ctx: int | None,
          cache_type_k: str, cache_type_v: str, ubatch: int, batch: int | None, flash_attn: bool | None, swa_full: bool,
          margin: str, metal_fraction: float, head_device: str, split: str, tensor_split: str | None,
-         draft_model: str | None, as_json: bool) -> None:
+         draft_model: str | None, as_json: bool, secret_file: str | None = None) -> None:
     """Say whether a model fits a cluster, which layers go where, and the llama.cpp flags. Exit 1 if it does not fit."""
+    _use_secret(secret_file)
     import json
 
-    from tbrpc.cluster_file import cluster_secret_file
-    from tbrpc.node_memory import nodes_from_flags
+    from tbrpc.cluster_file import choose_cluster, cluster_secret_file
+    from tbrpc.node_memory import ClusterError, nodes_from_flags
     from tbrpc.plan import format_table, plan as make_plan
     from tbrpc.spec import allreduce_of, cable_order_note
 
+    if not (node_flags or nodes_flag):
+        try:
+            cluster_file = str(choose_cluster(cluster_file, None, instead="--node NAME=SIZE or --nodes NxSIZE"))
+        except ClusterError as e:
+            raise click.UsageError(str(e)) from e
     order_note = None
     allreduce = "mesh"   # nodes without a cluster file list no cables
     try:

@@ -133,6 +133,7 @@ def test_cluster_file_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.parametrize("command, expected", [
     ("launch", "no cluster: pass --cluster FILE or --local N (no cluster file at tbrpc.toml, "),
+    ("plan", "no cluster: pass --cluster FILE or --node NAME=SIZE or --nodes NxSIZE (no cluster file at tbrpc.toml, "),
     ("doctor", "no cluster: pass --cluster FILE or the nodes' host:port endpoints (no cluster file at tbrpc.toml, "),
     ("status", "no nodes: pass --cluster FILE or host:port, or start `tbrpc launch` first"),
 ])
@@ -141,7 +142,7 @@ def test_no_cluster_names_only_options_the_command_has(command: str, expected: s
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))   # no launch running here
-    args = ["--gguf", str(models.ensure("llama"))] if command == "launch" else []
+    args = ["--gguf", str(models.ensure("llama"))] if command in ("launch", "plan") else []
     result = CliRunner().invoke(cli_main, [command, *args])
     assert result.exit_code == 2 and expected in result.output, result.output
     options = {o for p in cli_main.commands[command].params for o in p.opts}

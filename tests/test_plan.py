@@ -544,6 +544,53 @@ def test_plan_refuses_a_node_it_cannot_size(nodes: Any, tmp_path: Path) -> None:
         "(`tbrpc plan` without --offline)\n")
 
 
+def _secured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cluster secret; this process has none of its own (and forgets the one a command chooses)."""
+    from tbrpc import secret
+
+    monkeypatch.delenv("TBRPC_SECRET_FILE", raising=False)
+    monkeypatch.setattr(secret, "_chosen", None)
+    return secret.new(tmp_path / "secret")
+
+
+def test_plan_finds_the_cluster_file_as_launch_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither --cluster nor --node/--nodes: ./tbrpc.toml, and a misspelt key in it is named."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    found = tmp_path / "tbrpc.toml"
+    found.write_text('[[node]]\nname = "here"\nhost = "127.0.0.1"\nport = 1\nmemory = "8GiB"\nkind = "cpu"\n')
+    out = _plan_cli("--offline", "--json")
+    assert out.exit_code == 0, out.output
+    assert [(n["name"], n["usable_bytes"]) for n in json.loads(out.output)["nodes"]] == [("here", 8 * GiB)]
+    out = _plan_cli("--nodes", "2x4GiB", "--json")   # flags instead of the file
+    assert out.exit_code == 0, out.output
+    assert [n["name"] for n in json.loads(out.output)["nodes"]] == ["node0", "node1"]
+
+    found.write_text('[[node]]\nname = "here"\nhost = "127.0.0.1"\nport = 1\nmemroy = "8GiB"\n')
+    out = _plan_cli("--offline")
+    assert out.exit_code == 1
+    assert out.output == f"Error: {found}: node here: unknown key 'memroy' (did you mean 'memory'?)\n"
+
+
+def test_plan_asks_secured_nodes_with_the_secret(nodes: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--secret-file, or the found file's `secret_file`, lets plan ask nodes started with a secret."""
+    key = _secured(tmp_path, monkeypatch)
+    (node,) = nodes(1, "--secret-file", str(key))
+    table = f'[[node]]\nname = "a"\nhost = "127.0.0.1"\nport = {node.port}\n'
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(table)
+    out = _plan_cli("--cluster", str(cluster), "--secret-file", str(key), "--json")
+    assert out.exit_code == 0, out.output
+    assert [n["memory_from"] for n in json.loads(out.output)["nodes"]] == ["node"]
+
+    monkeypatch.setattr("tbrpc.secret._chosen", None)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tbrpc.toml").write_text(f'secret_file = "{key}"\n{table}')
+    out = _plan_cli("--json")
+    assert out.exit_code == 0, out.output
+    assert [n["memory_from"] for n in json.loads(out.output)["nodes"]] == ["node"]
+
+
 # --- calibration against llama.cpp's own allocations --------------------------------
 
 
