@@ -135,11 +135,17 @@ class NoAnswer:
     why: str
 
 
+@dataclass(frozen=True)
+class SecretRefused(NoAnswer):
+    """A node that answered but refused this head's authentication (`client.AuthenticationError`): it
+    runs, so the way out is the secret it was started with, not starting it."""
+
+
 def ask_nodes(entries: Sequence[ClusterNode], timeout: float = defaults.ASK_TIMEOUT_S) -> list[Report | NoAnswer]:
     """Ask every node for its memory (a handshake, in parallel); a node without a fixed port cannot be asked.
     ClusterError naming both entries when two answer as one node process (at two addresses)."""
     try:
-        from tbrpc.client import probe
+        from tbrpc.client import AuthenticationError, probe
         from tbrpc.native import TbrpcError, load
 
         load()
@@ -151,6 +157,8 @@ def ask_nodes(entries: Sequence[ClusterNode], timeout: float = defaults.ASK_TIME
             return NoAnswer("port 0: it has a port only while `tbrpc launch` runs it")
         try:
             info, _ = probe(entry.endpoint, timeout=timeout)
+        except AuthenticationError as exc:
+            return SecretRefused(str(exc))
         except TbrpcError as exc:
             return NoAnswer(str(exc))
         return Report(info.node_device, info.mem_free, info.mem_total, info.node_id)
@@ -196,7 +204,7 @@ def size_nodes(entries: Sequence[ClusterNode], answers: Sequence[Report | NoAnsw
         if isinstance(answer, Report):
             nodes.append(_sized(entry, answer, sharing[(_machine(entry.host), answer.device)]))
         elif entry.given is not None:
-            why = f"; the node did not answer ({answer.why})" if isinstance(answer, NoAnswer) else ""
+            why = f"; the node {_did_not(answer)} ({answer.why})" if isinstance(answer, NoAnswer) else ""
             nodes.append(replace(entry.given, limit_source=entry.given.limit_source + why))
         else:
             missing.append(_missing(entry, answer))
@@ -229,9 +237,17 @@ def _missing(entry: ClusterNode, answer: NoAnswer | None) -> str:
     if answer is None:
         return (f"node {entry.name} ({entry.endpoint}): the cluster file gives it no `memory` and the nodes were not "
                 f"asked (planning offline): {add}, or plan with the node running (`tbrpc plan` without --offline)")
-    return (f"node {entry.name} ({entry.endpoint}) did not answer ({answer.why}) and the cluster file gives it no "
-            f"`memory`: start the node (`tbrpc node --host {entry.host} --port {entry.port} --name {entry.name}`), "
-            f"or {add} to plan without it")
+    if isinstance(answer, SecretRefused):
+        way_out = ("plan with the secret the node was started with (--secret-file PATH, the cluster file's "
+                   "`secret_file` or TBRPC_SECRET_FILE; none for a node started without one)")
+    else:
+        way_out = f"start the node (`tbrpc node --host {entry.host} --port {entry.port} --name {entry.name}`)"
+    return (f"node {entry.name} ({entry.endpoint}) {_did_not(answer)} ({answer.why}) and the cluster file gives it "
+            f"no `memory`: {way_out}, or {add} to plan without it")
+
+
+def _did_not(answer: NoAnswer) -> str:
+    return "refused this head's authentication" if isinstance(answer, SecretRefused) else "did not answer"
 
 
 _NODES_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\S+)\s*$")

@@ -10,7 +10,8 @@ import pytest
 from tbrpc import defaults
 from tbrpc.cluster_file import load_cluster_file, load_specs, read_cluster_file
 from tbrpc.node_memory import (
-    FROM_FILE, ClusterError, ClusterNode, NoAnswer, Node, Report, make_node, nodes_from_flags, size_nodes, with_origin,
+    FROM_FILE, ClusterError, ClusterNode, NoAnswer, Node, Report, SecretRefused, make_node, nodes_from_flags, size_nodes,
+    with_origin,
 )
 from tbrpc.spec import endpoint_specs, split_endpoint
 from tbrpc.units import GiB, format_size, parse_size
@@ -234,6 +235,22 @@ def test_a_node_that_does_not_answer() -> None:
         "node a (10.0.0.1:50052) did not answer (connection refused) and the cluster file gives it no `memory`: "
         "start the node (`tbrpc node --host 10.0.0.1 --port 50052 --name a`), or add `memory = \"...\"` to its "
         "[[node]] table to plan without it")
+
+
+def test_a_node_that_refuses_the_heads_authentication() -> None:
+    """It runs: the way out is its secret, not starting it."""
+    given = load_node(make_node("b", "8GiB", kind="cpu"))
+    entries = [ClusterNode("a", "10.0.0.1", 50052, None), ClusterNode("b", "10.0.0.2", 50052, given)]
+    (b,) = size_nodes(entries[1:], [SecretRefused("authentication failed")])
+    assert b.limit_source == ("cluster file (CPU node: all RAM); the node refused this head's authentication "
+                              "(authentication failed)")
+    with pytest.raises(ClusterError) as missing:
+        size_nodes(entries[:1], [SecretRefused("authentication failed")])
+    assert str(missing.value) == (
+        "node a (10.0.0.1:50052) refused this head's authentication (authentication failed) and the cluster file "
+        "gives it no `memory`: plan with the secret the node was started with (--secret-file PATH, the cluster "
+        "file's `secret_file` or TBRPC_SECRET_FILE; none for a node started without one), or add "
+        "`memory = \"...\"` to its [[node]] table to plan without it")
 
 
 RING = """

@@ -591,6 +591,23 @@ def test_plan_asks_secured_nodes_with_the_secret(nodes: Any, tmp_path: Path, mon
     assert [n["memory_from"] for n in json.loads(out.output)["nodes"]] == ["node"]
 
 
+def test_plan_says_a_node_refused_its_authentication(nodes: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node started with a secret, asked without one: the refusal, not "start the node"."""
+    key = _secured(tmp_path, monkeypatch)
+    (node,) = nodes(1, "--secret-file", str(key))
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(f'[[node]]\nname = "a"\nhost = "127.0.0.1"\nport = {node.port}\n')
+    out = _plan_cli("--cluster", str(cluster))
+    assert out.exit_code == 1
+    assert out.output.startswith(f"Error: node a ({node.endpoint}) refused this head's authentication (tbrpc node "
+                                 f"{node.endpoint}"), out.output
+    assert out.output.endswith(
+        ") and the cluster file gives it no `memory`: plan with the secret the node was started with (--secret-file "
+        "PATH, the cluster file's `secret_file` or TBRPC_SECRET_FILE; none for a node started without one), or add "
+        "`memory = \"...\"` to its [[node]] table to plan without it\n"), out.output
+    assert "requires a cluster secret" in out.output
+
+
 # --- calibration against llama.cpp's own allocations --------------------------------
 
 
