@@ -34,6 +34,7 @@ from helpers import (
     start_sshd, with_descendants,
 )
 
+from tbrpc import secret as tbrpc_secret
 from tbrpc.cli import main as cli_main
 from tbrpc.cluster_file import choose_cluster, load_specs, spec_from_table
 from tbrpc.doctor import transport_fix
@@ -583,6 +584,34 @@ def test_unreachable_manual_node_names_node_and_step(tmp_path: Path) -> None:
     assert launch.finish() == 1
     assert "node far (127.0.0.1:1), step handshake" in launch.stderr
     assert "try: is the node running" in launch.stderr
+
+
+def _manual_cluster(tmp_path: Path, port: int, top: str = "") -> Path:
+    """A cluster file of one node started by hand, "far", on this machine's `port`."""
+    cluster = tmp_path / "manual.toml"
+    cluster.write_text(f'{top}[[node]]\nname = "far"\nhost = "127.0.0.1"\nport = {port}\nmemory = "8GiB"\n'
+                       'start = "manual"\n')
+    return cluster
+
+
+def test_manual_node_not_running_is_said_at_once_with_its_command(tmp_path: Path) -> None:
+    """Launch says at its first try that it waits for a node started by hand, and the exact command
+    that starts it (--name, and --secret-file as the cluster has a secret); then it waits as long as before."""
+    secret = tbrpc_secret.new(tmp_path / "secret")
+    port = free_port()
+    cluster = _manual_cluster(tmp_path, port, top=f'secret_file = "{secret}"\n\n')
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster),
+                          "--start-timeout", "3", "--prompt", "x")
+    command = f"tbrpc node --host 127.0.0.1 --port {port} --name far --secret-file {secret}"
+    line = (f'tbrpc: node far: waiting up to 3 s for it to answer at 127.0.0.1:{port} (start = "manual": '
+            f"launch does not start it); start it there: {command}\n")
+    launch.wait_for(re.escape(line))
+    said = time.monotonic()
+    assert launch.finish() == 1, launch.stderr
+    assert time.monotonic() - said > 2, "the line came at the timeout, not at the first try"
+    timeout = f"node far (127.0.0.1:{port}), step handshake"
+    assert launch.stderr.index(line) < launch.stderr.index(timeout), launch.stderr
+    assert f"start it there by hand: {command};" in launch.stderr   # the timeout's hint: the same command
 
 
 # --- failures during load and generation -----------------------------------------------
