@@ -33,7 +33,7 @@ from tbrpc.native import TbrpcError
 from tbrpc.node import is_loopback
 from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
 from tbrpc.outage import Serving
-from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
+from tbrpc.serve import chat, chat_format_warning, complete_once, listen, require_server, serve_http
 from tbrpc.status import connection_lines, connection_records, launch_record, note_connections, note_serving
 from tbrpc.units import format_size
 
@@ -189,10 +189,12 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             say_cable_order(specs, say)
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything
-                load_gguf(opts.gguf)
+                model = load_gguf(opts.gguf)
             except GGUFError as exc:
                 raise TbrpcError.at("plan", f"{exc}\n  try: --gguf must be a GGUF model "
                                     "(for a split set, its first shard)") from exc
+            if opts.prompt is None and (warning := chat_format_warning(model, opts.llama_kwargs.get("chat_format"))):
+                say(warning)   # chats, in the terminal or over HTTP, need a format: said before anything starts
             check_split(opts.gguf, opts.split, len(specs), opts.llama_kwargs)
             sock: socket.socket | None = None
             if opts.prompt is None and not opts.chat:

@@ -614,6 +614,26 @@ def test_manual_node_not_running_is_said_at_once_with_its_command(tmp_path: Path
     assert f"start it there by hand: {command};" in launch.stderr   # the timeout's hint: the same command
 
 
+@pytest.mark.parametrize("args, warned", [(("--chat",), True), (("--port", "0"), True),
+                                          (("--chat", "--chat-format", "gemma"), False), (("--prompt", "x"), False)],
+                         ids=["chat", "serve", "chat-format-given", "prompt"])
+def test_a_model_without_chat_template_names_a_chat_format(args: tuple[str, ...], warned: bool,
+                                                           tmp_path: Path) -> None:
+    """Gemma's GGUF has no chat template: chats (terminal or HTTP) without --chat-format are warned,
+    naming llama-cpp-python's gemma format, before anything starts (here: a node that never answers)."""
+    gguf = models.ensure("gemma")
+    launch = start_launch(tmp_path, "--gguf", str(gguf), "--cluster", str(_manual_cluster(tmp_path, free_port())),
+                          "--start-timeout", "0.5", *args, stdin_text="")
+    assert launch.finish() == 1, launch.stderr
+    warning = (f"tbrpc: warning: {gguf.name} has no chat template (tokenizer.chat_template): chats would use "
+               "llama-cpp-python's fallback, the llama-2 format, which a gemma3 model may answer with nothing; "
+               "try --chat-format gemma\n")
+    if warned:
+        assert warning in launch.stderr and launch.stderr.index(warning) < launch.stderr.index("node(s)"), launch.stderr
+    else:
+        assert "chat template" not in launch.stderr, launch.stderr
+
+
 # --- failures during load and generation -----------------------------------------------
 
 
