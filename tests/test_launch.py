@@ -634,6 +634,29 @@ def test_a_model_without_chat_template_names_a_chat_format(args: tuple[str, ...]
         assert "chat template" not in launch.stderr, launch.stderr
 
 
+def test_ctrl_c_in_the_first_moment_exits_130(tmp_path: Path) -> None:
+    """SIGINT while the launch command imports llama-cpp-python, before tbrpc/launch.py has run a line:
+    launch's own message and 130, not click's `Aborted!` and 1. A signal sent from outside cannot be
+    timed into that window deterministically, so the process raises it itself, at the import (a
+    sitecustomize on its path: a real SIGINT through whatever handler is installed then)."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text(
+        "import signal, sys\n"
+        "class SigintAtImport:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'llama_cpp':\n"
+        "            sys.meta_path.remove(self)\n"
+        "            signal.raise_signal(signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, SigintAtImport())\n")
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--prompt", "x",
+                          shadow=shadow)
+    assert launch.finish() == 130, launch.stderr
+    assert launch.stderr.endswith("tbrpc: interrupted (SIGINT) during step start; stopping the nodes\n"), launch.stderr
+    assert "Aborted!" not in launch.stderr and "node(s)" not in launch.stderr and not launch.node_pids()
+
+
 # --- failures during load and generation -----------------------------------------------
 
 
