@@ -238,27 +238,30 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
            draft_tokens: int | None, split: str | None, verbose: bool, secret_file: str | None = None) -> None:
     """Start the nodes, plan the split, load GGUF and serve it (or --prompt / --chat).
     Memory options (cache types, flash attention, batch sizes) are planned as `tbrpc plan` plans them."""
-    from pathlib import Path
+    from tbrpc.launch_signals import LaunchSignals
 
-    from tbrpc.launch import LaunchOptions, launch as run_launch
-    from tbrpc.llama import context_kwargs
-    from tbrpc.cluster_file import choose_cluster
-    from tbrpc.node_memory import ClusterError
+    with LaunchSignals() as signals:   # before the imports below: a Ctrl-C during them is launch's to answer
+        from pathlib import Path
 
-    if prompt is not None and chat:
-        raise click.UsageError("use either --prompt or --chat")
-    _use_secret(secret_file)
-    try:
-        cluster = choose_cluster(cluster_file, local, instead="--local N")
-    except ClusterError as e:
-        raise click.UsageError(str(e)) from e
-    code = run_launch(LaunchOptions(
-        gguf=gguf, cluster=cluster, ctx=ctx, host=host, port=port, prompt=prompt, chat=chat, max_tokens=max_tokens,
-        temperature=temperature, alias=alias, api_key=api_key, log_dir=Path(log_dir) if log_dir else None,
-        start_timeout=start_timeout, verbose=verbose, threads=threads, draft=draft, draft_model=draft_model,
-        draft_tokens=draft_tokens, split=split,
-        llama_kwargs={**context_kwargs(cache_type_k, cache_type_v, flash_attn, ubatch, batch, threads),
-                      **({"chat_format": chat_format} if chat_format else {})}))
+        from tbrpc.launch import LaunchOptions, launch as run_launch
+        from tbrpc.llama import context_kwargs
+        from tbrpc.cluster_file import choose_cluster
+        from tbrpc.node_memory import ClusterError
+
+        if prompt is not None and chat:
+            raise click.UsageError("use either --prompt or --chat")
+        _use_secret(secret_file)
+        try:
+            cluster = choose_cluster(cluster_file, local, instead="--local N")
+        except ClusterError as e:
+            raise click.UsageError(str(e)) from e
+        code = run_launch(LaunchOptions(
+            gguf=gguf, cluster=cluster, ctx=ctx, host=host, port=port, prompt=prompt, chat=chat, max_tokens=max_tokens,
+            temperature=temperature, alias=alias, api_key=api_key, log_dir=Path(log_dir) if log_dir else None,
+            start_timeout=start_timeout, verbose=verbose, threads=threads, draft=draft, draft_model=draft_model,
+            draft_tokens=draft_tokens, split=split,
+            llama_kwargs={**context_kwargs(cache_type_k, cache_type_v, flash_attn, ubatch, batch, threads),
+                          **({"chat_format": chat_format} if chat_format else {})}), signals=signals)
     raise SystemExit(code)
 
 

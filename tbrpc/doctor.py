@@ -29,7 +29,7 @@ from tbrpc.cables import Cabling, asked, cabling, discovers, takes_cables
 from tbrpc import secret as cluster_secret
 from tbrpc.client import AuthenticationError, NodeError, NodeVersionMismatch, probe
 from tbrpc.facts import QP_PROBE, collect, model_identity, package_version, tbrpc_version
-from tbrpc.node_processes import _remote_word
+from tbrpc.node_processes import _remote_word, start_command
 from tbrpc.spec import NodeSpec
 from tbrpc.units import format_size
 
@@ -73,10 +73,6 @@ _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 def _secret_fix(spec: NodeSpec) -> str:
     return (f"give {spec.name} and this head the same secret file: `tbrpc node --secret-file PATH` there, and "
             "--secret-file PATH (or `secret_file` in the cluster file, or TBRPC_SECRET_FILE) here")
-
-
-def _start_command(spec: NodeSpec) -> str:
-    return f"tbrpc node --host {spec.listen_address} --port {spec.port} --name {spec.name}"
 
 
 def gather_facts(spec: NodeSpec, model: str | None, timeout: float,
@@ -130,7 +126,7 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
             n.add("reachable", WARN, f"{spec.endpoint}: not running ({how}); `tbrpc launch` starts it ({spec.describe_start()})")
         else:
             n.add("reachable", FAIL, f"{spec.endpoint}: {how}",
-                  f"start it on {spec.host}: `{_start_command(spec)}`; check that a firewall lets port {spec.port} in")
+                  f"start it on {spec.host}: `{start_command(spec)}`; check that a firewall lets port {spec.port} in")
         return False, None
     n.add("reachable", OK, f"{spec.endpoint}: {how}")
     if isinstance(answer, AuthenticationError):
@@ -141,7 +137,7 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
         if isinstance(answer, NodeVersionMismatch):
             fix = _SAME_VERSIONS
         else:
-            fix = "is this port a tbrpc node? restart it: " + _start_command(spec)
+            fix = "is this port a tbrpc node? restart it: " + start_command(spec)
         n.add("handshake", FAIL, str(answer), fix)
         return False, None
     info, status = answer

@@ -13,13 +13,11 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, TextIO
 
 from tbrpc import defaults
@@ -27,13 +25,14 @@ from tbrpc import secret as cluster_secret
 from tbrpc.client import cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
+from tbrpc.launch_signals import Interrupted, LaunchSignals
 from tbrpc.llama import (ClusterArg, DoesNotFitError, Llama, ProgressBar, check_split, discover_links, resolve_cluster,
                          say_cable_order, with_secret)
 from tbrpc.native import TbrpcError
 from tbrpc.node import is_loopback
 from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
 from tbrpc.outage import Serving
-from tbrpc.serve import chat, complete_once, listen, require_server, serve_http
+from tbrpc.serve import chat, chat_format_warning, complete_once, listen, require_server, serve_http
 from tbrpc.status import connection_lines, connection_records, launch_record, note_connections, note_serving
 from tbrpc.units import format_size
 
@@ -65,47 +64,20 @@ class LaunchOptions:
     llama_kwargs: dict[str, Any] = field(default_factory=dict)   # context options: llama.context_kwargs()
 
 
-class _Interrupted(Exception):
-    pass
-
-
-class _Signals:
-    """SIGINT/SIGTERM: interrupt Python code, or abort a model load at its next progress report."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.loading = False
-        self._previous: dict[int, Any] = {}
-
-    def handler(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
-        if not self.loading:
-            raise _Interrupted(signal.Signals(signum).name)
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():   # signals reach only the main thread
-            self._previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-
-
-def _first_load(opts: LaunchOptions, nodes: Nodes, signals: _Signals, say: Callable[[str], None], record: Path) -> Llama:
+def _first_load(opts: LaunchOptions, nodes: Nodes, signals: LaunchSignals, say: Callable[[str], None], record: Path) -> Llama:
     """The launch's load: a signal during it aborts it at the next progress report."""
     signals.loading = True
     try:
         llm = _load(opts, nodes, say, lambda: signals.received is not None, record)
     except (ValueError, TbrpcError):
         if signals.received is not None:
-            raise _Interrupted(signal.Signals(signals.received).name) from None
+            raise Interrupted(signal.Signals(signals.received).name) from None
         raise
     finally:
         signals.loading = False
     if signals.received is not None:
         llm.close()
-        raise _Interrupted(signal.Signals(signals.received).name)
+        raise Interrupted(signal.Signals(signals.received).name)
     return llm
 
 
@@ -169,8 +141,10 @@ def _serve(opts: LaunchOptions, serving: Serving, sock: socket.socket, record: P
     return EXIT_OK
 
 
-def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Run `tbrpc launch`; returns the process exit code."""
+def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+           signals: LaunchSignals | None = None) -> int:
+    """Run `tbrpc launch`; returns the process exit code. `signals`: the handler the caller installed
+    already (the CLI, before importing this module); by default launch installs its own."""
 
     def say(message: str) -> None:
         err.write(f"tbrpc: {message}\n")
@@ -181,18 +155,23 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     llm: Llama | None = None
     serving: Serving | None = None
     step = "start"
-    with _Signals() as signals, ExitStack() as records:
+    with ExitStack() as records:
+        if signals is None:
+            signals = records.enter_context(LaunchSignals())
         try:
+            signals.arm()
             specs = with_secret(opts.cluster, resolve_cluster(opts.cluster, opts.threads), log_dir)
             if isinstance(opts.cluster, (str, os.PathLike)):
                 specs = discover_links(specs, say)
             say_cable_order(specs, say)
             step = "plan"
             try:   # a header read: refuse a file that is not a model before starting anything
-                load_gguf(opts.gguf)
+                model = load_gguf(opts.gguf)
             except GGUFError as exc:
                 raise TbrpcError.at("plan", f"{exc}\n  try: --gguf must be a GGUF model "
                                     "(for a split set, its first shard)") from exc
+            if opts.prompt is None and (warning := chat_format_warning(model, opts.llama_kwargs.get("chat_format"))):
+                say(warning)   # chats, in the terminal or over HTTP, need a format: said before anything starts
             check_split(opts.gguf, opts.split, len(specs), opts.llama_kwargs)
             sock: socket.socket | None = None
             if opts.prompt is None and not opts.chat:
@@ -223,7 +202,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             serving = Serving(llm, nodes, lambda aborted: _load(opts, nodes, say, aborted, record), say, opts.gguf)
             llm = None   # the server's now: it frees and reloads it when a node fails
             return _serve(opts, serving, sock, record, say)
-        except (_Interrupted, KeyboardInterrupt) as exc:
+        except (Interrupted, KeyboardInterrupt) as exc:
             if step == "serve":   # the normal way to stop a server
                 say(f"stopping ({exc or 'SIGINT'}): the model, then the nodes started here")
                 return EXIT_OK

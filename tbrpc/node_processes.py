@@ -96,10 +96,16 @@ def handshake_hint(spec: NodeSpec, error: NodeError) -> str:
     if isinstance(error, NodeUnreachable):
         how = {"local": "it is started by launch; see its log",
                "ssh": f"check that {spec.ssh_destination()} can start it: see its log",
-               "manual": f"start it there by hand: tbrpc node --host {spec.listen_address} --port {spec.port}"}
+               "manual": f"start it there by hand: {start_command(spec)}"}
         return (f"is the node running and listening on {spec.endpoint}? {how[spec.start]}; "
                 "a firewall may also block the port")
     return "see the node's log; run `tbrpc doctor` for a check of every node"
+
+
+def start_command(spec: NodeSpec) -> str:
+    """The command that starts `spec`'s node by hand on its machine (a node of ``start = "manual"``):
+    the options launch gives the nodes it starts itself (`_node_argv`), as one types them there."""
+    return " ".join(_remote_word(w) for w in ["tbrpc", "node", *_node_argv(spec, spec.port)])
 
 
 def head_secret_file(spec: NodeSpec) -> str | None:
@@ -210,7 +216,9 @@ def _node_argv(spec: NodeSpec, port: int, head_model: str | None = None) -> list
         args += ["--threads", str(spec.threads)]
     if spec.node_log_file:
         args += ["--log-file", spec.node_log_file]
-    secret_file = spec.secret_file or (cluster_secret.file_for() if spec.start == "local" else None)
+    # This process's secret is a path on this machine: for a node over ssh only its own `secret_file`
+    # is one; a node started by hand is told the head's path when it has none (the same path everywhere).
+    secret_file = spec.secret_file or (cluster_secret.file_for() if spec.start != "ssh" else None)
     if secret_file:
         args += ["--secret-file", secret_file]
     return args
@@ -485,7 +493,9 @@ def start_nodes(specs: Sequence[NodeSpec], log_dir: Path, timeout: float = defau
             if found is not None:
                 say(f"node {spec.name}: already running at {spec.endpoint}, using it")
                 slots.append(None)
-            elif spec.start == "manual":
+            elif spec.start == "manual":   # said at once: nothing else shows while launch waits for it
+                say(f"node {spec.name}: waiting up to {timeout:g} s for it to answer at {spec.endpoint} "
+                    f"(start = \"manual\": launch does not start it); start it there: {start_command(spec)}")
                 slots.append(None)
             else:
                 say(f"node {spec.name}: starting ({spec.describe_start()})")

@@ -17,8 +17,10 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 import llama_cpp
+from llama_cpp import llama_chat_format
 
 from tbrpc.client import NodeError
+from tbrpc.gguf_model import GGUFModel
 from tbrpc.native import SUPPORTED_LLAMA_CPP_PYTHON, TbrpcError
 from tbrpc.outage import OutageGuard, Serving
 
@@ -102,6 +104,25 @@ def _node_errors_through(router: Any) -> None:
     for route in router.routes:
         if type(route) is RouteErrorHandler:
             route.__class__ = NodeErrorsThrough   # its handler asks self for the wrapper at each error
+
+
+def chat_format_warning(model: GGUFModel, chat_format: str | None) -> str | None:
+    """One line when chats with `model` (the HTTP API's and --chat's) would be formatted as it was not
+    trained: llama-cpp-python chooses a format by the GGUF's `tokenizer.chat_template`, and without one
+    and without `chat_format` falls back to llama-2's, which e.g. Gemma answers with nothing. It cannot
+    tell the right format without the template, so neither does this: it names llama-cpp-python's format
+    of the model's family when there is one (gemma3: gemma) for the user to choose. None when all is well."""
+    if chat_format is not None or "tokenizer.chat_template" in model.metadata:
+        return None
+    family = model.architecture.rstrip("0123456789")
+    try:
+        llama_chat_format.get_chat_completion_handler(family)
+        choice = f"--chat-format {family}"
+    except llama_chat_format.LlamaChatCompletionHandlerNotFoundException:
+        choice = "--chat-format NAME, the llama-cpp-python chat format this model was trained with (e.g. chatml)"
+    return (f"warning: {model.path.name} has no chat template (tokenizer.chat_template): chats would use "
+            f"llama-cpp-python's fallback, the llama-2 format, which a {model.architecture} model may answer "
+            f"with nothing; try {choice}")
 
 
 def model_lock() -> Any:

@@ -34,6 +34,7 @@ from helpers import (
     start_sshd, with_descendants,
 )
 
+from tbrpc import secret as tbrpc_secret
 from tbrpc.cli import main as cli_main
 from tbrpc.cluster_file import choose_cluster, load_specs, spec_from_table
 from tbrpc.doctor import transport_fix
@@ -584,6 +585,77 @@ def test_unreachable_manual_node_names_node_and_step(tmp_path: Path) -> None:
     assert launch.finish() == 1
     assert "node far (127.0.0.1:1), step handshake" in launch.stderr
     assert "try: is the node running" in launch.stderr
+
+
+def _manual_cluster(tmp_path: Path, port: int, top: str = "") -> Path:
+    """A cluster file of one node started by hand, "far", on this machine's `port`."""
+    cluster = tmp_path / "manual.toml"
+    cluster.write_text(f'{top}[[node]]\nname = "far"\nhost = "127.0.0.1"\nport = {port}\nmemory = "8GiB"\n'
+                       'start = "manual"\n')
+    return cluster
+
+
+def test_manual_node_not_running_is_said_at_once_with_its_command(tmp_path: Path) -> None:
+    """Launch says at its first try that it waits for a node started by hand, and the exact command
+    that starts it (--name, and --secret-file as the cluster has a secret); then it waits as long as before."""
+    secret = tbrpc_secret.new(tmp_path / "secret")
+    port = free_port()
+    cluster = _manual_cluster(tmp_path, port, top=f'secret_file = "{secret}"\n\n')
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster),
+                          "--start-timeout", "3", "--prompt", "x")
+    command = f"tbrpc node --host 127.0.0.1 --port {port} --name far --secret-file {secret}"
+    line = (f'tbrpc: node far: waiting up to 3 s for it to answer at 127.0.0.1:{port} (start = "manual": '
+            f"launch does not start it); start it there: {command}\n")
+    launch.wait_for(re.escape(line))
+    said = time.monotonic()
+    assert launch.finish() == 1, launch.stderr
+    assert time.monotonic() - said > 2, "the line came at the timeout, not at the first try"
+    timeout = f"node far (127.0.0.1:{port}), step handshake"
+    assert launch.stderr.index(line) < launch.stderr.index(timeout), launch.stderr
+    assert f"start it there by hand: {command};" in launch.stderr   # the timeout's hint: the same command
+
+
+@pytest.mark.parametrize("args, warned", [(("--chat",), True), (("--port", "0"), True),
+                                          (("--chat", "--chat-format", "gemma"), False), (("--prompt", "x"), False)],
+                         ids=["chat", "serve", "chat-format-given", "prompt"])
+def test_a_model_without_chat_template_names_a_chat_format(args: tuple[str, ...], warned: bool,
+                                                           tmp_path: Path) -> None:
+    """Gemma's GGUF has no chat template: chats (terminal or HTTP) without --chat-format are warned,
+    naming llama-cpp-python's gemma format, before anything starts (here: a node that never answers)."""
+    gguf = models.ensure("gemma")
+    launch = start_launch(tmp_path, "--gguf", str(gguf), "--cluster", str(_manual_cluster(tmp_path, free_port())),
+                          "--start-timeout", "0.5", *args, stdin_text="")
+    assert launch.finish() == 1, launch.stderr
+    warning = (f"tbrpc: warning: {gguf.name} has no chat template (tokenizer.chat_template): chats would use "
+               "llama-cpp-python's fallback, the llama-2 format, which a gemma3 model may answer with nothing; "
+               "try --chat-format gemma\n")
+    if warned:
+        assert warning in launch.stderr and launch.stderr.index(warning) < launch.stderr.index("node(s)"), launch.stderr
+    else:
+        assert "chat template" not in launch.stderr, launch.stderr
+
+
+def test_ctrl_c_in_the_first_moment_exits_130(tmp_path: Path) -> None:
+    """SIGINT while the launch command imports llama-cpp-python, before tbrpc/launch.py has run a line:
+    launch's own message and 130, not click's `Aborted!` and 1. A signal sent from outside cannot be
+    timed into that window deterministically, so the process raises it itself, at the import (a
+    sitecustomize on its path: a real SIGINT through whatever handler is installed then)."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text(
+        "import signal, sys\n"
+        "class SigintAtImport:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'llama_cpp':\n"
+        "            sys.meta_path.remove(self)\n"
+        "            signal.raise_signal(signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, SigintAtImport())\n")
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--prompt", "x",
+                          shadow=shadow)
+    assert launch.finish() == 130, launch.stderr
+    assert launch.stderr.endswith("tbrpc: interrupted (SIGINT) during step start; stopping the nodes\n"), launch.stderr
+    assert "Aborted!" not in launch.stderr and "node(s)" not in launch.stderr and not launch.node_pids()
 
 
 # --- failures during load and generation -----------------------------------------------
