@@ -131,6 +131,7 @@ class RunningNode:
     port: int = 0
     pid: int | None = None     # the node's own pid, on the machine it runs on
     listening: bool = False    # its log says it listens (and, for port 0, on which port)
+    started: float = field(default_factory=time.monotonic)   # when it was started, for "not listening after"
 
     @property
     def endpoint(self) -> str:
@@ -278,7 +279,7 @@ def _wait_listening(node: RunningNode, deadline: float) -> None:
             raise step_error(spec, "start", f"{how} exited with code {node.proc.returncode} before listening; "
                              f"its log ({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
         time.sleep(0.05)
-    raise step_error(spec, "start", f"not listening after {defaults.START_TIMEOUT_S:.0f} s; its log ({node.log_path}):\n    "
+    raise step_error(spec, "start", f"not listening after {time.monotonic() - node.started:.0f} s; its log ({node.log_path}):\n    "
                      f"{_tail(node.log_path)}", _start_hint(spec, node.log_text()))
 
 

@@ -587,6 +587,21 @@ def test_unreachable_manual_node_names_node_and_step(tmp_path: Path) -> None:
     assert "try: is the node running" in launch.stderr
 
 
+def test_a_node_that_never_listens_is_named_with_the_time_waited(tmp_path: Path) -> None:
+    """A node started here whose process never listens (its `python` sleeps): launch gives up at
+    --start-timeout and says how long it waited, not the default timeout."""
+    sleeper = tmp_path / "sleeper"
+    sleeper.write_text("#!/bin/sh\nexec sleep 30\n")
+    sleeper.chmod(0o755)
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(f'[[node]]\nname = "mute"\nhost = "127.0.0.1"\nport = 0\nmemory = "8GiB"\n'
+                       f'python = "{sleeper}"\n')
+    launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--cluster", str(cluster),
+                          "--start-timeout", "2", "--prompt", "x")
+    assert launch.finish() == 1, launch.stderr
+    assert "node mute" in launch.stderr and "not listening after 2 s" in launch.stderr, launch.stderr
+
+
 def _manual_cluster(tmp_path: Path, port: int, top: str = "") -> Path:
     """A cluster file of one node started by hand, "far", on this machine's `port`."""
     cluster = tmp_path / "manual.toml"
