@@ -230,13 +230,18 @@ def check_distinct(specs: Sequence[NodeSpec], where: str) -> None:
     name or by address (localhost and 127.0.0.1), so a machine's memory is not counted twice.
     Nodes whose port is chosen at start (0) cannot collide. Connecting finds the rest (one node
     process reached at two addresses, tbrpc.connect)."""
-    by_port: dict[int, list[tuple[NodeSpec, frozenset[str]]]] = {}
+    by_port: dict[int, list[NodeSpec]] = {}
     for spec in specs:
-        if not spec.port:
-            continue
-        addresses = _addresses(spec.host)
-        for other, theirs in by_port.get(spec.port, []):
-            if addresses & theirs:
-                raise ClusterError(f"{where}: nodes {_label(other)} and {_label(spec)} are the same node "
-                                   f"({sorted(addresses & theirs)[0]} port {spec.port}): list each node once")
-        by_port.setdefault(spec.port, []).append((spec, addresses))
+        if spec.port:
+            by_port.setdefault(spec.port, []).append(spec)
+    for port, sharing in by_port.items():
+        if len(sharing) < 2:
+            continue        # names are resolved only where two nodes share a port: a slow resolver stalls no other load
+        seen: list[tuple[NodeSpec, frozenset[str]]] = []
+        for spec in sharing:
+            addresses = _addresses(spec.host)
+            for other, theirs in seen:
+                if addresses & theirs:
+                    raise ClusterError(f"{where}: nodes {_label(other)} and {_label(spec)} are the same node "
+                                       f"({sorted(addresses & theirs)[0]} port {port}): list each node once")
+            seen.append((spec, addresses))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,6 +130,23 @@ def test_one_node_listed_twice_is_refused_naming_both(tmp_path: Path) -> None:
         endpoint_specs(["127.0.0.1:50061"] * 2)
     # another port, or another host, is another node
     assert len(endpoint_specs(["127.0.0.1:50061", "localhost:50062", "10.1.2.3:50061"])) == 3
+
+
+def test_only_hosts_sharing_a_port_are_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cluster-file load checks for one node listed twice; a name is looked up only when another
+    node uses its port, so a slow resolver stalls no `tbrpc status` of a cluster with distinct ports."""
+    looked_up: list[str] = []
+
+    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> list[Any]:
+        looked_up.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.9", 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    assert len(endpoint_specs(["mac1:50061", "mac2:50062", "mac3:50063"])) == 3
+    assert looked_up == []
+    with pytest.raises(ClusterError, match="nodes mac1:50061 and mac3:50061 are the same node"):
+        endpoint_specs(["mac1:50061", "mac2:50062", "mac3:50061"])
+    assert sorted(looked_up) == ["mac1", "mac3"]
 
 
 def test_flags() -> None:
