@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from tbrpc import defaults
 from tbrpc.gguf_model import (
     _INPUT_TENSORS,
     ArchParams,
@@ -1234,7 +1235,7 @@ def plan(
     flash_attn: bool | None = None,
     swa_full: bool = True,
     margin: int | str = DEFAULT_MARGIN,
-    head_device: str = "gpu",
+    head_device: str = defaults.HEAD_DEVICE,
     load_mtp: bool = False,
     explain_shortfall: bool = True,
     split: str = "layer",
@@ -1254,9 +1255,10 @@ def plan(
     ``head_device`` says how the head runs its own layers: ``"gpu"`` (a
     device such as Metal's MTL0, listed first in tensor_split), ``"cpu"``
     (the CPU backend; its layers are the ones n_gpu_layers leaves out), or
-    ``"none"``: the head runs no layers and ``nodes`` are all remote devices
-    (TBRPC0 first), as with ``tbrpc.connect`` + ``n_gpu_layers=-1`` or
-    ``tbrpc launch --local N``; the head's own bytes are in ``Plan.head``.
+    ``"none"`` (the default, defaults.HEAD_DEVICE): the head runs no layers
+    and ``nodes`` are all remote devices (TBRPC0 first), as with
+    ``tbrpc.connect`` + ``n_gpu_layers=-1``, ``tbrpc launch`` and
+    ``tbrpc.Llama``; the head's own bytes are in ``Plan.head``.
 
     ``split``: ``"layer"`` (contiguous layer ranges, llama.cpp's
     LLAMA_SPLIT_MODE_LAYER) or ``"tensor"`` (every layer cut across all nodes,

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as QT
 import models
 from helpers import free_port
 
+from tbrpc import defaults
 from tbrpc.cli import main as cli_main
 from tbrpc.gguf_model import GGUFError, arch_params, load_gguf, weight_layout
 from tbrpc.node_memory import make_node, nodes_from_flags
@@ -141,6 +142,15 @@ def test_kimi_verdicts_at_32k(kimi: tuple[ModelSpec, list[Path]]) -> None:
     assert one.shortfall.max_ctx is None  # the weights alone exceed the Metal limit
     assert one.shortfall.min_nodes == 2
     assert "over by" in one.shortfall.message and "node0" in one.shortfall.message
+
+
+def test_the_library_plans_what_launch_loads(kimi: tuple[ModelSpec, list[Path]]) -> None:
+    """plan() without head_device plans the head `tbrpc plan`, launch and tbrpc.Llama use: no layers
+    on the head, every layer on a node."""
+    _, paths = kimi
+    p = plan(paths[0], nodes_from_flags([], "4x512GiB"), ctx=4096)
+    assert p.head_device == defaults.HEAD_DEVICE == "none"
+    assert p.head is not None and p.nodes[0].layers[0] == 0
 
 
 def test_kv_cache_is_mla_latent(kimi: tuple[ModelSpec, list[Path]]) -> None:
