@@ -55,6 +55,10 @@
 #define SPIN_PAYS_NS  40000                   // waits averaging under this are worth the full spin
 #define SPIN_PROBE    16                      // while they are not, every 16th wait spins fully anyway
 
+#ifndef MSG_NOSIGNAL
+#define MSG_NOSIGNAL 0   // macOS: SO_NOSIGPIPE on the socket does the same (tb_adopt)
+#endif
+
 struct shm_control {
     uint64_t magic;
     uint8_t  nonce[16];
@@ -227,7 +231,7 @@ static int shm_post(struct tb_ring * r, uint32_t seq) {
     if (atomic_load_explicit(&control(&t->shm)->sleeping[1 - t->shm.side], memory_order_relaxed)) {
         char bell = 'b';
         ssize_t k;
-        do { k = send(t->fd, &bell, 1, MSG_DONTWAIT); } while (k < 0 && errno == EINTR);
+        do { k = send(t->fd, &bell, 1, MSG_DONTWAIT | MSG_NOSIGNAL); } while (k < 0 && errno == EINTR);
         // EAGAIN: the socket is full of doorbells already; any other failure shows up as end of file to the waiter
     }
     return 0;

@@ -192,6 +192,27 @@ static void case_peer_killed(void) {
     tb_close(p.mine);
 }
 
+// A peer killed while it sleeps leaves its "wake me" flag raised: the next
+// frame rings a doorbell on a socket nobody holds. That must fail the send's
+// bell quietly, not kill this process with SIGPIPE (a C program embedding the
+// client need not ignore it, as Python does).
+static int child_sleeps(struct tb_transport * t) {
+    uint8_t b;
+    return tb_recv(t, &b, 1) == 0 ? 0 : 2;
+}
+
+static void case_bell_to_a_dead_peer(void) {
+    struct pair p = make_pair(16, 65536, 60000, child_sleeps);
+    usleep(200 * 1000);   // the child spins for microseconds, then sleeps with its flag raised
+    CHECK(kill(p.child, SIGKILL) == 0, "kill: %s", strerror(errno));
+    CHECK(child_status(p.child) == 128 + SIGKILL, "child was not killed");
+    signal(SIGPIPE, SIG_DFL);
+    uint8_t b = 7;
+    for (int i = 0; i < 3; i++) (void) (tb_send(p.mine, &b, 1) == 0 && tb_flush(p.mine) == 0);
+    CHECK(tb_recv(p.mine, &b, 1) != 0 && p.mine->error_kind == TB_IO_CLOSED, "recv from a dead peer: %s", p.mine->error);
+    tb_close(p.mine);
+}
+
 static int child_close(struct tb_transport * t) { (void) t; return 0; }
 
 static void case_peer_closes(void) {
@@ -459,6 +480,7 @@ static void case_rendezvous_spins(void) {
 int main(int argc, char ** argv) {
     static const struct { const char * name; void (*fn)(void); } cases[] = {
         { "stream", case_stream }, { "one_way", case_one_way }, { "peer_killed", case_peer_killed },
+        { "bell_to_a_dead_peer", case_bell_to_a_dead_peer },
         { "peer_closes", case_peer_closes }, { "silence_times_out_idle", case_silence_times_out_idle },
         { "forged_frames", case_forged_frames }, { "attach_rules", case_attach_rules }, { "upgrade", case_upgrade },
         { "room", case_room }, { "heartbeat_keeps_a_sender", case_heartbeat_keeps_a_sender },
