@@ -148,15 +148,16 @@ def switches(pid: int) -> int:
 
 
 class Head:
-    """bench_paired.py's stepping head, with the transport from TBRPC_TRANSPORT."""
+    """bench_paired.py's stepping head over `transport` ("tcp" or "auto"). Its mode says which:
+    bench_paired's head passes its transport to connect(), which outranks TBRPC_TRANSPORT."""
 
     def __init__(self, endpoints: list[str], gguf: str, transport: str, n_ctx: int, log: Path) -> None:
-        env = {**os.environ, "TBRPC_TRANSPORT": transport}
+        mode = {"tcp": "tbrpc-tcp", "auto": "tbrpc"}[transport]
         self.log = log
         with log.open("wb") as err:
-            self.proc = subprocess.Popen([sys.executable, str(HERE / "bench_paired.py"), "head", "--mode", "tbrpc",
+            self.proc = subprocess.Popen([sys.executable, str(HERE / "bench_paired.py"), "head", "--mode", mode,
                                           "--endpoints", ",".join(endpoints), "--gguf", gguf, "--n-ctx", str(n_ctx)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "READY":
             raise SystemExit(f"the head did not load: {log.read_text()[-2000:]}")
