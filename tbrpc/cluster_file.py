@@ -68,6 +68,7 @@ from tbrpc.node_memory import (
     size_nodes,
     with_origin,
 )
+from tbrpc.node_processes import start_command
 from tbrpc.spec import STARTS, NodeSpec, SshTarget, cable_order, check_distinct
 
 DEFAULT_FILE_NAME = "tbrpc.toml"
@@ -151,8 +152,9 @@ def read(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FR
             if key not in table:
                 raise ClusterError(f"{where}: missing required key {key!r}")
         node = _plan_entry(table, where, metal_fraction)
-        nodes.append(node)
-        specs.append(replace(spec_from_table(table, node.given, where, secret_file), file_position=i))
+        spec = replace(spec_from_table(table, node.given, where, secret_file), file_position=i)
+        nodes.append(replace(node, start_command=start_command(spec)))
+        specs.append(spec)
     check_unique(nodes)
     check_distinct(specs, str(path))
     names = {s.name for s in specs}

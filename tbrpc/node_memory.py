@@ -107,6 +107,7 @@ class ClusterNode:
     host: str
     port: int
     given: Node | None  # the file's figure (`memory`, `usable_memory`, ...): a cap; None: ask the node
+    start_command: str | None = None  # what starts it by hand on its machine (node_processes.start_command)
 
     @property
     def endpoint(self) -> str:
@@ -241,7 +242,7 @@ def _missing(entry: ClusterNode, answer: NoAnswer | None) -> str:
         way_out = ("plan with the secret the node was started with (--secret-file PATH, the cluster file's "
                    "`secret_file` or TBRPC_SECRET_FILE; none for a node started without one)")
     else:
-        way_out = f"start the node (`tbrpc node --host {entry.host} --port {entry.port} --name {entry.name}`)"
+        way_out = f"start the node (`{entry.start_command}`)" if entry.start_command else "start the node"
     return (f"node {entry.name} ({entry.endpoint}) {_did_not(answer)} ({answer.why}) and the cluster file gives it "
             f"no `memory`: {way_out}, or {add} to plan without it")
 

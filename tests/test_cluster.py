@@ -190,7 +190,8 @@ def test_memory_is_optional(tmp_path: Path) -> None:
         """
     )
     asks, capped, wired = read_cluster_file(path)
-    assert asks == ClusterNode("asks", "10.0.0.1", 50052, None)
+    assert asks == ClusterNode("asks", "10.0.0.1", 50052, None,
+                               start_command="tbrpc node --host 10.0.0.1 --port 50052 --name asks")
     assert capped.given is not None and capped.given.usable_bytes == 20 * GiB
     assert capped.given.limit_source == "cluster file (usable_memory set explicitly)"
     assert wired.given is not None and wired.given.usable_bytes == 400 * GiB
@@ -242,7 +243,8 @@ def test_nodes_on_one_machine_share_what_it_reports() -> None:
 
 def test_a_node_that_does_not_answer() -> None:
     given = load_node(make_node("b", "8GiB", kind="cpu"))
-    entries = [ClusterNode("a", "10.0.0.1", 50052, None), ClusterNode("b", "10.0.0.2", 50052, given)]
+    entries = [ClusterNode("a", "10.0.0.1", 50052, None, start_command="tbrpc node --port 50052"),
+               ClusterNode("b", "10.0.0.2", 50052, given)]
     (b,) = size_nodes(entries[1:], [NoAnswer("connection refused")])
     assert (b.usable_bytes, b.memory_from, b.reported_bytes) == (8 * GiB, "cluster file", None)
     assert b.limit_source == "cluster file (CPU node: all RAM); the node did not answer (connection refused)"
@@ -252,7 +254,7 @@ def test_a_node_that_does_not_answer() -> None:
         size_nodes(entries, [NoAnswer("connection refused"), NoAnswer("timed out")])
     assert str(missing.value) == (
         "node a (10.0.0.1:50052) did not answer (connection refused) and the cluster file gives it no `memory`: "
-        "start the node (`tbrpc node --host 10.0.0.1 --port 50052 --name a`), or add `memory = \"...\"` to its "
+        "start the node (`tbrpc node --port 50052`), or add `memory = \"...\"` to its "
         "[[node]] table to plan without it")
 
 

@@ -530,18 +530,21 @@ def test_plan_caps_and_nodes_that_are_down(nodes: Any, tmp_path: Path) -> None:
 
 
 def test_plan_refuses_a_node_it_cannot_size(nodes: Any, tmp_path: Path) -> None:
-    """No `memory` and the node does not answer (or is not asked): an error naming it and both ways out."""
+    """No `memory` and the node does not answer (or is not asked): an error naming it and both ways out,
+    the command that starts it being the one launch would give (its model directory and threads too)."""
     (up,) = nodes(1)
     down = free_port()
     cluster = tmp_path / "c.toml"
     cluster.write_text(f'[[node]]\nname = "up"\nhost = "127.0.0.1"\nport = {up.port}\n\n'
-                       f'[[node]]\nname = "gone"\nhost = "127.0.0.1"\nport = {down}\n')
+                       f'[[node]]\nname = "gone"\nhost = "127.0.0.1"\nport = {down}\nthreads = 2\n'
+                       'model = "/models/k2.gguf"\n')
     out = _plan_cli("--cluster", str(cluster))
     assert out.exit_code == 1
     why = f"tbrpc node 127.0.0.1:{down}: unreachable: 127.0.0.1:{down}: cannot connect: Connection refused"
     assert out.output == (
         f"Error: node gone (127.0.0.1:{down}) did not answer ({why}) and the cluster file gives it no `memory`: "
-        f"start the node (`tbrpc node --host 127.0.0.1 --port {down} --name gone`), or add `memory = \"...\"` to its "
+        f"start the node (`tbrpc node --host 127.0.0.1 --port {down} --name gone --model-dir /models --threads 2`), "
+        "or add `memory = \"...\"` to its "
         "[[node]] table to plan without it\n")
     out = _plan_cli("--cluster", str(cluster), "--offline")
     assert out.exit_code == 1
