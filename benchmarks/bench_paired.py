@@ -76,6 +76,13 @@ def run_stepping_head(mode: str, endpoints: Sequence[str], gguf: str, n_ctx: int
         # a tree from before the transport layer has no `transport` (and speaks only TCP)
         asked = {"transport": "tcp" if mode == "tbrpc-tcp" else "auto"}
         tbrpc.connect(list(endpoints), **(asked if "transport" in inspect.signature(tbrpc.connect).parameters else {}))
+        # A column labelled with a transport must have run over it (a tree from before the transport layer
+        # reports none): "tbrpc" is shared memory on one host, "tbrpc-tcp" TCP.
+        want = "tcp" if mode == "tbrpc-tcp" else "shm"
+        got = [getattr(n, "transport", None) for n in tbrpc.cluster().nodes()] if hasattr(tbrpc.Cluster, "nodes") else []
+        wrong = [t for t in got if t is not None and t.split()[0].rstrip(":") != want]
+        if wrong:
+            raise SystemExit(f"{mode} head: asked for {want}, but the connections run over {wrong}")
     else:
         split._register_rpc_servers(endpoints)
     llm = llama_cpp.Llama(model_path=gguf, n_gpu_layers=-1, tensor_split=[1.0] * len(endpoints), n_ctx=n_ctx,
