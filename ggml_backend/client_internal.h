@@ -86,6 +86,7 @@ struct tbrpc_client {
     bool   registered;
     struct head_file { char path[4096]; int ok; uint64_t size; uint8_t hash[TB_FILE_HASH_LEN]; } * head_files;  // content hashes, computed once
     size_t n_head_files;
+    unsigned n_meta_devices;                 // meta devices made (split_rules.c), for their names
 };
 
 struct client_buffer {

@@ -23,7 +23,9 @@
 // the same way.
 // Every expert is cut, not placed whole, so the load is even whatever the
 // router picks. Passed as the only device of a layer split, the meta device
-// runs every layer on all its nodes.
+// runs every layer on all its nodes; several of them, one per group of
+// nodes, make a layer split over the groups (each device named apart:
+// name_meta_device).
 #include "client_internal.h"
 
 #include <stdio.h>
@@ -75,6 +77,27 @@ static struct ggml_backend_meta_split_state ffn_split_state(const struct ggml_te
     return s;
 }
 
+// llama.cpp files a model's weights and KV cache by buffer type *name*, and
+// the ggml of llama-cpp-python 0.3.36 names every meta device and its buffer
+// type "Meta()" (the constructor builds the name from the device list it has
+// just moved away). With two meta devices in one model (a layer split over
+// groups of nodes, each group cutting its layers' FFN: the layer+tensor
+// hybrid) every group's tensors are filed under one name and ggml aborts at
+// load. The name is a std::string in the device's context, on the heap;
+// rewriting its six characters in place, keeping its length, gives each meta
+// device a name of its own ("Meta00", "Meta01", ...) whatever the C++
+// library's string layout (every one keeps the characters contiguous at
+// c_str()). Only that exact broken name is rewritten: a ggml that names its
+// meta devices properly is left alone. Caller holds c->lock.
+static void name_meta_device(struct tbrpc_client * c, ggml_backend_dev_t meta) {
+    char name[8];
+    snprintf(name, sizeof name, "Meta%02x", c->n_meta_devices++ & 0xffu);
+    const char * names[2] = { ggml_backend_dev_name(meta), ggml_backend_buft_name(ggml_backend_dev_buffer_type(meta)) };
+    for (int i = 0; i < 2; i++) {
+        if (names[i] && strcmp(names[i], "Meta()") == 0) memcpy((char *) names[i], name, 6);
+    }
+}
+
 void * tbrpc_client_ffn_split_device(struct tbrpc_client * c, const size_t * nodes, size_t n, const float * shares,
                                      int64_t granularity, char * err, size_t err_len) {
     if (n < 2 || n > GGML_BACKEND_META_MAX_DEVICES) {
@@ -105,5 +128,8 @@ void * tbrpc_client_ffn_split_device(struct tbrpc_client * c, const size_t * nod
     for (size_t j = 0; j < n; j++) r->shares[j] = shares[j] / total;
     ggml_backend_dev_t meta = ggml_backend_meta_device(devs, n, ffn_split_state, r);
     if (!meta) { free(r); snprintf(err, err_len, "ggml could not make a meta device"); return NULL; }
+    pthread_mutex_lock(&c->lock);
+    name_meta_device(c, meta);
+    pthread_mutex_unlock(&c->lock);
     return meta;
 }

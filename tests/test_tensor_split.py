@@ -190,31 +190,53 @@ import tbrpc
 nodes = sys.argv[1:]
 tbrpc.connect(nodes)
 lib = L._lib
-for name, restype in (("ggml_backend_dev_buffer_type", ctypes.c_void_p), ("ggml_backend_buft_name", ctypes.c_char_p)):
+for name, restype in (("ggml_backend_dev_buffer_type", ctypes.c_void_p), ("ggml_backend_buft_name", ctypes.c_char_p),
+                      ("ggml_backend_dev_name", ctypes.c_char_p)):
     getattr(lib, name).restype = restype
     getattr(lib, name).argtypes = [ctypes.c_void_p]
 devices = [tbrpc.cluster().ffn_split_device(group, [1, 1], 1) for group in (nodes, nodes[::-1])]
 bufts = [lib.ggml_backend_dev_buffer_type(d) for d in devices]
-print(json.dumps({"devices": devices, "bufts": bufts, "names": [lib.ggml_backend_buft_name(b).decode() for b in bufts]}))
+print(json.dumps({"devices": devices, "bufts": bufts, "names": [lib.ggml_backend_buft_name(b).decode() for b in bufts],
+                  "device_names": [lib.ggml_backend_dev_name(d).decode() for d in devices]}))
 """
 
 
-def test_why_there_is_no_layer_and_tensor_hybrid(nodes: Any) -> None:
-    """A hybrid (groups of nodes, each a meta device, the groups layer-split)
-    needs several meta devices in one model. In the llama.cpp of 0.3.36 they
-    are distinct devices with distinct buffer types that all have the same
-    name, "Meta()" (the name is built from a vector the constructor has
-    already moved from), and llama.cpp files weights and KV cache by buffer
-    type *name* (llama-model-loader.h, llama-kv-cache.cpp): every group's
-    tensors would land in one group's buffer. When this test fails, upstream
-    has fixed the names and the hybrid can be built (docs/planner.md)."""
+def test_meta_devices_are_named_apart(nodes: Any) -> None:
+    """llama.cpp files weights and KV cache by buffer type *name* (llama-model-loader.h,
+    llama-kv-cache.cpp), and the ggml of llama-cpp-python 0.3.36 names every meta device and its
+    buffer type "Meta()": two meta devices in one model would share one buffer and ggml aborts at
+    load. tbrpc names each of its meta devices apart (split_rules.c, name_meta_device)."""
     started = nodes(2)
     proc = subprocess.run([sys.executable, "-c", TWO_META_DEVICES, *[n.endpoint for n in started]],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(set(seen["devices"])) == 2 and len(set(seen["bufts"])) == 2, seen
-    assert seen["names"] == ["Meta()", "Meta()"], seen
+    assert len(set(seen["names"])) == 2 and len(set(seen["device_names"])) == 2, seen
+    assert all(name.startswith("Meta") for name in seen["names"] + seen["device_names"]), seen
+
+
+def test_a_layer_split_over_groups_that_each_cut_their_ffn(nodes: Any, tmp_path: Path) -> None:
+    """The layer+tensor hybrid: four nodes in two groups, each group a meta device that cuts its
+    layers' FFN and experts (tbrpc's rules), the two groups layer-split. Same greedy tokens as one
+    process; every node all-reduces only its group's layers, and a node of each group together
+    reduce every layer once per token."""
+    model = str(models.ensure("deepseek2-f32"))
+    base, base_logits = run_head(tmp_path, model=model, prompt=PROMPT, n_predict=N_PREDICT, flash_attn=True)
+    assert base["error"] is None, base["error"]
+    started = nodes(4)
+    result, logits = run_head(tmp_path, model=model, prompt=PROMPT, n_predict=N_PREDICT, flash_attn=True,
+                              nodes=[n.endpoint for n in started], ffn_split=1, ffn_groups=[[0, 1], [2, 3]])
+    assert result["error"] is None, result["error"]
+    assert result["tokens"] == base["tokens"]
+    assert logits is not None and logits.shape == base_logits.shape
+    diff = float(np.max(np.abs(logits - base_logits)))
+    assert diff <= LOGIT_TOLERANCE, diff
+    assert all(a > 0 for a in result["allocated_after_load"]), result["allocated_after_load"]
+    reduced = [node["allreduces"] for node in result["nodes"]]
+    assert reduced[0] == reduced[1] > 0 and reduced[2] == reduced[3] > 0, reduced
+    assert reduced[0] + reduced[2] == DEEPSEEK2_LAYERS * STEADY_TOKENS, reduced
+    assert not any(node["failed"] for node in result["nodes"]), result["nodes"]
 
 
 # Where the llama.cpp that llama-cpp-python 0.3.36 ships aborts the process in its tensor mode, on models
