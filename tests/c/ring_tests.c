@@ -424,11 +424,14 @@ static void case_quiet_reader_times_out(void) {
 // microseconds, but a connection whose recent waits ran long sleeps at once,
 // and pays a wake-up each time. The child answers each "go" byte after
 // spinning 300 us (long) or 5 us (short), alternately, so the waits average
-// long; the parent counts the short waits that slept, without the hint and
-// with it (the best of RV_TRIES runs: a VM's vCPU taken away for a moment
-// makes some short answers late whatever the hint). The child waits with the
-// hint throughout, so its own wake-up does not make the short answers long.
-enum { RV_ROUNDS = 64, RV_TRIES = 3, RV_LONG_US = 300, RV_SHORT_US = 5 };
+// long; its answer carries the time it was sent. The parent counts, among the
+// short waits whose answer was sent within RV_TIMELY_US of the wait's start
+// (well inside the spin), those that slept, without the hint and with it.
+// Only those count: on a VM a vCPU taken away for a moment makes some
+// answers late whatever the hint, and a late answer says nothing about the
+// spin. The child waits with the hint throughout, so its own wake-up does
+// not make the short answers long.
+enum { RV_ROUNDS = 64, RV_TRIES = 12, RV_LONG_US = 300, RV_SHORT_US = 5, RV_TIMELY_US = 12, RV_SAMPLES = 32 };
 
 static void spin_us(int64_t us) {
     const int64_t until = tb_now_ns() + us * 1000;
@@ -437,43 +440,61 @@ static void spin_us(int64_t us) {
 
 static int child_answers(struct tb_transport * t) {
     t->rendezvous = 1;
-    for (int i = 0; i < (1 + RV_TRIES) * RV_ROUNDS; i++) {
+    for (;;) {
         uint8_t go;
         if (tb_recv(t, &go, 1) != 0) return 2;
+        if (go == 2) return 0;
         spin_us(go ? RV_LONG_US : RV_SHORT_US);
-        if (tb_send(t, &go, 1) != 0 || tb_flush(t) != 0) return 3;
+        const int64_t sent = tb_now_ns();
+        if (tb_send(t, &sent, sizeof sent) != 0 || tb_flush(t) != 0) return 3;
     }
-    return 0;
 }
 
-// Short waits (of RV_ROUNDS / 2) that slept, with the parent's hint as given.
-static int short_waits_slept(struct tb_transport * t, int hint) {
+struct rv_count { int timely, slept; };
+
+// One run of RV_ROUNDS: the timely short waits, and how many of them slept, with the parent's hint as given.
+static struct rv_count short_waits_slept(struct tb_transport * t, int hint) {
     struct tb_ring * r = (struct tb_ring *) t;
     t->rendezvous = hint;
-    int slept = 0;
+    struct rv_count n = { 0, 0 };
     for (int i = 0; i < RV_ROUNDS; i++) {
-        uint8_t go = (uint8_t) (i % 2 == 0), back = 0xff;
-        const uint64_t before = __atomic_load_n(&r->sleeps, __ATOMIC_RELAXED);
+        const uint8_t go = (uint8_t) (i % 2 == 0);
+        int64_t sent = 0;
         CHECK(tb_send(t, &go, 1) == 0 && tb_flush(t) == 0, "send: %s", t->error);
-        CHECK(tb_recv(t, &back, 1) == 0 && back == go, "answer: %s", t->error);
-        if (!go) slept += __atomic_load_n(&r->sleeps, __ATOMIC_RELAXED) != before;
+        const uint64_t before = __atomic_load_n(&r->sleeps, __ATOMIC_RELAXED);
+        const int64_t waiting = tb_now_ns();
+        CHECK(tb_recv(t, &sent, sizeof sent) == 0, "answer: %s", t->error);
+        if (!go && sent - waiting <= RV_TIMELY_US * 1000) {
+            n.timely++;
+            n.slept += __atomic_load_n(&r->sleeps, __ATOMIC_RELAXED) != before;
+        }
     }
-    return slept;
+    return n;
+}
+
+// Runs until RV_SAMPLES timely short waits were seen (at most RV_TRIES runs).
+static struct rv_count sampled(struct tb_transport * t, int hint) {
+    struct rv_count all = { 0, 0 };
+    for (int i = 0; i < RV_TRIES && all.timely < RV_SAMPLES; i++) {
+        const struct rv_count one = short_waits_slept(t, hint);
+        all.timely += one.timely;
+        all.slept += one.slept;
+    }
+    return all;
 }
 
 static void case_rendezvous_spins(void) {
     struct pair p = make_pair(16, 4096, 10000, child_answers);
-    const int without = short_waits_slept(p.mine, 0);
-    int with = RV_ROUNDS;
-    for (int i = 0; i < RV_TRIES; i++) {
-        const int slept = short_waits_slept(p.mine, 1);
-        if (slept < with) with = slept;
-    }
+    const struct rv_count without = sampled(p.mine, 0), with = sampled(p.mine, 1);
+    const uint8_t stop = 2;
+    CHECK(tb_send(p.mine, &stop, 1) == 0 && tb_flush(p.mine) == 0, "stop: %s", p.mine->error);
     CHECK(child_status(p.child) == 0, "the child failed");
-    CHECK(without >= RV_ROUNDS / 4, "without the hint only %d of %d short waits slept: the waits did not average "
-          "long, the case tests nothing", without, RV_ROUNDS / 2);
-    CHECK(with <= RV_ROUNDS / 8, "with the hint at best %d of %d short waits slept (without: %d)", with, RV_ROUNDS / 2,
-          without);
+    CHECK(without.timely >= RV_SAMPLES / 2 && with.timely >= RV_SAMPLES / 2, "only %d and %d of the short answers "
+          "came within %d us: too few to judge", without.timely, with.timely, RV_TIMELY_US);
+    CHECK(without.slept * 4 >= without.timely * 3, "without the hint only %d of %d timely short waits slept: the "
+          "waits did not average long, the case tests nothing", without.slept, without.timely);
+    CHECK(with.slept * 8 <= with.timely, "with the hint %d of %d timely short waits slept (without: %d of %d)",
+          with.slept, with.timely, without.slept, without.timely);
     tb_close(p.mine);
 }
 
