@@ -118,6 +118,9 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
               help="layer: contiguous layer ranges per node; tensor: every layer cut across the nodes (llama.cpp "
                    "split_mode=3, flash attention on; not for deepseek2, one KV head, or a weight cut by rows that is one quant block wide); ffn: the FFN, experts and "
                    "output cut, attention whole (tbrpc's own rules, for those).")
+@click.option("--groups", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --split ffn: that many groups of consecutive nodes, each cutting its layers' FFN and experts, "
+                   "the groups layer-split (the layer+tensor hybrid; planned only: launch and tbrpc.Llama do not load it yet).")
 @click.option("--tensor-split", "tensor_split", default=None, metavar="A,B,...",
               help="Each node's share: of every layer (--split tensor or ffn) [default: equal, or by free memory when "
                    "equal does not fit], or of the layers (--split layer, cut as llama.cpp cuts them) [default: planned].")
@@ -128,7 +131,7 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float, node_flags: tuple[str, ...],
          nodes_flag: str | None, ctx: int | None,
          cache_type_k: str, cache_type_v: str, ubatch: int, batch: int | None, flash_attn: bool | None, swa_full: bool,
-         margin: str, metal_fraction: float, head_device: str, split: str, tensor_split: str | None,
+         margin: str, metal_fraction: float, head_device: str, split: str, groups: int, tensor_split: str | None,
          draft_model: str | None, as_json: bool, secret_file: str | None = None) -> None:
     """Say whether a model fits a cluster, which layers go where, and the llama.cpp flags. Exit 1 if it does not fit."""
     _use_secret(secret_file)
@@ -171,7 +174,7 @@ def plan(gguf_path: str, cluster_file: str | None, offline: bool, timeout: float
                 raise ValueError(f"--tensor-split {tensor_split!r}: expected numbers separated by commas") from None
         result = make_plan(gguf_path, nodes, ctx=ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v, ubatch=ubatch,
                            batch=batch, flash_attn=flash_attn, swa_full=swa_full, margin=margin, head_device=head_device,
-                           split=split, tensor_split=shares, draft_model=draft_model, allreduce=allreduce)
+                           split=split, groups=groups, tensor_split=shares, draft_model=draft_model, allreduce=allreduce)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     if order_note:   # the table's rows are in that order already

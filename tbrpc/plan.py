@@ -391,8 +391,10 @@ class Plan:
         return {
             "n_gpu_layers": self.n_gpu_layers,
             "split_mode": LLAMA_SPLIT_MODE_TENSOR if self.split_mode == "tensor" else LLAMA_SPLIT_MODE_LAYER,
-            # ffn: one (meta) device holds every layer, so there is nothing to share out between devices
-            "tensor_split": None if self.split_mode == "ffn" else list(self.tensor_split),
+            # ffn: one (meta) device holds every layer, so there is nothing to share out between devices;
+            # the hybrid shares the layers out between its groups' meta devices
+            "tensor_split": None if self.split_mode == "ffn" and (self.tensor is None or self.tensor.groups == 1)
+                            else list(self.tensor_split),
             "n_ctx": self.context.ctx,
             "n_batch": self.context.batch,
             "n_ubatch": self.context.ubatch,
@@ -1003,6 +1005,7 @@ class TensorPlan:
     all_reduce_shape: str = "mesh"  # tbrpc's all-reduce: "mesh" (every node to every other) or "ring" (neighbours only)
     granularity: int = 0  # ffn split: the cut unit (lcm of the FFN tensors' block sizes); 0 for llama.cpp's rules
     output_cut: bool = True  # the output head is cut by vocabulary rows (ffn split: when n_vocab is a multiple of granularity)
+    groups: int = 1  # ffn split: groups of consecutive nodes, layer-split (the hybrid); an all-reduce stays in one group
 
 
 def tbrpc_copies(n: int) -> int:
@@ -1025,30 +1028,101 @@ def fallback_copies(n: int) -> int:
     return 2 * (n - p2) + p2 * (p2.bit_length() - 1)
 
 
-def _meta_tensors(model: GGUFModel, p: ArchParams, layout: WeightLayout) -> list[_MetaTensor]:
+def _meta_tensors(model: GGUFModel, p: ArchParams, layout: WeightLayout, layers: tuple[int, int] | None = None,
+                  output: bool = True) -> list[_MetaTensor]:
     """The weights llama.cpp puts on the meta device: everything but the input
     layer (token embeddings stay on the head's CPU) and unloaded MTP blocks; a
-    tied output is a duplicate of token_embd (mirrored under its own name)."""
+    tied output is a duplicate of token_embd (mirrored under its own name).
+    ``layers`` (first, last): only those blocks; ``output``: with the output
+    layer (a hybrid's groups: the last group's meta device holds it)."""
     out: list[_MetaTensor] = []
     for t in model.tensors:
         il = t.block
         if il is not None and not layout.layers[il].loaded:
             continue
-        if il is None and t.name.startswith(_INPUT_TENSORS):
+        if il is not None and layers is not None and not layers[0] <= il <= layers[1]:
+            continue
+        if il is None and (t.name.startswith(_INPUT_TENSORS) or not output):
             continue
         out.append(_MetaTensor(t.name, t.ggml_type, t.shape))
-    if layout.output_tied:
+    if layout.output_tied and output:
         embd = model.tensor("token_embd.weight")
         assert embd is not None
         out.append(_MetaTensor(embd.name, embd.ggml_type, embd.shape))
     return out
 
 
+def _hybrid_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: ContextParams, nodes: Sequence[Node],
+                  margin: int, groups: int, ring: bool = False) -> tuple[list[NodePlan], list[float], TensorPlan]:
+    """Node plans for the layer+tensor hybrid: ``groups`` groups of consecutive nodes, each one
+    meta device of tbrpc's FFN rules (split_rules.c) over equal shares; the groups layer-split as
+    llama.cpp cuts one equal share per group (the last holds the output layer). A node holds its
+    group's layers: their FFN and experts cut, everything else of them whole, their KV whole; the
+    compute buffer of a layer-split device holding those layers (the meta backend gives every node
+    of the group the whole of it), and the receive buffers and scratch of an all-reduce among the
+    group's nodes."""
+    k = len(nodes) // groups
+    ranges = _ranges_of_split([1.0] * groups, p.n_layer_all, "none")
+    partial = pad(c.n_tokens * p.n_embd * F32, TENSOR_ALIGN)  # the largest partial sum: one ubatch
+    reduce_b = math.ceil(math.log2(k)) * partial
+    ring = ring and k > 2
+    scratch = [RING_PIECE + (0 if node.kind == "cpu" else partial) if ring else (2 if node.kind == "cpu" else 3) * partial
+               for node in nodes]
+    plans: list[NodePlan] = []
+    split_total = replicated = 0
+    for g, (first, last) in enumerate(ranges):
+        parts, g_split, g_replicated = tensor_mode_nodes(model, p, layout, c, [1.0] * k, ffn_only=True,
+                                                         layers=(first, last), output=g == groups - 1)
+        split_total += g_split
+        replicated += g_replicated
+        # as for the FFN split's one meta device: the single-device compute buffer of its layers, which
+        # every node of the group allocates whole, the graph inputs included
+        compute = compute_bytes(p, range(first, last + 1), c, has_output=g == groups - 1, has_input=True)
+        for j, part in enumerate(parts):
+            i = g * k + j
+            node = nodes[i]
+            total = part.weights_bytes + part.kv_bytes + compute + reduce_b + scratch[i]
+            plans.append(NodePlan(
+                name=node.name, usable_bytes=node.usable_bytes, limit=node.limit_source, layers=(first, last),
+                weights_bytes=part.weights_bytes, kv_bytes=part.kv_bytes, compute_bytes=compute + reduce_b + scratch[i],
+                host_bytes=0, total_bytes=total, headroom_bytes=node.usable_bytes - margin - total,
+                shards=_shards_for(model, layout.output_tied and g == groups - 1, first, last, p.n_layer_all),
+                device=f"TBRPC{i} (group {g})", memory_from=node.memory_from, reported_bytes=node.reported_bytes,
+                split_bytes=part.split_bytes, replicated_bytes=part.replicated_bytes, draft_bytes=0,
+            ))  # fmt: skip
+    n_reduce = all_reduces_per_token(model, p, ffn_only=True)
+    s = p.n_embd * F32
+    copies = ring_copies(k) if ring else tbrpc_copies(k)
+    moved = n_reduce * 2 * (k - 1) * s if ring else n_reduce * copies * s
+    split_list, _ = _tensor_split(ranges, p.n_layer_all, "none")
+    tensor = TensorPlan(
+        shares=[1.0] * k,
+        split_bytes=split_total,
+        replicated_bytes=replicated,
+        all_reduces_per_token=n_reduce,
+        all_reduce_bytes=s,
+        all_reduce_bytes_per_token=n_reduce * s,
+        all_reduce_path="tbrpc",
+        copies_per_all_reduce=copies,
+        node_to_node_bytes_per_token=moved,
+        all_reduce_shape="ring" if ring else "mesh",
+        logits_bytes_per_token=p.n_vocab * F32,
+        reduce_buffer_bytes=reduce_b,
+        scratch_bytes=scratch,
+        granularity=ffn_granularity(model),
+        output_cut=p.n_vocab % ffn_granularity(model) == 0,
+        groups=groups,
+    )
+    return plans, split_list, tensor
+
+
 def tensor_mode_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: ContextParams,
-                      shares: Sequence[float], ffn_only: bool = False) -> tuple[list[TensorModeNode], int, int]:
+                      shares: Sequence[float], ffn_only: bool = False, layers: tuple[int, int] | None = None,
+                      output: bool = True) -> tuple[list[TensorModeNode], int, int]:
     """Per node: slices, replicas, weights and KV under llama.cpp's tensor split
     (or, ``ffn_only``, tbrpc's FFN split) with these shares; plus the whole
-    split and replicated bytes."""
+    split and replicated bytes. ``layers`` and ``output``: one group of a
+    hybrid, holding those layers (and the output layer, if so)."""
     splitter: _MetaSplitter | _FfnSplitter = (
         _FfnSplitter(shares, ffn_granularity(model)) if ffn_only else _MetaSplitter(model, p, shares))
     n = len(shares)
@@ -1056,7 +1130,7 @@ def tensor_mode_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: 
     weights = [0] * n
     kv = [0] * n
     replicated = split_total = 0
-    for t in _meta_tensors(model, p, layout):
+    for t in _meta_tensors(model, p, layout, layers, output):
         axis, counts = splitter.slices(t)
         full = tensor_nbytes(t.ggml_type, t.shape)
         if not counts:
@@ -1070,7 +1144,8 @@ def tensor_mode_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: 
             split[j] += b
             weights[j] += pad(b, TENSOR_ALIGN)
     cache_types = (CACHE_TYPES[c.cache_type_k], CACHE_TYPES[c.cache_type_v])
-    for il in range(p.n_layer):
+    first, last = layers if layers is not None else (0, p.n_layer - 1)
+    for il in range(first, min(last, p.n_layer - 1) + 1):
         cells = _n_kv(p, il, c)
         for kind, elems, ctype in (("k", p.kv_row_elems(il)[0], cache_types[0]), ("v", p.kv_row_elems(il)[1], cache_types[1])):
             if not elems:
@@ -1239,6 +1314,7 @@ def plan(
     load_mtp: bool = False,
     explain_shortfall: bool = True,
     split: str = "layer",
+    groups: int = 1,
     draft_model: str | os.PathLike[str] | GGUFModel | None = None,
     draft_ctx: int | None = None,
     all_logits: bool | None = None,
@@ -1264,7 +1340,10 @@ def plan(
     LLAMA_SPLIT_MODE_LAYER) or ``"tensor"`` (every layer cut across all nodes,
     LLAMA_SPLIT_MODE_TENSOR; needs flash attention; ``tensor_split`` forces the
     shares, else equal shares, or shares by free memory when equal ones do not
-    fit).  ``draft_model``: a draft GGUF the head also runs (``tbrpc launch
+    fit), or ``"ffn"`` (tbrpc's own rules: the FFN, experts and output cut,
+    the rest whole on every node); ``groups`` > 1 with ``"ffn"``: that split
+    within groups of consecutive nodes, the groups layer-split (the
+    layer+tensor hybrid, ``_hybrid_nodes``).  ``draft_model``: a draft GGUF the head also runs (``tbrpc launch
     --draft-model``), planned on the head at ``draft_ctx`` (default: ``ctx``);
     it makes llama-cpp-python keep every token's logits (``all_logits``,
     default: on with a draft).
@@ -1289,10 +1368,14 @@ def plan(
     model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
     params = arch_params(model)
     layout = weight_layout(model, params, load_mtp=load_mtp)
+    if groups != 1 and (split != "ffn" or groups < 1 or len(nodes) % groups or len(nodes) // groups < 2):
+        raise PlanError(f"groups: the hybrid is an ffn split over groups of 2 or more nodes each, as many nodes in every "
+                        f"group; {len(nodes)} nodes cannot make {groups} such groups" if split == "ffn" else
+                        f"groups: only an ffn split takes groups (the layer+tensor hybrid), not a {split} split")
     if split in ("tensor", "ffn"):
         if split == "ffn" and head_device != "none":
             raise PlanError("ffn split: tbrpc's meta device is made of TBRPC nodes only; use head_device 'none'")
-        check_model_split(model, split, len(nodes), layout)
+        check_model_split(model, split, len(nodes) // groups, layout)
         if head_device == "cpu":
             raise TensorSplitError("tensor split: the head's CPU is not one of the devices llama.cpp cuts layers across; "
                             "use head_device 'gpu' or 'none'")
@@ -1319,7 +1402,11 @@ def plan(
     draft_b = draft.total_bytes if draft else 0
     used: str | None = None  # layer split: what the ranges follow
     balance_note: list[str] = []
-    if split in ("tensor", "ffn"):
+    if groups > 1:
+        node_plans, split_list, tensor = _hybrid_nodes(model, params, layout, context, nodes, margin_b, groups,
+                                                       ring=allreduce == "ring")
+        ngl = params.n_layer_all + 1
+    elif split in ("tensor", "ffn"):
         node_plans, split_list, tensor = _tensor_nodes(model, params, layout, context, nodes, margin_b, head_device,
                                                        draft_b, tensor_split, ffn_only=split == "ffn", ring=allreduce == "ring")
         ngl = params.n_layer_all + 1
@@ -1706,7 +1793,10 @@ def format_table(p: Plan) -> str:
         f"model   {Path(p.model_path).name}  ({p.architecture}, {p.n_layers} layers, {format_size(p.weights_bytes)} weights, {len(p.shards)} shard(s))",
         f"context {c.ctx} tokens (KV {c.cache_type_k}/{c.cache_type_v}, ubatch {c.ubatch}, flash-attn {'on' if c.flash_attn else 'off'}), margin {format_size(p.margin_bytes)} per node",
         f"split   {p.split_mode}" + {"tensor": " (every layer cut across the nodes, llama.cpp split_mode=3)",
-                                      "ffn": " (every layer's FFN and experts cut across the nodes, tbrpc's own rules)"}
+                                      "ffn": " (every layer's FFN and experts cut across the nodes, tbrpc's own rules)"
+                                      if p.tensor is None or p.tensor.groups == 1 else
+                                      " (groups of nodes layer-split, each cutting its layers' FFN and experts: the "
+                                      "layer+tensor hybrid)"}
         .get(p.split_mode, " (contiguous layer ranges)"),
         "",
     ]
@@ -1715,8 +1805,11 @@ def format_table(p: Plan) -> str:
     header = ("node", "layers" if not tensor else "share", "weights", *(("split", "replicated") if tensor else ()),
               "kv", "compute", "host", *(("draft",) if draft else ()), "total", "usable", "headroom")
     rows = [header]
+    hybrid = p.tensor is not None and p.tensor.groups > 1
     for i, n in enumerate(p.nodes):
-        if tensor:
+        if hybrid and n.layers is not None:   # its group's layers, cut in equal shares among the group
+            where = f"{n.layers[0]}-{n.layers[1]}, 1/{len(p.nodes) // p.tensor.groups}"
+        elif tensor:
             where = f"{_share_text(p.tensor_split[i])}/{_share_text(sum(p.tensor_split))}"
         else:
             where = "-" if n.layers is None else f"{n.layers[0]}-{n.layers[1]}"
@@ -1749,9 +1842,16 @@ def format_table(p: Plan) -> str:
     lines.append("")
     if tensor and p.tensor is not None:
         t = p.tensor
-        lines.append(f"tensor split  {format_size(t.split_bytes)} cut across the nodes, {format_size(t.replicated_bytes)} "
-                     "held whole by every node")
+        if t.groups > 1:
+            lines.append(f"hybrid        {t.groups} groups of {len(p.nodes) // t.groups} consecutive nodes, layer-split: "
+                         f"{format_size(t.split_bytes)} cut across the nodes of the group holding it, "
+                         f"{format_size(t.replicated_bytes)} held whole by every node of that group")
+        else:
+            lines.append(f"tensor split  {format_size(t.split_bytes)} cut across the nodes, {format_size(t.replicated_bytes)} "
+                         "held whole by every node")
         after = "FFN" if p.split_mode == "ffn" else "attention and FFN"
+        if t.groups > 1:
+            after += f", among the {len(p.nodes) // t.groups} nodes of its group"
         lines.append(f"all-reduces   {t.all_reduces_per_token} per token (after each layer's {after}), "
                      f"{format_size(t.all_reduce_bytes)} each = {format_size(t.all_reduce_bytes_per_token)} per token; "
                      + (f"tbrpc's all-reduce ({t.all_reduce_shape}): {t.copies_per_all_reduce} node-to-node "
@@ -1772,7 +1872,12 @@ def format_table(p: Plan) -> str:
         lines.append("")
     shares = [_num(x) for x in p.tensor_split]
     split_kw = "split_mode=3, flash_attn=True, " if p.split_mode == "tensor" else ""
-    if p.split_mode == "ffn":
+    if p.split_mode == "ffn" and p.tensor is not None and p.tensor.groups > 1:
+        k = len(p.nodes) // p.tensor.groups
+        lines.append(f"library           metas = [tbrpc.cluster().ffn_split_device(endpoints[i:i + {k}], {[1] * k}, "
+                     f"{p.tensor.granularity}) for i in range(0, {len(p.nodes)}, {k})]; Llama(devices=metas, "
+                     f"split_mode=1, tensor_split={shares}, n_gpu_layers={p.n_gpu_layers}, flash_attn=True)")
+    elif p.split_mode == "ffn":
         lines.append(f"library           meta = tbrpc.cluster().ffn_split_device(endpoints, {shares}, "
                      f"{p.tensor.granularity if p.tensor else 1}); Llama(devices=[meta], split_mode=1, "
                      f"n_gpu_layers={p.n_gpu_layers}, flash_attn=True)")

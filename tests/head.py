@@ -75,7 +75,7 @@ def main(spec_path: str, out_path: str) -> None:
             groups = [[nodes[i] for i in group] for group in spec.get("ffn_groups", [range(len(nodes))])]
             metas = [tbrpc.cluster().ffn_split_device(group, [1.0] * len(group), spec["ffn_split"]) for group in groups]
             devices = (ctypes.c_void_p * (len(metas) + 1))(*metas, None)
-            kwargs.update(split_mode=1, tensor_split=[1.0] * len(metas) if len(metas) > 1 else None)
+            kwargs.update(split_mode=1, tensor_split=(spec.get("tensor_split") or [1.0] * len(metas)) if len(metas) > 1 else None)
     else:
         kwargs.update(n_gpu_layers=0)
     try:

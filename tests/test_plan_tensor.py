@@ -495,6 +495,61 @@ def test_ffn_plan_matches_what_nodes_allocate(n_nodes: int, ctx: int, nodes: Any
         assert 0 <= planned - allocated <= max(0.03 * allocated, 512 * 1024), (n.name, planned, allocated)
 
 
+@pytest.mark.parametrize("ctx", [256, 1024])
+def test_hybrid_plan_matches_what_nodes_allocate(ctx: int, nodes: Any, tmp_path: Path) -> None:
+    """The layer+tensor hybrid (2 groups of 2 nodes, each group one meta device of tbrpc's FFN
+    rules, the groups layer-split) loaded over real nodes: each node's allocation is the plan's,
+    within the FFN split's bound (weights and KV exact, the compute buffer planned a little high)."""
+    path = models.ensure("deepseek2-f32")
+    p = plan(path, _cpu_nodes(4), ctx=ctx, split="ffn", groups=2)
+    assert p.tensor is not None and p.tensor.groups == 2
+    kw = p.llama_kwargs()
+    assert kw["tensor_split"] == p.tensor_split and len(p.tensor_split) == 2
+    started = nodes(4)
+    result, _ = run_head(tmp_path, model=str(path), prompt="The capital of France is", n_predict=2, flash_attn=True,
+                         n_ctx=ctx, nodes=[n.endpoint for n in started], ffn_split=p.tensor.granularity,
+                         ffn_groups=[[0, 1], [2, 3]], tensor_split=kw["tensor_split"])
+    assert result["error"] is None, result["error"]
+    for i, (n, allocated) in enumerate(zip(p.nodes, result["allocated_after_load"])):
+        planned = n.total_bytes - p.tensor.reduce_buffer_bytes - p.tensor.scratch_bytes[i]
+        assert 0 <= planned - allocated <= max(0.03 * allocated, 512 * 1024), (n.name, planned, allocated)
+    # each group all-reduces the FFN of the layers the plan gives it, once per decoded token
+    for n, node in zip(p.nodes, result["nodes"]):
+        first, last = n.layers
+        assert node["allreduces"] == (last - first + 1), (n.name, n.layers, node["allreduces"])
+
+
+def test_hybrid_plan_shape() -> None:
+    """Groups of consecutive nodes, each holding its group's layers (the last group the output);
+    the FFN cut within a group, the rest of its layers whole; an all-reduce among a group's nodes."""
+    path = models.ensure("deepseek2-f32")
+    whole = plan(path, _cpu_nodes(4), ctx=256, split="ffn")
+    p = plan(path, _cpu_nodes(4), ctx=256, split="ffn", groups=2)
+    assert p.tensor is not None and whole.tensor is not None
+    assert [n.layers for n in p.nodes][::2] == [p.nodes[1].layers, p.nodes[3].layers]
+    assert p.nodes[0].layers[0] == 0 and p.nodes[2].layers[1] == p.n_layers - 1
+    assert p.nodes[0].layers[1] + 1 == p.nodes[2].layers[0]
+    # every split byte is on some node once per group's share; every node holds less than over all four
+    assert p.tensor.split_bytes == whole.tensor.split_bytes
+    assert all(h.kv_bytes < w.kv_bytes for h, w in zip(p.nodes, whole.nodes))
+    assert p.tensor.copies_per_all_reduce == 2 and whole.tensor.copies_per_all_reduce == 12
+    for bad, why in [(dict(groups=3), "4 nodes cannot make 3"), (dict(groups=4), "4 nodes cannot make 4"),
+                     (dict(groups=2, split="layer"), "only an ffn split takes groups")]:
+        with pytest.raises(PlanError, match=why):
+            plan(path, _cpu_nodes(4), ctx=256, **{"split": "ffn", **bad})
+    out = CliRunner().invoke(cli_main, ["plan", "--gguf", str(path), "--nodes", "4x4GiB", "--ctx", "256",
+                                        "--split", "ffn", "--groups", "2"])
+    assert out.exit_code == 0, out.output
+    first, last = p.nodes[0].layers, p.nodes[2].layers
+    assert f"node0   {first[0]}-{first[1]}, 1/2" in out.output and f"node3   {last[0]}-{last[1]}, 1/2" in out.output
+    assert "hybrid        2 groups of 2 consecutive nodes, layer-split" in out.output
+    assert ("library           metas = [tbrpc.cluster().ffn_split_device(endpoints[i:i + 2], [1, 1], "
+            f"{p.tensor.granularity}) for i in range(0, 4, 2)]; Llama(devices=metas, split_mode=1, "
+            f"tensor_split={[int(x) for x in p.tensor_split]}") in out.output
+    out = CliRunner().invoke(cli_main, ["plan", "--gguf", str(path), "--nodes", "4x4GiB", "--groups", "2"])
+    assert out.exit_code == 1 and "only an ffn split takes groups" in out.output
+
+
 def test_the_page_shows_each_nodes_share_of_a_tensor_split(llama_f32: Path, tmp_path: Path) -> None:
     with start_launch(tmp_path, "--gguf", str(llama_f32), "--local", "2", "--ctx", "256", "--split", "tensor",
                       "--port", "0") as launch:
