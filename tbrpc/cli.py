@@ -120,7 +120,7 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
                    "output cut, attention whole (tbrpc's own rules, for those).")
 @click.option("--groups", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --split ffn: that many groups of consecutive nodes, each cutting its layers' FFN and experts, "
-                   "the groups layer-split (the layer+tensor hybrid; planned only: launch and tbrpc.Llama do not load it yet).")
+                   "the groups layer-split (the layer+tensor hybrid; `tbrpc launch --groups` and tbrpc.Llama(groups=) load it).")
 @click.option("--tensor-split", "tensor_split", default=None, metavar="A,B,...",
               help="Each node's share: of every layer (--split tensor or ffn) [default: equal, or by free memory when "
                    "equal does not fit], or of the layers (--split layer, cut as llama.cpp cuts them) [default: planned].")
@@ -231,6 +231,9 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
                    "partial sums all-reduced node to node (flash attention on; not for deepseek2, one KV head, or a weight cut by rows that is one quant block wide); ffn: "
                    "tbrpc's own rules, the FFN, experts and output cut, the rest whole on every node (for deepseek2: "
                    "Kimi K2, DeepSeek V3; Gemma 3 270M).")
+@click.option("--groups", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --split ffn: that many groups of consecutive nodes, each cutting its layers' FFN and experts, "
+                   "the groups layer-split (the layer+tensor hybrid).")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 @_secret_option
 def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | None, host: str, port: int,
@@ -238,7 +241,8 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
            chat_format: str | None, api_key: str | None, log_dir: str | None, start_timeout: float,
            cache_type_k: str | None, cache_type_v: str | None, flash_attn: bool | None, ubatch: int | None,
            batch: int | None, threads: int | None, draft: str | None, draft_model: str | None,
-           draft_tokens: int | None, split: str | None, verbose: bool, secret_file: str | None = None) -> None:
+           draft_tokens: int | None, split: str | None, groups: int, verbose: bool,
+           secret_file: str | None = None) -> None:
     """Start the nodes, plan the split, load GGUF and serve it (or --prompt / --chat).
     Memory options (cache types, flash attention, batch sizes) are planned as `tbrpc plan` plans them."""
     from tbrpc.launch_signals import LaunchSignals
@@ -262,7 +266,7 @@ def launch(gguf: str, cluster_file: str | None, local: int | None, ctx: int | No
             gguf=gguf, cluster=cluster, ctx=ctx, host=host, port=port, prompt=prompt, chat=chat, max_tokens=max_tokens,
             temperature=temperature, alias=alias, api_key=api_key, log_dir=Path(log_dir) if log_dir else None,
             start_timeout=start_timeout, verbose=verbose, threads=threads, draft=draft, draft_model=draft_model,
-            draft_tokens=draft_tokens, split=split,
+            draft_tokens=draft_tokens, split=split, groups=groups,
             llama_kwargs={**context_kwargs(cache_type_k, cache_type_v, flash_attn, ubatch, batch, threads),
                           **({"chat_format": chat_format} if chat_format else {})}), signals=signals)
     raise SystemExit(code)

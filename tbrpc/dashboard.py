@@ -144,7 +144,10 @@ def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | No
     mine = set(getattr(llm, "tbrpc_endpoints", []))
     planned = {n.device: n for n in plan.nodes} if plan is not None else {}
     shares: dict[str, str] = {}   # tensor and ffn splits: each node holds a slice of every layer
-    if plan is not None and plan.split_mode in ("tensor", "ffn"):
+    if plan is not None and plan.tensor is not None and plan.tensor.groups > 1:   # the hybrid
+        k = len(plan.nodes) // plan.tensor.groups
+        shares = {n.device: f"layers {n.layers[0]}-{n.layers[1]}, {1 / k:.0%} of their FFN" for n in plan.nodes if n.layers}
+    elif plan is not None and plan.split_mode in ("tensor", "ffn"):
         total = sum(plan.tensor_split)
         shares = {n.device: f"{s / total:.0%} of each {'layer' if plan.split_mode == 'tensor' else 'FFN'}"
                   for n, s in zip(plan.nodes, plan.tensor_split)}

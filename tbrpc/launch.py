@@ -61,6 +61,7 @@ class LaunchOptions:
     draft_model: str | None = None  # a small GGUF with the model's vocabulary, run on this machine
     draft_tokens: int | None = None # tokens the draft model guesses per step
     split: str | None = None        # "layer", "tensor" or "ffn" (tbrpc.Llama's split); None: layer
+    groups: int = 1                 # ffn split: groups of consecutive nodes, layer-split (the hybrid)
     llama_kwargs: dict[str, Any] = field(default_factory=dict)   # context options: llama.context_kwargs()
 
 
@@ -106,7 +107,7 @@ def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted
         kwargs["draft_model"] = draft
     started = time.monotonic()
     read_before = _read_from_files(nodes)   # the head's counters run on across reloads: this load's is the difference
-    llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, **kwargs)
+    llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, groups=opts.groups, **kwargs)
     cluster = client_cluster()
     from_files = _read_from_files(nodes) - read_before
     say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"
@@ -172,7 +173,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                                     "(for a split set, its first shard)") from exc
             if opts.prompt is None and (warning := chat_format_warning(model, opts.llama_kwargs.get("chat_format"))):
                 say(warning)   # chats, in the terminal or over HTTP, need a format: said before anything starts
-            check_split(opts.gguf, opts.split, len(specs), opts.llama_kwargs)
+            check_split(opts.gguf, opts.split, len(specs), opts.llama_kwargs, opts.groups)
             sock: socket.socket | None = None
             if opts.prompt is None and not opts.chat:
                 require_server()

@@ -169,15 +169,22 @@ def _plan_failed(exc: PlanError | GGUFError) -> TbrpcError:
                          "and the context size")
 
 
-def check_split(model_path: str | os.PathLike[str], split: str | None, n_nodes: int, llama_kwargs: dict[str, Any]) -> None:
+def check_split(model_path: str | os.PathLike[str], split: str | None, n_nodes: int, llama_kwargs: dict[str, Any],
+                groups: int = 1) -> None:
     """Refuse, before any node starts, a tensor or FFN split llama.cpp refuses or
     aborts on (``plan.check_model_split``): ``split`` as ``tbrpc.Llama`` takes it,
-    or llama.cpp's own ``split_mode=3`` among ``llama_kwargs``."""
+    or llama.cpp's own ``split_mode=3`` among ``llama_kwargs``; with ``groups``
+    (the hybrid) the FFN split within each group of ``n_nodes // groups``."""
+    if groups != 1 and (split != "ffn" or groups < 1 or n_nodes % groups or n_nodes // groups < 2):
+        raise _plan_failed(PlanError(
+            f"groups={groups}: the hybrid is an ffn split over groups of 2 or more nodes each, as many in every group; "
+            f"{n_nodes} nodes cannot make {groups} such groups" if split == "ffn" else
+            f"groups={groups}: only an ffn split takes groups (the layer+tensor hybrid), not split={split!r}"))
     tensor = split == "tensor" or llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR
     if not tensor and split != "ffn":
         return
     try:
-        check_model_split(load_gguf(model_path), "tensor" if tensor else "ffn", n_nodes)
+        check_model_split(load_gguf(model_path), "tensor" if tensor else "ffn", n_nodes // groups)
     except (PlanError, GGUFError) as exc:
         raise _plan_failed(exc) from exc
 
@@ -350,7 +357,9 @@ class Llama(llama_cpp.Llama):
     layer cut across the nodes) or "ffn" (tbrpc's own rules: the FFN, experts
     and output cut, the rest whole on every node; for deepseek2 and models
     with one KV head such as Gemma 3 270M, which llama.cpp will not
-    tensor-split). The layer split is the default because it is exact (the
+    tensor-split); ``groups`` > 1 with "ffn": that split within groups of
+    consecutive nodes, the groups layer-split (the layer+tensor hybrid,
+    docs/planner.md). The layer split is the default because it is exact (the
     same logits, bit for bit, as one process running the nodes' kernels, for
     the same decode calls; a tensor split adds partial
     sums in another order), runs every architecture llama.cpp loads, and
@@ -372,7 +381,9 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, *, cluster: ClusterArg, progress: bool | Progress = False,
                  log_dir: str | os.PathLike[str] | None = None, start_timeout: float = defaults.START_TIMEOUT_S,
                  plan_options: dict[str, Any] | None = None, on_event: Say | None = None, split: str | None = None,
-                 secret_file: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+                 groups: int = 1, secret_file: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+        if groups != 1:   # the hybrid: checked with the node count (check_split) and planned
+            plan_options = {**(plan_options or {}), "groups": groups}
         if split is not None:
             if split not in SPLIT_MODES:
                 raise TbrpcError(f"split {split!r}: choose one of {', '.join(SPLIT_MODES)}")
@@ -389,7 +400,7 @@ class Llama(llama_cpp.Llama):
                 cluster_secret.use(secret_file)
             logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="tbrpc-logs-"))
             specs = resolve_cluster(cluster)
-            check_split(model_path, split, len(specs), kwargs)
+            check_split(model_path, split, len(specs), kwargs, groups)
             if isinstance(cluster, (str, os.PathLike)):
                 specs = discover_links(specs, say)
             say_cable_order(specs, say)
@@ -413,7 +424,12 @@ class Llama(llama_cpp.Llama):
                             f"(it offloads {self.tbrpc_plan.n_gpu_layers} of {self.tbrpc_plan.n_layers + 1}): "
                             "leave n_gpu_layers out, and the plan chooses it")
         head = self.tbrpc_plan.head
-        if self.tbrpc_plan.split_mode in ("tensor", "ffn"):
+        groups = self.tbrpc_plan.tensor.groups if self.tbrpc_plan.tensor is not None else 1
+        if groups > 1:   # the hybrid: a group's layers, its FFN cut among the group's nodes
+            k = len(self.tbrpc_plan.nodes) // groups
+            where = [f"{n.name} layers {n.layers[0]}-{n.layers[1]}, 1/{k} of their FFN and experts"
+                     for n in self.tbrpc_plan.nodes if n.layers]
+        elif self.tbrpc_plan.split_mode in ("tensor", "ffn"):
             total = sum(self.tbrpc_plan.tensor_split)
             what = "every layer" if self.tbrpc_plan.split_mode == "tensor" else "every FFN and expert"
             where = [f"{n.name} {s:g}/{total:g} of {what}" for n, s in zip(self.tbrpc_plan.nodes, self.tbrpc_plan.tensor_split)]
@@ -437,10 +453,16 @@ class Llama(llama_cpp.Llama):
             if key != "n_ctx":   # what the plan chose where the caller did not (flash attention for a quantized V)
                 kwargs.setdefault(key, value)
         kwargs["n_ctx"] = n_ctx or self.tbrpc_plan.ctx
-        if self.tbrpc_plan.split_mode == "ffn":   # one meta device over all the nodes, with tbrpc's split rules
-            assert self.tbrpc_plan.tensor is not None
-            meta = client_cluster().ffn_split_device(nodes.endpoints, self.tbrpc_plan.tensor_split,
-                                                     self.tbrpc_plan.tensor.granularity)
+        tensor = self.tbrpc_plan.tensor
+        if self.tbrpc_plan.split_mode == "ffn" and tensor is not None and tensor.groups > 1:
+            # the hybrid: a meta device per group of consecutive nodes, the groups layer-split (plan's tensor_split)
+            k = len(nodes.endpoints) // tensor.groups
+            metas = [client_cluster().ffn_split_device(nodes.endpoints[i:i + k], tensor.shares, tensor.granularity)
+                     for i in range(0, len(nodes.endpoints), k)]
+            self._tbrpc_devices_array = (ctypes.c_void_p * (len(metas) + 1))(*metas, None)
+        elif self.tbrpc_plan.split_mode == "ffn":   # one meta device over all the nodes, with tbrpc's split rules
+            assert tensor is not None
+            meta = client_cluster().ffn_split_device(nodes.endpoints, self.tbrpc_plan.tensor_split, tensor.granularity)
             self._tbrpc_devices_array = (ctypes.c_void_p * 2)(meta, None)
         else:
             self._tbrpc_devices_array = device_pointers(self.tbrpc_devices)

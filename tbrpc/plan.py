@@ -1087,7 +1087,7 @@ def _hybrid_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
                 weights_bytes=part.weights_bytes, kv_bytes=part.kv_bytes, compute_bytes=compute + reduce_b + scratch[i],
                 host_bytes=0, total_bytes=total, headroom_bytes=node.usable_bytes - margin - total,
                 shards=_shards_for(model, layout.output_tied and g == groups - 1, first, last, p.n_layer_all),
-                device=f"TBRPC{i} (group {g})", memory_from=node.memory_from, reported_bytes=node.reported_bytes,
+                device=f"TBRPC{i}", memory_from=node.memory_from, reported_bytes=node.reported_bytes,
                 split_bytes=part.split_bytes, replicated_bytes=part.replicated_bytes, draft_bytes=0,
             ))  # fmt: skip
     n_reduce = all_reduces_per_token(model, p, ffn_only=True)

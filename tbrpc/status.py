@@ -116,12 +116,34 @@ def connection_lines(nodes: Sequence[dict[str, Any]], fixes: bool = False) -> li
         else:
             lines += [f"{what} {source} -> {target}: {transport or '?'}"
                       for source, target, transport, _, what in record_carriers(node)]
-    modes = [n.get("allreduce") for n in nodes if n.get("allreduce")]
-    if modes and not fixes:   # a tensor split's: a link per pair, or the ring in node order
-        names = [n["name"] for n in nodes if n.get("allreduce")]
-        lines.append(f"all-reduce: {modes[0]} over " + (" -> ".join([*names, names[0]]) if modes[0] == "ring"
-                                                         else ", ".join(names)))
+    if not fixes:   # a tensor split's: a link per pair, or the ring in node order; one line per group of
+        for group in _allreduce_groups(nodes):   # nodes linked together (the hybrid has one per group)
+            names, mode = [n["name"] for n in group], group[0]["allreduce"]
+            lines.append(f"all-reduce: {mode} over " + (" -> ".join([*names, names[0]]) if mode == "ring"
+                                                        else ", ".join(names)))
     return lines
+
+
+def _allreduce_groups(nodes: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The nodes of a record that all-reduce, grouped with the nodes they link to, transitively (the
+    hybrid's groups are not linked to each other), in node order; one group when none has links."""
+    reducing = [n for n in nodes if n.get("allreduce")]
+    label = {n["name"]: i for i, n in enumerate(reducing)}   # each node's group: the lowest index in it
+    if not any(n.get("links") for n in reducing):
+        label = dict.fromkeys(label, 0)
+    changed = True
+    while changed:
+        changed = False
+        for n in reducing:
+            for to in (link["to"] for link in n.get("links", []) if link["to"] in label):
+                low = min(label[n["name"]], label[to])
+                for name in (n["name"], to):
+                    changed |= label[name] != low
+                    label[name] = low
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for n in reducing:
+        groups.setdefault(label[n["name"]], []).append(n)
+    return list(groups.values())
 
 
 def on_tcp(node: dict[str, Any]) -> list[dict[str, str]]:

@@ -302,6 +302,26 @@ def test_launch_split_matches_one_process(model_name: str, split: str, says: tup
     assert_gone(launch.node_pids())
 
 
+def test_launch_hybrid_matches_one_process(tmp_path: Path) -> None:
+    """`tbrpc launch --local 4 --split ffn --groups 2`: two groups of two nodes, each cutting its
+    layers' FFN and experts, the groups layer-split; the same greedy text as one process, the plan
+    and the all-reduce said per group."""
+    model = models.ensure("deepseek2-f32")
+    prompt = "The capital of France is"
+    want = _one_process(model, prompt, 12)
+    p = plan(model, _cpu_nodes(4), ctx=256, split="ffn", groups=2)
+    first, last = p.nodes[0].layers, p.nodes[2].layers
+    launch = start_launch(tmp_path, "--gguf", str(model), "--local", "4", "--ctx", "256", "--split", "ffn",
+                          "--groups", "2", "--prompt", prompt, "--max-tokens", "12")
+    assert launch.finish(timeout=180) == 0, launch.stderr
+    assert launch.stdout == want + "\n"
+    assert (f"plan: local0 layers {first[0]}-{first[1]}, 1/2 of their FFN and experts, local1 layers "
+            f"{first[0]}-{first[1]}, 1/2 of their FFN and experts, local2 layers {last[0]}-{last[1]}") in launch.stderr
+    assert "all-reduce: mesh over local0, local1\n" in launch.stderr, launch.stderr
+    assert "all-reduce: mesh over local2, local3\n" in launch.stderr, launch.stderr
+    assert_gone(launch.node_pids())
+
+
 # --- draft model --------------------------------------------------------------------
 
 
@@ -556,6 +576,20 @@ def test_the_page_shows_each_nodes_share_of_a_tensor_split(llama_f32: Path, tmp_
         root = launch.http_base().removesuffix("/v1")
         status = http_json(f"{root}/tbrpc/status.json")
         assert [n["share"] for n in status["nodes"]] == ["50% of each layer"] * 2, status["nodes"]
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.finish() == 0, launch.stderr
+
+
+def test_the_page_shows_each_nodes_part_of_the_hybrid(tmp_path: Path) -> None:
+    model = models.ensure("deepseek2-f32")
+    p = plan(model, _cpu_nodes(4), ctx=256, split="ffn", groups=2)
+    first, last = p.nodes[0].layers, p.nodes[2].layers
+    with start_launch(tmp_path, "--gguf", str(model), "--local", "4", "--ctx", "256", "--split", "ffn",
+                      "--groups", "2", "--port", "0") as launch:
+        root = launch.http_base().removesuffix("/v1")
+        status = http_json(f"{root}/tbrpc/status.json")
+        assert [n["share"] for n in status["nodes"]] == [f"layers {first[0]}-{first[1]}, 50% of their FFN"] * 2 + [
+            f"layers {last[0]}-{last[1]}, 50% of their FFN"] * 2, status["nodes"]
         launch.proc.send_signal(signal.SIGINT)
         assert launch.finish() == 0, launch.stderr
 
