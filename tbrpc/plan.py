@@ -1372,6 +1372,9 @@ def plan(
         raise PlanError(f"groups: the hybrid is an ffn split over groups of 2 or more nodes each, as many nodes in every "
                         f"group; {len(nodes)} nodes cannot make {groups} such groups" if split == "ffn" else
                         f"groups: only an ffn split takes groups (the layer+tensor hybrid), not a {split} split")
+    if groups > 1 and tensor_split is not None:
+        raise PlanError("groups: the hybrid gives every group an equal share of the layers and every node of a group an "
+                        "equal share of its FFN; it takes no tensor_split")
     if split in ("tensor", "ffn"):
         if split == "ffn" and head_device != "none":
             raise PlanError("ffn split: tbrpc's meta device is made of TBRPC nodes only; use head_device 'none'")

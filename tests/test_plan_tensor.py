@@ -554,7 +554,8 @@ def test_hybrid_plan_shape() -> None:
     assert all(h.kv_bytes < w.kv_bytes for h, w in zip(p.nodes, whole.nodes))
     assert p.tensor.copies_per_all_reduce == 2 and whole.tensor.copies_per_all_reduce == 12
     for bad, why in [(dict(groups=3), "4 nodes cannot make 3"), (dict(groups=4), "4 nodes cannot make 4"),
-                     (dict(groups=2, split="layer"), "only an ffn split takes groups")]:
+                     (dict(groups=2, split="layer"), "only an ffn split takes groups"),
+                     (dict(groups=2, tensor_split=[1, 2, 1, 2]), "it takes no tensor_split")]:
         with pytest.raises(PlanError, match=why):
             plan(path, _cpu_nodes(4), ctx=256, **{"split": "ffn", **bad})
     out = CliRunner().invoke(cli_main, ["plan", "--gguf", str(path), "--nodes", "4x4GiB", "--ctx", "256",
