@@ -47,6 +47,7 @@ from tbrpc.plan import (
     PlanError,
     TensorSplitError,
     cache_type_name,
+    check_groups,
     check_model_split,
     format_table,
     plan,
@@ -175,15 +176,11 @@ def check_split(model_path: str | os.PathLike[str], split: str | None, n_nodes: 
     aborts on (``plan.check_model_split``): ``split`` as ``tbrpc.Llama`` takes it,
     or llama.cpp's own ``split_mode=3`` among ``llama_kwargs``; with ``groups``
     (the hybrid) the FFN split within each group of ``n_nodes // groups``."""
-    if groups != 1 and (split != "ffn" or groups < 1 or n_nodes % groups or n_nodes // groups < 2):
-        raise _plan_failed(PlanError(
-            f"groups={groups}: the hybrid is an ffn split over groups of 2 or more nodes each, as many in every group; "
-            f"{n_nodes} nodes cannot make {groups} such groups" if split == "ffn" else
-            f"groups={groups}: only an ffn split takes groups (the layer+tensor hybrid), not split={split!r}"))
     tensor = split == "tensor" or llama_kwargs.get("split_mode") == LLAMA_SPLIT_MODE_TENSOR
-    if not tensor and split != "ffn":
-        return
     try:
+        check_groups(split, n_nodes, groups, llama_kwargs.get("tensor_split") is not None)
+        if not tensor and split != "ffn":
+            return
         check_model_split(load_gguf(model_path), "tensor" if tensor else "ffn", n_nodes // groups)
     except (PlanError, GGUFError) as exc:
         raise _plan_failed(exc) from exc

@@ -1052,6 +1052,21 @@ def _meta_tensors(model: GGUFModel, p: ArchParams, layout: WeightLayout, layers:
     return out
 
 
+def check_groups(split: str | None, n_nodes: int, groups: int, shares_given: bool = False) -> None:
+    """TensorSplitError (a PlanError whose message says the way out) unless ``groups`` of ``n_nodes`` make a layer+tensor hybrid (or ``groups`` is 1): an
+    ffn split, groups of 2 or more nodes, as many in every group, and no shares of one's own."""
+    if groups == 1:
+        return
+    if split != "ffn":
+        raise TensorSplitError(f"groups: only an ffn split takes groups (the layer+tensor hybrid), not a {split or 'layer'} split")
+    if groups < 1 or n_nodes % groups or n_nodes // groups < 2:
+        raise TensorSplitError(f"groups: the hybrid is an ffn split over groups of 2 or more nodes each, as many nodes in every "
+                        f"group; {n_nodes} nodes cannot make {groups} such groups")
+    if shares_given:
+        raise TensorSplitError("groups: the hybrid gives every group an equal share of the layers and every node of a group an "
+                        "equal share of its FFN; it takes no tensor_split")
+
+
 def _hybrid_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: ContextParams, nodes: Sequence[Node],
                   margin: int, groups: int, ring: bool = False) -> tuple[list[NodePlan], list[float], TensorPlan]:
     """Node plans for the layer+tensor hybrid: ``groups`` groups of consecutive nodes, each one
@@ -1368,13 +1383,7 @@ def plan(
     model = gguf if isinstance(gguf, GGUFModel) else load_gguf(gguf)
     params = arch_params(model)
     layout = weight_layout(model, params, load_mtp=load_mtp)
-    if groups != 1 and (split != "ffn" or groups < 1 or len(nodes) % groups or len(nodes) // groups < 2):
-        raise PlanError(f"groups: the hybrid is an ffn split over groups of 2 or more nodes each, as many nodes in every "
-                        f"group; {len(nodes)} nodes cannot make {groups} such groups" if split == "ffn" else
-                        f"groups: only an ffn split takes groups (the layer+tensor hybrid), not a {split} split")
-    if groups > 1 and tensor_split is not None:
-        raise PlanError("groups: the hybrid gives every group an equal share of the layers and every node of a group an "
-                        "equal share of its FFN; it takes no tensor_split")
+    check_groups(split, len(nodes), groups, tensor_split is not None)
     if split in ("tensor", "ffn"):
         if split == "ffn" and head_device != "none":
             raise PlanError("ffn split: tbrpc's meta device is made of TBRPC nodes only; use head_device 'none'")

@@ -25,6 +25,7 @@ import models
 from helpers import ENV, assert_gone, http_json, run_head, start_launch
 from tbrpc.cli import main as cli_main
 from tbrpc.gguf_model import load_gguf
+from tbrpc.llama import check_split
 from tbrpc.native import TbrpcError
 from tbrpc.node_memory import make_node
 from tbrpc.plan import PlanError, TensorSplitError, plan
@@ -569,6 +570,11 @@ def test_hybrid_plan_shape() -> None:
             f"tensor_split={[int(x) for x in p.tensor_split]}") in out.output
     out = CliRunner().invoke(cli_main, ["plan", "--gguf", str(path), "--nodes", "4x4GiB", "--groups", "2"])
     assert out.exit_code == 1 and "only an ffn split takes groups" in out.output
+    # launch and tbrpc.Llama refuse the same before any node starts, with the planner's words alone
+    with pytest.raises(TbrpcError) as refused:
+        check_split(path, "ffn", 4, {}, 3)
+    assert str(refused.value) == ("step plan: groups: the hybrid is an ffn split over groups of 2 or more nodes each, "
+                                  "as many nodes in every group; 4 nodes cannot make 3 such groups")
 
 
 def test_the_page_shows_each_nodes_share_of_a_tensor_split(llama_f32: Path, tmp_path: Path) -> None:
