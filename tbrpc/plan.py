@@ -1105,30 +1105,38 @@ def _hybrid_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
                 device=f"TBRPC{i}", memory_from=node.memory_from, reported_bytes=node.reported_bytes,
                 split_bytes=part.split_bytes, replicated_bytes=part.replicated_bytes, draft_bytes=0,
             ))  # fmt: skip
-    n_reduce = all_reduces_per_token(model, p, ffn_only=True)
-    s = p.n_embd * F32
-    copies = ring_copies(k) if ring else tbrpc_copies(k)
-    moved = n_reduce * 2 * (k - 1) * s if ring else n_reduce * copies * s
     split_list, _ = _tensor_split(ranges, p.n_layer_all, "none")
-    tensor = TensorPlan(
-        shares=[1.0] * k,
+    tensor = _tensor_plan(model, p, [1.0] * k, split_total, replicated, "tbrpc", ring, reduce_b, scratch,
+                          ffn_only=True, groups=groups)
+    return plans, split_list, tensor
+
+
+def _tensor_plan(model: GGUFModel, p: ArchParams, shares: Sequence[float], split_total: int, replicated: int,
+                 path: str, ring: bool, reduce_b: int, scratch: list[int], ffn_only: bool, groups: int = 1) -> TensorPlan:
+    """A tensor split's traffic and buffers, among ``len(shares)`` nodes (in the hybrid: a group's)."""
+    n = len(shares)
+    n_reduce = all_reduces_per_token(model, p, ffn_only)
+    s = p.n_embd * F32
+    copies = (ring_copies(n) if ring else tbrpc_copies(n)) if path == "tbrpc" else fallback_copies(n)
+    moved = n_reduce * 2 * (n - 1) * s if ring else n_reduce * copies * s   # a ring's transfers carry 1/n each
+    return TensorPlan(
+        shares=list(shares),
         split_bytes=split_total,
         replicated_bytes=replicated,
         all_reduces_per_token=n_reduce,
         all_reduce_bytes=s,
         all_reduce_bytes_per_token=n_reduce * s,
-        all_reduce_path="tbrpc",
+        all_reduce_path=path,
         copies_per_all_reduce=copies,
         node_to_node_bytes_per_token=moved,
         all_reduce_shape="ring" if ring else "mesh",
         logits_bytes_per_token=p.n_vocab * F32,
         reduce_buffer_bytes=reduce_b,
         scratch_bytes=scratch,
-        granularity=ffn_granularity(model),
-        output_cut=p.n_vocab % ffn_granularity(model) == 0,
+        granularity=ffn_granularity(model) if ffn_only else 0,
+        output_cut=not ffn_only or p.n_vocab % ffn_granularity(model) == 0,
         groups=groups,
     )
-    return plans, split_list, tensor
 
 
 def tensor_mode_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: ContextParams,
@@ -1540,27 +1548,7 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
                 candidate = build(by_room)
                 if min(x.headroom_bytes for x in candidate[0]) > min(x.headroom_bytes for x in plans):
                     shares, (plans, split_total, replicated) = by_room, candidate
-    n_reduce = all_reduces_per_token(model, p, ffn_only)
-    s = p.n_embd * F32
-    copies = (ring_copies(n) if ring else tbrpc_copies(n)) if path == "tbrpc" else fallback_copies(n)
-    moved = n_reduce * 2 * (n - 1) * s if ring else n_reduce * copies * s   # a ring's transfers carry 1/n each
-    tensor = TensorPlan(
-        shares=shares,
-        split_bytes=split_total,
-        replicated_bytes=replicated,
-        all_reduces_per_token=n_reduce,
-        all_reduce_bytes=s,
-        all_reduce_bytes_per_token=n_reduce * s,
-        all_reduce_path=path,
-        copies_per_all_reduce=copies,
-        node_to_node_bytes_per_token=moved,
-        all_reduce_shape="ring" if ring else "mesh",
-        logits_bytes_per_token=p.n_vocab * F32,
-        reduce_buffer_bytes=reduce_b,
-        scratch_bytes=scratch,
-        granularity=ffn_granularity(model) if ffn_only else 0,
-        output_cut=not ffn_only or p.n_vocab % ffn_granularity(model) == 0,
-    )
+    tensor = _tensor_plan(model, p, shares, split_total, replicated, path, ring, reduce_b, scratch, ffn_only=ffn_only)
     return plans, shares, tensor
 
 
