@@ -1053,8 +1053,9 @@ def _meta_tensors(model: GGUFModel, p: ArchParams, layout: WeightLayout, layers:
 
 
 def check_groups(split: str | None, n_nodes: int, groups: int, shares_given: bool = False) -> None:
-    """TensorSplitError (a PlanError whose message says the way out) unless ``groups`` of ``n_nodes`` make a layer+tensor hybrid (or ``groups`` is 1): an
-    ffn split, groups of 2 or more nodes, as many in every group, and no shares of one's own."""
+    """TensorSplitError (a PlanError whose message says the way out) unless ``groups`` of
+    ``n_nodes`` make a layer+tensor hybrid (or ``groups`` is 1): an ffn split, groups of 2 or
+    more nodes, as many in every group, and no shares of one's own."""
     if groups == 1:
         return
     if split != "ffn":
@@ -1078,11 +1079,8 @@ def _hybrid_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
     group's nodes."""
     k = len(nodes) // groups
     ranges = _ranges_of_split([1.0] * groups, p.n_layer_all, "none")
-    partial = pad(c.n_tokens * p.n_embd * F32, TENSOR_ALIGN)  # the largest partial sum: one ubatch
-    reduce_b = math.ceil(math.log2(k)) * partial
     ring = ring and k > 2
-    scratch = [RING_PIECE + (0 if node.kind == "cpu" else partial) if ring else (2 if node.kind == "cpu" else 3) * partial
-               for node in nodes]
+    reduce_b, scratch = _reduce_buffers(p, c, nodes, k, ring, tbrpc=True)
     plans: list[NodePlan] = []
     split_total = replicated = 0
     for g, (first, last) in enumerate(ranges):
@@ -1109,6 +1107,19 @@ def _hybrid_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
     tensor = _tensor_plan(model, p, [1.0] * k, split_total, replicated, "tbrpc", ring, reduce_b, scratch,
                           ffn_only=True, groups=groups)
     return plans, split_list, tensor
+
+
+def _reduce_buffers(p: ArchParams, c: ContextParams, nodes: Sequence[Node], n: int, ring: bool,
+                    tbrpc: bool) -> tuple[int, list[int]]:
+    """An all-reduce among ``n`` nodes: the meta backend's ceil(log2 n) receive buffers per node (its
+    fallback's), and per node the heap scratch of tbrpc's ALLREDUCE (node_links.c) when it runs: the
+    ring's one piece of a step, the mesh's own partial and a peer's; on a GPU also the sum. Buffers
+    are sized for the largest partial sum, one ubatch."""
+    partial = pad(c.n_tokens * p.n_embd * F32, TENSOR_ALIGN)
+    reduce_b = math.ceil(math.log2(n)) * partial if n > 1 else 0
+    scratch = [(RING_PIECE + (0 if node.kind == "cpu" else partial) if ring else
+                (2 if node.kind == "cpu" else 3) * partial) if tbrpc else 0 for node in nodes]
+    return reduce_b, scratch
 
 
 def _tensor_plan(model: GGUFModel, p: ArchParams, shares: Sequence[float], split_total: int, replicated: int,
@@ -1499,15 +1510,9 @@ def _tensor_nodes(model: GGUFModel, p: ArchParams, layout: WeightLayout, c: Cont
     # (ggml_backend_meta_buffer_type_alloc_buffer), plus ceil(log2 N) receive buffers
     # for the all-reduce fallback, sized for the largest partial sum (one ubatch).
     full_compute = compute_bytes(p, range(p.n_layer_all), c, has_output=True, has_input=True)
-    partial = pad(c.n_tokens * p.n_embd * F32, TENSOR_ALIGN)  # the largest partial sum: one ubatch
-    reduce_b = math.ceil(math.log2(n)) * partial if n > 1 else 0
-    # tbrpc's ALLREDUCE (every device a TBRPC node) keeps its partial and a peer's
-    # in the node's heap, and on a GPU also the sum (node_links.c).
     path = "tbrpc" if head_device == "none" and n > 1 else "butterfly"
     ring = ring and path == "tbrpc" and n > 2   # two nodes in a ring are a mesh (client.c, tbrpc_allreduce_choose)
-    # the ring: one piece of a step, and on a GPU the sum; the mesh: ours, a peer's, and on a GPU the sum
-    scratch = [(RING_PIECE + (0 if node.kind == "cpu" else partial) if ring else
-                (2 if node.kind == "cpu" else 3) * partial) if path == "tbrpc" else 0 for node in nodes]
+    reduce_b, scratch = _reduce_buffers(p, c, nodes, n, ring, tbrpc=path == "tbrpc")
 
     def build(shares: Sequence[float]) -> tuple[list[NodePlan], int, int]:
         parts, split_total, replicated = tensor_mode_nodes(model, p, layout, c, shares, ffn_only)
