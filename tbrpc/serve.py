@@ -19,6 +19,7 @@ from typing import Any, TextIO
 import llama_cpp
 from llama_cpp import llama_chat_format
 
+from tbrpc.abandoned import ClientWatch, stop_when_client_gone
 from tbrpc.client import NodeError
 from tbrpc.gguf_model import GGUFModel
 from tbrpc.native import SUPPORTED_LLAMA_CPP_PYTHON, TbrpcError
@@ -52,7 +53,7 @@ def make_app(serving: Serving, alias: str, api_key: str | None = None) -> Any:
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    from tbrpc.dashboard import install
+    from tbrpc.dashboard import TIMED_PATHS, install
 
     settings = ModelSettings(model=str(serving.shown.model_path), model_alias=alias)
 
@@ -67,7 +68,7 @@ def make_app(serving: Serving, alias: str, api_key: str | None = None) -> Any:
             self._default_model_alias = alias
 
         def __call__(self, model: str | None = None) -> llama_cpp.Llama:
-            return serving.model()
+            return stop_when_client_gone(serving.model())   # each load's model, once
 
         def free(self) -> None:
             pass
@@ -83,6 +84,7 @@ def make_app(serving: Serving, alias: str, api_key: str | None = None) -> Any:
                                     model_settings=[settings])
     finally:
         app_module.set_llama_proxy = original
+    app.add_middleware(ClientWatch, paths=TIMED_PATHS)   # a completion whose client left stops
     app.add_middleware(OutageGuard, serving=serving)
     install(app, serving, alias, api_key)   # /tbrpc, /tbrpc/status.json, /metrics (outermost: sees the 503s)
     return app

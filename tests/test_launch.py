@@ -38,6 +38,7 @@ from tbrpc import secret as tbrpc_secret
 from tbrpc.cli import main as cli_main
 from tbrpc.cluster_file import choose_cluster, load_specs, spec_from_table
 from tbrpc.doctor import transport_fix
+from tbrpc.gguf_model import load_gguf
 from tbrpc.llama import resolve_cluster
 from tbrpc.node_memory import ClusterError
 from tbrpc.spec import NodeSpec, SshTarget, local_specs
@@ -242,6 +243,50 @@ def test_concurrent_requests_take_turns(tmp_path: Path) -> None:
         assert "tbrpc_generated_tokens_total 48" in metrics and 'tbrpc_node_up{node="local0"' in metrics, metrics
         with urllib.request.urlopen(f"{root}/tbrpc", timeout=30) as r:
             assert b"tbrpc/status.json" in r.read()
+        stop_and_check(launch, signal.SIGINT, 0)
+
+
+def test_a_request_whose_client_left_stops_generating(tmp_path: Path) -> None:
+    """A non-streaming completion (plain and chat) whose client hangs up mid-answer stops at once
+    (a stream did already),
+    not at max_tokens with the nodes working for nobody and the next request waiting; the model
+    then answers the next request as a fresh process would."""
+    asked = 1900   # the tiny llama decodes ~1,000 tokens/s here: all of them would take seconds
+    model = models.ensure("llama")
+    no_end = {str(load_gguf(model).metadata["tokenizer.ggml.eos_token_id"]): -1000}   # text without an end
+    want = expected("llama")
+    with start_launch(tmp_path, "--gguf", str(model), "--local", "2", "--ctx", "2048",
+                      "--port", "0", "--alias", "m") as launch:
+        base = launch.http_base()
+        root, port = base.removesuffix("/v1"), int(base.rsplit(":", 1)[1].split("/")[0])
+
+        def trips() -> int:
+            return sum(n["round_trips"] for n in http_json(f"{root}/tbrpc/status.json")["nodes"])
+
+        for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                           ("/v1/chat/completions", {"messages": CHAT}),
+                           ("/v1/completions", {"prompt": PROMPT, "stream": True})):   # llama-cpp-python's own stop
+            before = trips()
+            data = json.dumps({"model": "m", "max_tokens": asked, "temperature": 0, "logit_bias": no_end,
+                               **body}).encode()
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                client.sendall(f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                               f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+                deadline = time.monotonic() + 60
+                while trips() < before + 20:   # generating (the prompt is one round trip per node)
+                    assert time.monotonic() < deadline, launch.stderr
+                    time.sleep(0.005)
+            deadline = time.monotonic() + 60
+            while (status := http_json(f"{root}/tbrpc/status.json"))["requests"]["in_flight"]:
+                assert time.monotonic() < deadline, launch.stderr
+                time.sleep(0.01)
+            assert status["requests"]["recent"][0]["path"] == path, status["requests"]
+            assert trips() - before < asked // 4, (path, body, status["requests"]["recent"][0])   # ~ a round trip a token
+
+        out = http_json(f"{base}/completions", {"model": "m", "prompt": PROMPT, "max_tokens": N_TOKENS,
+                                                 "temperature": 0, "repeat_penalty": 1.0})
+        assert out["choices"][0]["text"] == want["text"]
+        assert "Traceback" not in launch.stderr, launch.stderr
         stop_and_check(launch, signal.SIGINT, 0)
 
 

@@ -1,0 +1,98 @@
+"""A completion whose HTTP client has gone stops generating.
+
+llama-cpp-python's server looks for a disconnect before a non-streaming
+completion starts, and between a stream's chunks; once a non-streaming
+completion runs, nobody asks. A client that gives up on a long answer (a
+timeout, Ctrl-C, a closed tab) would leave the model -- every node of the
+cluster -- generating up to `max_tokens` for nobody, and the next request
+waiting for the model's lock all that time.
+
+Two halves, joined by a context variable (anyio copies the request task's
+context into the worker thread a completion runs in):
+
+- `ClientWatch`, ASGI middleware on the completion routes: once the app has
+  read the request's body, one task waits for the connection's next message,
+  which is `http.disconnect` when the client goes (or when the response has
+  been sent). The app may ask `receive` too (Starlette's `is_disconnected`,
+  sse-starlette's listener): it awaits that same message, not a second
+  concurrent read of the connection, which ASGI does not promise to be safe.
+  Starlette asks under a cancelled scope; the watch is shielded from it.
+- `stop_when_client_gone(llm)`: the served model's completions get a
+  stopping criterion that is true once its request's client has gone; the
+  completion ends at the next token as if a stop word came, and its answer
+  goes nowhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from llama_cpp import StoppingCriteriaList
+
+from tbrpc.outage import ASGIApp, Message, Receive, Scope, Send
+
+_client_gone: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("tbrpc_client_gone",
+                                                                                       default=None)
+
+
+def _is_disconnect(task: asyncio.Task[Message]) -> bool:
+    return not task.cancelled() and task.exception() is None and task.result().get("type") == "http.disconnect"
+
+
+class ClientWatch:
+    """ASGI middleware: marks the requests to `paths` whose client has gone (see the module's doc)."""
+
+    def __init__(self, app: ASGIApp, paths: Iterable[str]) -> None:
+        self.app = app
+        self.paths = frozenset(paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        gone = threading.Event()
+        watch: asyncio.Task[Message] | None = None
+
+        async def watched_receive() -> Message:
+            nonlocal watch
+            if watch is not None:   # shielded: a caller's cancelled scope must not cancel the watch
+                return await asyncio.shield(watch)
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            elif not message.get("more_body", False):   # the whole body is in: watch what comes next
+                watch = asyncio.ensure_future(receive())
+                watch.add_done_callback(lambda t: gone.set() if _is_disconnect(t) else None)
+            return message
+
+        mark = _client_gone.set(gone)
+        try:
+            await self.app(scope, watched_receive, send)
+        finally:
+            _client_gone.reset(mark)
+            if watch is not None and not watch.done():
+                watch.cancel()
+
+
+def stop_when_client_gone(llm: Any) -> Any:
+    """Give `llm`'s completions (chat completions go through them) a stopping criterion that turns
+    true once the client of the request calling it has gone; outside a watched request it adds
+    nothing. Returns `llm`; a second call changes nothing."""
+    if getattr(llm, "_tbrpc_stops_when_client_gone", False):
+        return llm
+    create_completion = llm.create_completion
+
+    def create_completion_until_gone(*args: Any, **kwargs: Any) -> Any:
+        gone = _client_gone.get()
+        if gone is not None:
+            kwargs["stopping_criteria"] = StoppingCriteriaList(
+                [*(kwargs.get("stopping_criteria") or []), lambda _ids, _logits: gone.is_set()])
+        return create_completion(*args, **kwargs)
+
+    llm.create_completion = create_completion_until_gone
+    llm._tbrpc_stops_when_client_gone = True
+    return llm
