@@ -143,14 +143,8 @@ def snapshot(llm: Any, alias: str, log: RequestLog, waiting: dict[str, Any] | No
     plan = getattr(llm, "tbrpc_plan", None)
     mine = set(getattr(llm, "tbrpc_endpoints", []))
     planned = {n.device: n for n in plan.nodes} if plan is not None else {}
-    shares: dict[str, str] = {}   # tensor and ffn splits: each node holds a slice of every layer
-    if plan is not None and plan.tensor is not None and plan.tensor.groups > 1:   # the hybrid
-        k = len(plan.nodes) // plan.tensor.groups
-        shares = {n.device: f"layers {n.layers[0]}-{n.layers[1]}, {1 / k:.0%} of their FFN" for n in plan.nodes if n.layers}
-    elif plan is not None and plan.split_mode in ("tensor", "ffn"):
-        total = sum(plan.tensor_split)
-        shares = {n.device: f"{s / total:.0%} of each {'layer' if plan.split_mode == 'tensor' else 'FFN'}"
-                  for n, s in zip(plan.nodes, plan.tensor_split)}
+    shares = ({n.device: plan.part_of(n) for n in plan.nodes}   # tensor and ffn splits: a part of every layer
+              if plan is not None and plan.split_mode in ("tensor", "ffn") else {})
     generated = log.tokens - log.baseline_tokens   # since the model in use was loaded
     tokens = max(generated, 1)
     nodes = []

@@ -421,18 +421,8 @@ class Llama(llama_cpp.Llama):
                             f"(it offloads {self.tbrpc_plan.n_gpu_layers} of {self.tbrpc_plan.n_layers + 1}): "
                             "leave n_gpu_layers out, and the plan chooses it")
         head = self.tbrpc_plan.head
-        groups = self.tbrpc_plan.tensor.groups if self.tbrpc_plan.tensor is not None else 1
-        if groups > 1:   # the hybrid: a group's layers, its FFN cut among the group's nodes
-            k = len(self.tbrpc_plan.nodes) // groups
-            where = [f"{n.name} layers {n.layers[0]}-{n.layers[1]}, 1/{k} of their FFN and experts"
-                     for n in self.tbrpc_plan.nodes if n.layers]
-        elif self.tbrpc_plan.split_mode in ("tensor", "ffn"):
-            total = sum(self.tbrpc_plan.tensor_split)
-            what = "every layer" if self.tbrpc_plan.split_mode == "tensor" else "every FFN and expert"
-            where = [f"{n.name} {s:g}/{total:g} of {what}" for n, s in zip(self.tbrpc_plan.nodes, self.tbrpc_plan.tensor_split)]
-        else:
-            where = [f"{n.name} layers {n.layers[0]}-{n.layers[1]}" if n.layers else f"{n.name} -" for n in self.tbrpc_plan.nodes]
-        say("plan: " + ", ".join(where) + f" (context {self.tbrpc_plan.ctx}, {_cache_words(self.tbrpc_plan)}"
+        say("plan: " + ", ".join(f"{n.name} {self.tbrpc_plan.part_of(n)}" for n in self.tbrpc_plan.nodes)
+            + f" (context {self.tbrpc_plan.ctx}, {_cache_words(self.tbrpc_plan)}"
             + (f"; this process keeps {format_size(head.total_bytes)})" if head else ")"))
         try:
             self.tbrpc_devices = [connect([e], transport=s.transport, secret_file=head_secret_file(s))[0]

@@ -386,6 +386,18 @@ class Plan:
             return "(none: tbrpc's own meta device, Cluster.ffn_split_device, as the only device of a layer split)"
         return args + (" -fa on" if self.split_mode == "tensor" else "")
 
+    def part_of(self, node: NodePlan) -> str:
+        """What of the model `node` (one of `nodes`) holds, in words: the launch's plan line, the
+        serving page and a shortfall say it so."""
+        layers = f"layers {node.layers[0]}-{node.layers[1]}" if node.layers else "no layers"
+        if self.tensor is not None and self.tensor.groups > 1:   # the hybrid: a group's layers, its FFN cut
+            return f"{layers}, 1/{len(self.nodes) // self.tensor.groups} of their FFN and experts" if node.layers else layers
+        if self.split_mode in ("tensor", "ffn"):
+            share = self.tensor_split[self.nodes.index(node)]
+            what = "every layer" if self.split_mode == "tensor" else "every FFN and expert"
+            return f"{_share_text(share)}/{_share_text(sum(self.tensor_split))} of {what}"
+        return layers
+
     def llama_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for llama_cpp.Llama that reproduce this split."""
         return {
@@ -1742,12 +1754,8 @@ def _shortfall(model: GGUFModel, result: Plan, nodes: Sequence[Node], params: Ar
     template = max(nodes, key=lambda n: n.usable_bytes)
     most = META_MAX_DEVICES if result.split_mode in ("tensor", "ffn") else params.n_layer_all
     min_nodes = _smallest_node_count(model, template, len(nodes), most, result.context.ctx, kwargs)
-    if result.split_mode in ("tensor", "ffn"):
-        layers = f"a {_share_text(result.tensor_split[result.nodes.index(worst)])}/{_share_text(sum(result.tensor_split))} slice of every layer"
-    else:
-        layers = f"layers {worst.layers[0]}-{worst.layers[1]}" if worst.layers else "no layers"
     message = (
-        f"does not fit: {worst.name} ({layers}) needs {format_size(worst.total_bytes)} + {format_size(margin)} margin "
+        f"does not fit: {worst.name} ({result.part_of(worst)}) needs {format_size(worst.total_bytes)} + {format_size(margin)} margin "
         f"but has {format_size(worst.usable_bytes)} usable: over by {format_size(over)}"
     )
     if total_short:

@@ -188,13 +188,13 @@ def test_too_big_for_two_small_nodes(llama_f32: Path) -> None:
     worst = min(p.nodes, key=lambda n: n.headroom_bytes)
     assert worst.total_bytes > size
     msg = p.shortfall.message
-    assert worst.name in msg and "slice of every layer" in msg
+    assert f"{worst.name} (1/2 of every layer)" in msg
     assert f"over by {format_size(worst.total_bytes - size)}" in msg
     assert p.shortfall.max_ctx is not None and p.shortfall.max_ctx < 2048
     result = CliRunner().invoke(cli_main, ["plan", "--gguf", str(llama_f32), "--node", f"a={size}", "--node", f"b={size}",
                                            "--ctx", "2048", "--margin", "0", "--split", "tensor", "--head-device", "none"])
     assert result.exit_code == 1, result.output
-    assert "DOES NOT FIT" in result.output and "a (a 1/2 slice of every layer)" in result.output and "over by" in result.output
+    assert "DOES NOT FIT" in result.output and "a (1/2 of every layer)" in result.output and "over by" in result.output
 
 
 def test_deepseek2_refused() -> None:
@@ -563,6 +563,14 @@ def test_hybrid_plan_shape() -> None:
                                         "--split", "ffn", "--groups", "2"])
     assert out.exit_code == 0, out.output
     first, last = p.nodes[0].layers, p.nodes[2].layers
+    # too small, the last node smallest: the shortfall names its part of the model in the hybrid's words
+    small = [make_node(f"node{i}", "1MiB" if i == 3 else "64MiB", kind="cpu") for i in range(4)]
+    short = plan(path, small, ctx=256, split="ffn", groups=2, margin=0)
+    assert not short.fits and short.shortfall is not None
+    assert f"node3 (layers {last[0]}-{last[1]}, 1/2 of their FFN and experts) needs" in short.shortfall.message
+    ffn = plan(path, small, ctx=256, split="ffn", margin=0)   # shares by free memory: node3's is the smallest
+    share, total = (f"{x:g}" for x in (ffn.tensor_split[3], sum(ffn.tensor_split)))
+    assert ffn.shortfall is not None and f"node3 ({share}/{total} of every FFN and expert) needs" in ffn.shortfall.message
     assert f"node0   {first[0]}-{first[1]}, 1/2" in out.output and f"node3   {last[0]}-{last[1]}, 1/2" in out.output
     assert "hybrid        2 groups of 2 consecutive nodes, layer-split" in out.output
     assert ("library           metas = [tbrpc.cluster().ffn_split_device(endpoints[i:i + 2], [1, 1], "
@@ -582,7 +590,7 @@ def test_the_page_shows_each_nodes_share_of_a_tensor_split(llama_f32: Path, tmp_
                       "--port", "0") as launch:
         root = launch.http_base().removesuffix("/v1")
         status = http_json(f"{root}/tbrpc/status.json")
-        assert [n["share"] for n in status["nodes"]] == ["50% of each layer"] * 2, status["nodes"]
+        assert [n["share"] for n in status["nodes"]] == ["1/2 of every layer"] * 2, status["nodes"]
         launch.proc.send_signal(signal.SIGINT)
         assert launch.finish() == 0, launch.stderr
 
@@ -595,8 +603,8 @@ def test_the_page_shows_each_nodes_part_of_the_hybrid(tmp_path: Path) -> None:
                       "--groups", "2", "--port", "0") as launch:
         root = launch.http_base().removesuffix("/v1")
         status = http_json(f"{root}/tbrpc/status.json")
-        assert [n["share"] for n in status["nodes"]] == [f"layers {first[0]}-{first[1]}, 50% of their FFN"] * 2 + [
-            f"layers {last[0]}-{last[1]}, 50% of their FFN"] * 2, status["nodes"]
+        assert [n["share"] for n in status["nodes"]] == [f"layers {first[0]}-{first[1]}, 1/2 of their FFN and experts"] * 2 + [
+            f"layers {last[0]}-{last[1]}, 1/2 of their FFN and experts"] * 2, status["nodes"]
         launch.proc.send_signal(signal.SIGINT)
         assert launch.finish() == 0, launch.stderr
 
