@@ -164,6 +164,25 @@ def test_restarts_a_node_it_started(tmp_path: Path) -> None:
         assert_gone(pids)
 
 
+@pytest.mark.parametrize("split", [("--local", "2", "--split", "ffn"), ("--local", "4", "--split", "ffn", "--groups", "2")],
+                         ids=["ffn", "hybrid"])
+def test_a_split_of_every_layer_restarts_its_nodes_too(tmp_path: Path, split: tuple[str, ...]) -> None:
+    """The FFN split and the hybrid hold their nodes in meta devices: a node killed twice (another each
+    time) is restarted, the meta devices are made again, and the answers stay one process's."""
+    model = models.ensure("deepseek2-f32")
+    want = str(baseline(model, PROMPT, N_TOKENS)["text"])
+    with start_launch(tmp_path, "--gguf", str(model), *split, "--ctx", "256", "--port", "0") as launch:
+        base = launch.http_base()
+        assert completion(base) == want
+        for victim in (1, 0):
+            os.kill(launch.node_pids()[victim], signal.SIGKILL)
+            launch.wait_for(r"(?s)(model reloaded in [\d.]+ s; serving again.*){%d}" % (2 - victim))
+            assert completion(base) == want, launch.stderr
+        pids = with_descendants(launch.node_pids())
+        stop(launch)
+        assert_gone(pids)
+
+
 def load_figures(launch: Launch) -> list[str]:
     """What each load said the nodes read from their own model files."""
     return re.findall(r"the nodes read (\S+ \S+) of weights from their own model files", launch.stderr)
