@@ -473,10 +473,18 @@ static int handle_transport_offer(struct node_conn * c, const struct tb_header *
 // The head switches right after sending this: if we cannot follow, the session ends (*io_failed).
 static int handle_transport_switch(struct node_conn * c, const struct tb_header * h, char * err, size_t err_len,
                                    bool * io_failed) {
-    uint32_t attached;
-    memcpy(&attached, c->payload, sizeof attached);
     struct tb_shm * seg = c->offered;
     c->offered = NULL;
+    // Outside dispatch's length rule: the u32 must be there (the scratch may
+    // be NULL or stale), and a head that cannot say whether it switched
+    // cannot go on, on either transport.
+    if (tb_check_request_len(h, err, err_len) != 0) {
+        tb_shm_discard(seg);
+        *io_failed = true;
+        return -1;
+    }
+    uint32_t attached;
+    memcpy(&attached, c->payload, sizeof attached);
     if (!seg) { snprintf(err, err_len, "TRANSPORT_SWITCH without an offer"); *io_failed = attached != 0; return -1; }
     if (!attached) { tb_shm_discard(seg); return 0; }
     pthread_mutex_lock(&c->send_lock);   // the watchdog sends on c->tp

@@ -640,3 +640,29 @@ def test_allreduce_refuses_missing_links_and_ids_out_of_range(node: Any) -> None
     assert allreduce(flags=ring | 4) == "ALLREDUCE: unknown flags 0x7"
     assert "ALLREDUCE: 62 bytes of type 0" in allreduce(size=62)
     assert w.sync_error() == ""   # the session serves on
+
+
+def test_a_transport_switch_of_the_wrong_length_is_refused(nodes: Any) -> None:
+    """TRANSPORT_SWITCH reads its u32 outside the generic length rule (the head
+    switches right after it). One without its 4 bytes, sent once a large
+    message's scratch was freed (node_session.c, SCRATCH_IDLE), read the u32
+    through a NULL scratch: under --isolation thread the whole node died of
+    SIGSEGV. It is refused by name and only that connection ends."""
+    node = nodes(1, "--isolation", "thread")[0]
+    w = ready(node)
+    size = 5 << 20   # over the 4 MiB of scratch always kept
+    req = pack("struct tb_range", handle=12345, offset=0, size=size)   # unknown handle: read, then refused
+    w.sock.sendall(header(lib.TB_CMD_SET_TENSOR, len(req) + size, 99) + req + b"\0" * size)
+    assert "unknown buffer handle 12345" in w.sync_error()
+    for _ in range(20):   # a run of small requests later the scratch is freed
+        w.sync_error()
+    for payload in (b"", b"\x01\x00"):
+        w.send(lib.TB_CMD_TRANSPORT_SWITCH, payload)
+        assert w.closed(timeout=20)
+        deadline = time.monotonic() + 5   # the log line comes as the node drops the connection
+        while "expected 4" not in node.log_text() and node.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert node.proc.poll() is None, f"node process died ({node.proc.returncode})"
+        assert f"TRANSPORT_SWITCH: payload is {len(payload)} bytes, expected 4" in node.log_text()
+        w = ready(node)
+    assert w.alloc(64)
