@@ -180,6 +180,19 @@ static ggml_backend_buffer_t buft_alloc_buffer(ggml_backend_buffer_type_t buft, 
     struct tb_alloc_req req = { .size = size };
     struct tb_alloc_reply rep;
     if (node_call(n, TB_CMD_ALLOC_BUFFER, &req, sizeof req, &rep, sizeof rep) != 0) return NULL;
+    // ggml takes `base` for an address: it aborts the whole process on NULL
+    // (ggml_backend_buffer_get_base) and on tensors whose base + offset wraps
+    // (ggml_backend_tensor_alloc). A node's word is not enough for that.
+    if (rep.size < size || rep.base == 0 || rep.base % n->info.alignment != 0 || rep.size > UINTPTR_MAX - rep.base) {
+        char why[256];
+        snprintf(why, sizeof why, "a buffer of %zu bytes came back as %llu bytes at base 0x%llx (alignment %llu): "
+                 "not a range ggml can address", size, (unsigned long long) rep.size, (unsigned long long) rep.base,
+                 (unsigned long long) n->info.alignment);
+        pthread_mutex_lock(&n->lock);
+        node_fail(n, "ALLOC_BUFFER", why);
+        pthread_mutex_unlock(&n->lock);
+        return NULL;
+    }
     struct client_buffer * cb = calloc(1, sizeof *cb);
     if (!cb) {
         struct tb_buffer_req free_req = { .handle = rep.handle };

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import struct
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +280,109 @@ def test_a_kept_graph_never_outlives_the_limit_it_was_checked_against(nodes: Any
     assert "slot 0, which holds no graph" in w.sync_error()
     w.send(lib.TB_CMD_GRAPH_COMPUTE, costly_mul_mat(h, 0))
     assert f"over this client's limit of {32 * MIB * COST_PER_BYTE}" in w.sync_error()
+
+
+# ---- a hostile node, seen from the head ----------------------------------------------
+
+def fake_node(alloc_reply: Any) -> tuple[Any, int]:
+    """A listener that speaks just enough of a node for a head to connect and
+    allocate: a plain HELLO reply (no caps: TCP, no files), and ALLOC_BUFFER
+    answered by alloc_reply(size) -> (handle, base, size). Returns (socket, port)."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+
+        def exactly(n: int) -> bytes:
+            data = b""
+            while len(data) < n:
+                chunk = conn.recv(n - len(data))
+                if not chunk:
+                    raise EOFError
+                data += chunk
+            return data
+
+        def reply(cmd: int, req_id: int, body: bytes) -> None:
+            conn.sendall(struct.pack("<IHHQQ", lib.TB_MAGIC, cmd, 1, req_id, 8 + len(body)) + struct.pack("<iI", 0, 0) + body)
+
+        try:
+            while True:
+                _magic, cmd, _flags, req_id, length = struct.unpack("<IHHQQ", exactly(24))
+                payload = exactly(length)
+                if cmd == lib.TB_CMD_HELLO:
+                    hello = ffi.new("struct tb_hello *")
+                    lib.tb_abi_fill(ffi.addressof(hello.abi))
+                    hello.ggml_build = ffi.from_buffer("struct tb_hello *", payload).ggml_build
+                    hello.mem_free = hello.mem_total = 1 << 30
+                    hello.alignment, hello.max_size = 32, 1 << 40
+                    hello.device_name, hello.node_name, hello.node_id = b"Fake", b"fake", bytes(range(16))
+                    reply(cmd, req_id, bytes(ffi.buffer(hello)))
+                elif cmd == lib.TB_CMD_ALLOC_BUFFER:
+                    reply(cmd, req_id, struct.pack("<QQQ", *alloc_reply(struct.unpack("<Q", payload)[0])))
+                elif cmd == lib.TB_CMD_STATUS:
+                    reply(cmd, req_id, b"\0" * ffi.sizeof("struct tb_status"))
+                elif not lib.tb_cmd_posted(cmd):
+                    reply(cmd, req_id, b"")
+        except (EOFError, OSError):
+            pass
+        finally:
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, srv.getsockname()[1]
+
+
+HEAD_ALLOCATES = """
+import ctypes, os, sys, llama_cpp, tbrpc
+names = tbrpc.connect(["127.0.0.1:%d"], transport="tcp")
+libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+ggml, base = (ctypes.CDLL(os.path.join(libdir, name)) for name in ("libggml.so.0", "libggml-base.so.0"))
+for lib, name, args in ((ggml, "ggml_backend_dev_by_name", [ctypes.c_char_p]),
+                        (base, "ggml_backend_dev_buffer_type", [ctypes.c_void_p]),
+                        (base, "ggml_backend_buft_alloc_buffer", [ctypes.c_void_p, ctypes.c_size_t]),
+                        (base, "ggml_backend_buffer_get_base", [ctypes.c_void_p])):
+    getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_void_p, args
+buft = base.ggml_backend_dev_buffer_type(ggml.ggml_backend_dev_by_name(names[0].encode()))
+buf = base.ggml_backend_buft_alloc_buffer(buft, 1 << 20)
+if buf:
+    print("base", base.ggml_backend_buffer_get_base(buf), flush=True)   # what every ggml allocator asks first
+print("failed:", tbrpc.cluster().exception(0) if tbrpc.cluster().failed_indexes() else "no", flush=True)
+"""
+
+
+@pytest.mark.parametrize("base,size", [(0, 1 << 20), (TB_FAKE_BASE + 1, 1 << 20), (2**64 - 4096, 1 << 20),
+                                       (TB_FAKE_BASE, 4096)], ids=["null", "unaligned", "wraps", "short"])
+def test_a_node_cannot_hand_the_head_an_address_ggml_aborts_on(base: int, size: int) -> None:
+    """ALLOC_BUFFER's base is the head's ggml address of the buffer. A node
+    that answered base 0 aborted the head's process (ggml_backend_buffer_get_base:
+    "backend buffer base cannot be NULL"); one whose base + size wraps would
+    abort it in ggml_backend_tensor_alloc. The head refuses such a reply (and
+    an unaligned base, or less than it asked for): no buffer, the node failed
+    with the reason, the process lives."""
+    srv, port = fake_node(lambda asked: (1, base, size))
+    try:
+        proc = subprocess.run([sys.executable, "-c", HEAD_ALLOCATES % port], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    finally:
+        srv.close()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "base" not in proc.stdout.split("failed:")[0], proc.stdout
+    assert "failed during ALLOC_BUFFER: a buffer of 1048576 bytes came back as" in proc.stdout, proc.stdout
+    assert "not a range ggml can address" in proc.stdout
+
+
+def test_a_node_that_answers_alloc_buffer_well_is_believed() -> None:
+    """The same fake node, answering as a node does, gives the head its buffer."""
+    srv, port = fake_node(lambda asked: (1, TB_FAKE_BASE, asked))
+    try:
+        proc = subprocess.run([sys.executable, "-c", HEAD_ALLOCATES % port], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    finally:
+        srv.close()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"base {TB_FAKE_BASE}" in proc.stdout and "failed: no" in proc.stdout, proc.stdout
