@@ -284,10 +284,11 @@ def test_a_kept_graph_never_outlives_the_limit_it_was_checked_against(nodes: Any
 
 # ---- a hostile node, seen from the head ----------------------------------------------
 
-def fake_node(alloc_reply: Any) -> tuple[Any, int]:
+def fake_node(alloc_reply: Any = None, caps: int = 0, answers: dict[int, Any] | None = None) -> tuple[Any, int]:
     """A listener that speaks just enough of a node for a head to connect and
-    allocate: a plain HELLO reply (no caps: TCP, no files), and ALLOC_BUFFER
-    answered by alloc_reply(size) -> (handle, base, size). Returns (socket, port)."""
+    allocate: a HELLO reply with `caps`, ALLOC_BUFFER answered by
+    alloc_reply(size) -> (handle, base, size), and `answers`: command ->
+    function(payload) -> reply body (None: no reply). Returns (socket, port)."""
     import socket
     import threading
 
@@ -314,12 +315,16 @@ def fake_node(alloc_reply: Any) -> tuple[Any, int]:
             while True:
                 _magic, cmd, _flags, req_id, length = struct.unpack("<IHHQQ", exactly(24))
                 payload = exactly(length)
-                if cmd == lib.TB_CMD_HELLO:
+                if answers and cmd in answers:
+                    body = answers[cmd](payload)
+                    if body is not None:
+                        reply(cmd, req_id, body)
+                elif cmd == lib.TB_CMD_HELLO:
                     hello = ffi.new("struct tb_hello *")
                     lib.tb_abi_fill(ffi.addressof(hello.abi))
                     hello.ggml_build = ffi.from_buffer("struct tb_hello *", payload).ggml_build
                     hello.mem_free = hello.mem_total = 1 << 30
-                    hello.alignment, hello.max_size = 32, 1 << 40
+                    hello.alignment, hello.max_size, hello.caps = 32, 1 << 40, caps
                     hello.device_name, hello.node_name, hello.node_id = b"Fake", b"fake", bytes(range(16))
                     reply(cmd, req_id, bytes(ffi.buffer(hello)))
                 elif cmd == lib.TB_CMD_ALLOC_BUFFER:
@@ -386,3 +391,50 @@ def test_a_node_that_answers_alloc_buffer_well_is_believed() -> None:
         srv.close()
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"base {TB_FAKE_BASE}" in proc.stdout and "failed: no" in proc.stdout, proc.stdout
+
+
+SHM_MAGIC, TB_CAP_SHM = 0x314D485342525442, 4   # transport/shm.c, proto.h
+
+
+def test_the_head_maps_no_shared_memory_but_its_own_users() -> None:
+    """A node on the head's host offers a shared-memory segment by name. A
+    hostile one (another user's process on a port the head was told) offered
+    a segment of its own, writable by anyone and owned by its user: the head
+    mapped it, switched, and the node truncated it under the head's ring: the
+    head's next request died of SIGBUS. The head maps only a segment of its
+    own user that no one else may write; this one leaves it on TCP, saying why."""
+    import secrets
+
+    name = f"/tbrpc-{secrets.token_hex(8)}"
+    path = Path("/dev/shm") / name[1:]
+    slots, stride = 4, 4096
+    nonce = secrets.token_bytes(16)
+
+    def offer(payload: bytes) -> bytes:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        os.fchmod(fd, 0o666)   # whoever may open it (the umask does not decide for a hostile node)
+        if os.geteuid() == 0:
+            os.fchown(fd, 65534, 65534)   # and another user's
+        os.ftruncate(fd, 4096 + 2 * slots * stride)
+        os.pwrite(fd, struct.pack("<Q16sII", SHM_MAGIC, nonce, slots, stride), 0)
+        os.close(fd)
+        return struct.pack("<II16s32s", slots, stride, nonce, name.encode()) + b"\0" * (160 + 8)
+
+    def switch(payload: bytes) -> None:
+        if payload == struct.pack("<I", 1):
+            os.truncate(path, 0)   # under the head's mapping
+        return None
+
+    srv, port = fake_node(caps=TB_CAP_SHM, answers={lib.TB_CMD_TRANSPORT_OFFER: offer, lib.TB_CMD_TRANSPORT_SWITCH: switch})
+    code = (f"import tbrpc\ntbrpc.connect(['127.0.0.1:{port}'], transport='auto')\n"
+            "print('transport:', tbrpc.cluster().nodes()[0].transport, flush=True)\n"
+            "print('clients:', tbrpc.cluster().status(0).clients, flush=True)\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    finally:
+        srv.close()
+        path.unlink(missing_ok=True)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert f"transport: tcp: shared memory {name} is not this user's alone" in proc.stdout, proc.stdout
+    assert "clients: 0" in proc.stdout

@@ -186,6 +186,17 @@ struct tb_shm * tb_shm_attach(const struct tb_shm_offer * offer, char * err, siz
         free(s);
         return NULL;
     }
+    // A segment whose owner or anyone else may resize it could be truncated
+    // under our mapping: the next frame we touch would kill this process
+    // (SIGBUS). The creator makes it 0600 as our own user (tb_shm_create):
+    // only that is the peer's segment; anyone else's is a trap.
+    if (st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+        snprintf(err, err_len, "shared memory %s is not this user's alone (owner uid %u, mode %03o)", s->name,
+                 (unsigned) st.st_uid, (unsigned) (st.st_mode & 0777));
+        close(fd);
+        free(s);
+        return NULL;
+    }
     if (map_fd(s, fd, size, err, err_len) != 0) { free(s); return NULL; }
     const struct shm_control * c = control(s);
     if (c->magic != SHM_MAGIC || memcmp(c->nonce, offer->nonce, sizeof c->nonce) != 0 ||
