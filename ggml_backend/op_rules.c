@@ -252,6 +252,8 @@ static int check_soft_max(const struct ggml_tensor * t, uint32_t index, char * e
     }
     if (RULE_ON(TB_RULE_LAYOUT) && (!rows_contiguous(a) || (mask && !rows_contiguous(mask))))
         FAIL("source rows must be contiguous");
+    // the kernel reads sinks[head] as packed floats, whatever nb[0] says
+    if (RULE_ON(TB_RULE_LAYOUT) && sinks && !rows_contiguous(sinks)) FAIL("sinks must be packed floats (nb[0] = 4)");
     return 0;
 }
 
@@ -278,6 +280,7 @@ static int check_flash_attn(const struct ggml_tensor * t, uint32_t index, char *
                                     !(t->nb[0] <= t->nb[1] && t->nb[1] <= t->nb[2] && t->nb[2] <= t->nb[3]) ||
                                     (mask && !rows_contiguous(mask))))
         FAIL("q, k, v and mask rows and the result must be contiguous");
+    if (RULE_ON(TB_RULE_LAYOUT) && sinks && !rows_contiguous(sinks)) FAIL("sinks must be packed floats (nb[0] = 4)");
     return 0;
 }
 

@@ -63,7 +63,7 @@ def test_the_reported_attacks_are_refused_by_name(safety_tests: Path) -> None:
     proc = run(safety_tests, "attacks")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("SET wrap-around", "ACC +-2 GiB", "PAD overlapping rows", "ROLL out of range", "NULL source",
-                 "nb[1] = 0 output", "op off the list"):
+                 "nb[1] = 0 output", "SOFT_MAX sinks nb[0] = 0", "FLASH_ATTN sinks nb[0] = 0", "op off the list"):
         assert f"refused {name}" in proc.stdout
 
 

@@ -516,6 +516,29 @@ static int attacks(void) {
     from(ggml_add(c, ggml_new_tensor_2d(c, GGML_TYPE_F32, 8, 1000), ggml_new_tensor_2d(c, GGML_TYPE_F32, 8, 1000)));
     wire[n_wire - 1].nb[1] = 0;
     expect_refused("nb[1] = 0 output", "overlap");
+    // Attention sinks (one F32 per head) with nb[0] = 0: 4 bytes on the wire, at
+    // the end of the buffer; the kernels read sinks[head] for every head as
+    // packed floats, past the end (the guard page)
+    {
+        const int64_t heads = 64;
+        struct ggml_tensor * sinks = ggml_new_tensor_1d(c, GGML_TYPE_F32, heads);
+        struct ggml_tensor * sm = ggml_soft_max_ext(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 4, 2, heads), NULL, 1.0f, 0.0f);
+        ggml_soft_max_add_sinks(sm, sinks);
+        from(sm);
+        const int s = wire_index(sinks);
+        wire[s].nb[0] = 0;
+        wire[s].offset = (4 + 4096 + 63) / 64 * 64 - 4;   // the buffer expect_refused makes for it: its last 4 bytes
+        expect_refused("SOFT_MAX sinks nb[0] = 0", "sinks must be");
+        struct ggml_tensor * fa = ggml_flash_attn_ext(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 1, heads),
+                                                      ggml_new_tensor_3d(c, GGML_TYPE_F16, 8, 4, 1),
+                                                      ggml_new_tensor_3d(c, GGML_TYPE_F16, 8, 4, 1), NULL, 1.0f, 0.0f, 0.0f);
+        ggml_flash_attn_ext_add_sinks(fa, sinks);
+        from(fa);
+        const int f = wire_index(sinks);
+        wire[f].nb[0] = 0;
+        wire[f].offset = (4 + 4096 + 63) / 64 * 64 - 4;
+        expect_refused("FLASH_ATTN sinks nb[0] = 0", "sinks must be");
+    }
     // an op that is not on the list
     from(ggml_ssm_conv(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 4, 1), ggml_new_tensor_2d(c, GGML_TYPE_F32, 4, 4)));
     expect_refused("op off the list", "SSM_CONV is not allowed");
