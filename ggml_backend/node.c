@@ -242,14 +242,16 @@ static void refuse_full(struct tb_node * n, int fd) {
 }
 
 // Read and drop what refused clients send; close each at end of file or its deadline.
+// At most 64 KiB per client per pass: one that sends as fast as we read must
+// not hold the accept loop (and the stop) until it tires.
 static void drain_refused(struct tb_node * n) {
     const int64_t now = tb_now_ms();
     for (int i = 0; i < MAX_REFUSING; i++) {
         const int fd = n->refusing[i].fd;
         if (fd < 0) continue;
         char sink[4096];
-        ssize_t got;
-        while ((got = recv(fd, sink, sizeof sink, 0)) > 0) {}
+        ssize_t got = 0;
+        for (int reads = 0; reads < 16 && (got = recv(fd, sink, sizeof sink, 0)) > 0; reads++) {}
         if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) || now >= n->refusing[i].until) {
             close(fd);
             n->refusing[i].fd = -1;
