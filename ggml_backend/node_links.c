@@ -86,9 +86,12 @@ static struct tb_transport * upgrade_link(struct node_conn * c, struct tb_transp
 // Dial a peer session's listener. Nothing is sent before the listener has
 // proven it knows the link key (the cluster secret and the listener's token,
 // which only the head and that listener have): a port that is not a tbrpc
-// listener of this cluster receives not a byte, and the reply (0) does not
-// say whether anything answered. Then the link's upgrade. Bounded by the
-// head's timeout. The reply says what carries the link, and why.
+// listener of this cluster receives not a byte. Then the link's upgrade.
+// Bounded by the head's timeout. The reply says what carries the link, or
+// why there is none (refused, timed out, not a node of this cluster): words
+// the head needs to say what to fix, which tell a client where something
+// listens -- a client that has passed the handshake, on a node whose
+// secret it holds (or one that chose to run without: loopback, --insecure).
 int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
     struct tb_peer_connect * req = (struct tb_peer_connect *) c->payload;
     req->host[sizeof req->host - 1] = '\0';
