@@ -425,6 +425,7 @@ def _install_error_hooks(c: Cluster) -> None:
         def checked(*args: Any) -> Any:
             if name == "llama_model_load_from_file" and uses_devices(args[1], c.device_names()):
                 plain_cpu(args[1])   # extra buffer types abort split graphs on some CPUs (head_buffers.py)
+                _refuse_aborting_tensor_split(args[0], args[1], c.device_names())
             # Only failures of this call count: a node that failed under an
             # earlier model must not fail a later one that does not use it.
             before = c.failed_indexes()
@@ -447,6 +448,7 @@ def _install_error_hooks(c: Cluster) -> None:
             return result
 
         checked._tbrpc_wrapped = True  # type: ignore[attr-defined]
+        checked.__wrapped__ = original  # type: ignore[attr-defined]
         setattr(llama_lib, name, checked)
 
     # the state reads copy KV cache bytes from the nodes: a node failing under them must not hand
@@ -454,6 +456,26 @@ def _install_error_hooks(c: Cluster) -> None:
     for entry_point in ("llama_decode", "llama_model_load_from_file", "llama_init_from_model",
                         "llama_state_get_data", "llama_state_seq_get_data"):
         wrap(entry_point)
+
+
+def _refuse_aborting_tensor_split(path: bytes, params: Any, ours: Sequence[str]) -> None:
+    """A plain ``llama_cpp.Llama(..., split_mode=3)`` over tbrpc devices of a model llama.cpp's
+    meta device aborts the process on (one KV head, weights one block wide along a cut) or refuses
+    without a word ("Failed to load model"): TensorSplitError (a ValueError), saying why and what to
+    use instead, as ``tbrpc.Llama(split="tensor")`` refuses it (``plan.check_model_split``). The
+    split takes the devices ``params`` names, else every GPU-type device ggml has: tbrpc's. A file
+    tbrpc cannot read is left to llama.cpp to report."""
+    from tbrpc.gguf_model import GGUFError, load_gguf
+    from tbrpc.head_buffers import device_names
+    from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, check_model_split
+
+    if params.split_mode != LLAMA_SPLIT_MODE_TENSOR:
+        return
+    try:
+        model = load_gguf(os.fsdecode(path))
+    except GGUFError:
+        return
+    check_model_split(model, "tensor", len(device_names(params.devices) or ours))
 
 
 def _free_result(llama_lib: Any, name: str, result: Any) -> None:

@@ -14,7 +14,8 @@ aborts on a quantized row that is exactly one block wide (the tiny model's
 Q4_K ffn_down; real models are wider) and on a model with one KV head
 (Gemma 3 270M; the planner refuses that, tests/test_plan_tensor.py), in
 code that tbrpc does not control; test_llamas_own_tensor_split_still_aborts
-pins both aborts. Gemma 3 and the tiny deepseek2 run with tbrpc's own
+pins both aborts (past tbrpc's load wrapper, which refuses both with the
+reason: test_a_plain_tensor_split_llama_cpp_aborts_on_is_refused). Gemma 3 and the tiny deepseek2 run with tbrpc's own
 split rules instead (FFN and output cut, the rest whole on every node).
 Nodes here share one host, so every all-reduce link is shared memory; the
 same all-reduce over RDMA links: tests/test_rdma.py.
@@ -264,12 +265,43 @@ def test_llamas_own_tensor_split_still_aborts(model_name: str, nodes: Any, tmp_p
     started = nodes(2)
     proc, out_path = head_process(tmp_path, model=str(models.ensure(model_name)), prompt=PROMPT, n_predict=2,
                                   flash_attn=True, split_mode=3, nodes=[n.endpoint for n in started],
+                                  unchecked_load=True,   # past tbrpc's refusal (the next test)
                                   verbose=True)   # llama-cpp-python silences stderr while it loads, unless verbose
     stderr = proc.stderr.decode(errors="replace")
     assert proc.returncode == -signal.SIGABRT, f"upstream no longer aborts? ({proc.returncode}) {stderr[-3000:]}"
     assert UPSTREAM_ABORTS[model_name] in stderr, stderr[-3000:]
     assert not out_path.exists()
     assert all(n.proc.poll() is None for n in started), [n.log_text()[-2000:] for n in started]
+
+
+@pytest.mark.parametrize("model_name", [*sorted(UPSTREAM_ABORTS), "deepseek2-f32"])
+def test_a_plain_tensor_split_llama_cpp_aborts_on_is_refused(model_name: str, nodes: Any) -> None:
+    """tbrpc.connect, then a plain llama_cpp.Llama(split_mode=3) of a model llama.cpp's tensor mode
+    aborts the process on (the models above) or refuses without a word ("Failed to load model
+    from file": deepseek2): tbrpc's load wrapper raises TensorSplitError, a ValueError saying why
+    and what to use, as tbrpc.Llama(split="tensor") does; the process lives on and loads the
+    model in a layer split over the same nodes."""
+    started = nodes(2)
+    script = (
+        "import json, sys, llama_cpp, tbrpc\n"
+        "from tbrpc.plan import TensorSplitError\n"
+        "tbrpc.connect(sys.argv[2:])\n"
+        "kw = dict(n_gpu_layers=-1, n_ctx=256, flash_attn=True, verbose=False)\n"
+        "try:\n"
+        "    llama_cpp.Llama(sys.argv[1], split_mode=3, **kw)\n"
+        "    refused = None\n"
+        "except ValueError as e:\n"
+        "    refused = [isinstance(e, TensorSplitError), str(e)]\n"
+        "llm = llama_cpp.Llama(sys.argv[1], split_mode=1, **kw)\n"
+        "text = llm('The capital of France is', max_tokens=2, temperature=0)['choices'][0]['text']\n"
+        "print(json.dumps({'refused': refused, 'text': text}))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(models.ensure(model_name)), *[n.endpoint for n in started]],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["refused"] and out["refused"][0] and out["refused"][1].startswith("tensor split: "), out
+    assert "use --split" in out["refused"][1], out
+    assert out["text"], out
 
 
 GEMMA3_LAYERS = 18           # Gemma 3 270M: one FFN all-reduce per layer
