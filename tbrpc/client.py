@@ -426,10 +426,14 @@ def _install_error_hooks(c: Cluster) -> None:
             if name == "llama_model_load_from_file" and uses_devices(args[1], c.device_names()):
                 plain_cpu(args[1])   # extra buffer types abort split graphs on some CPUs (head_buffers.py)
                 _refuse_aborting_tensor_split(args[0], args[1], c.device_names())
+            if name == "llama_init_from_model":
+                _refuse_tensor_context_without_flash_attn(args[0], args[1])
             # Only failures of this call count: a node that failed under an
             # earlier model must not fail a later one that does not use it.
             before = c.failed_indexes()
             result = original(*args)
+            if name == "llama_model_load_from_file":
+                _remember_split_mode(result, args[1])
             if name == "llama_decode" and result == 0:
                 # llama.cpp leaves the outputs' reads in flight (tbrpc's get_tensor_async) until the
                 # caller asks for them; a node failing during them must fail this call, not hand
@@ -476,6 +480,33 @@ def _refuse_aborting_tensor_split(path: bytes, params: Any, ours: Sequence[str])
     except GGUFError:
         return
     check_model_split(model, "tensor", len(device_names(params.devices) or ours))
+
+
+_tensor_models: set[int] = set()   # addresses of the models loaded now in llama.cpp's tensor mode
+
+
+def _remember_split_mode(model: Any, params: Any) -> None:
+    """Whether the model just loaded (at an address an earlier one may have had) is in tensor mode."""
+    from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR
+
+    address = ctypes.c_void_p(model).value
+    if address is None:
+        return
+    if params.split_mode == LLAMA_SPLIT_MODE_TENSOR:
+        _tensor_models.add(address)
+    else:
+        _tensor_models.discard(address)
+
+
+def _refuse_tensor_context_without_flash_attn(model: Any, params: Any) -> None:
+    """llama.cpp creates no context of a tensor-split model with flash attention off, and says why
+    only in its log (llama-cpp-python: "Failed to create llama_context"): a PlanError (a ValueError)
+    that says what to pass, as ``tbrpc.plan`` refuses it for ``tbrpc.Llama(split="tensor")``."""
+    from tbrpc.plan import PlanError
+
+    if ctypes.c_void_p(model).value in _tensor_models and params.flash_attn_type == 0:   # LLAMA_FLASH_ATTN_TYPE_DISABLED
+        raise PlanError("tensor split (split_mode=3) needs flash attention: llama.cpp creates no tensor-split "
+                        "context without it; pass flash_attn=True")
 
 
 def _free_result(llama_lib: Any, name: str, result: Any) -> None:

@@ -304,6 +304,35 @@ def test_a_plain_tensor_split_llama_cpp_aborts_on_is_refused(model_name: str, no
     assert out["text"], out
 
 
+def test_a_plain_tensor_split_without_flash_attention_says_so(nodes: Any) -> None:
+    """llama.cpp creates no tensor-split context with flash attention off and says why only in its
+    log: a plain llama_cpp.Llama(split_mode=3) over tbrpc devices raises a PlanError (a ValueError)
+    saying to pass flash_attn=True, not llama-cpp-python's bare "Failed to create llama_context";
+    with it, the same model loads, and a layer split at the same address needs no flash attention."""
+    started = nodes(2)
+    script = (
+        "import json, sys, llama_cpp, tbrpc\n"
+        "tbrpc.connect(sys.argv[2:])\n"
+        "kw = dict(n_gpu_layers=-1, n_ctx=256, verbose=False)\n"
+        "try:\n"
+        "    llama_cpp.Llama(sys.argv[1], split_mode=3, **kw)\n"
+        "    refused = None\n"
+        "except ValueError as e:\n"
+        "    refused = str(e)\n"
+        "texts = []\n"
+        "for mode, fa in ((3, True), (1, False)):\n"
+        "    llm = llama_cpp.Llama(sys.argv[1], split_mode=mode, flash_attn=fa, **kw)\n"
+        "    texts.append(llm('The capital of France is', max_tokens=4, temperature=0)['choices'][0]['text'])\n"
+        "    llm.close()\n"
+        "print(json.dumps({'refused': refused, 'texts': texts}))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(models.ensure("llama-f32")), *[n.endpoint for n in started]],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["refused"] and "needs flash attention" in out["refused"] and "flash_attn=True" in out["refused"], out
+    assert len(out["texts"]) == 2 and all(out["texts"]), out
+
+
 GEMMA3_LAYERS = 18           # Gemma 3 270M: one FFN all-reduce per layer
 GEMMA3_LOGIT_TOLERANCE = 1.5   # measured: at most 1.06, 1.15, 0.83 over 2, 3, 4 nodes (see the docstring)
 GEMMA3_CLEAR_MARGIN = 0.25     # a greedy choice with a top-two gap this wide must not change
