@@ -45,7 +45,6 @@ from tbrpc.plan import (
     SPLIT_MODES,
     Plan,
     PlanError,
-    TensorSplitError,
     cache_type_name,
     check_groups,
     check_model_split,
@@ -163,11 +162,12 @@ def plan_nodes(specs: Sequence[NodeSpec], nodes: Nodes) -> list[Node]:
 
 
 def _plan_failed(exc: PlanError | GGUFError) -> TbrpcError:
-    """The planner's refusal as step plan's error."""
-    if isinstance(exc, TensorSplitError):   # the planner's own way out is in the message
-        return TbrpcError.at("plan", str(exc))
-    return TbrpcError.at("plan", f"{exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
-                         "and the context size")
+    """The planner's refusal as step plan's error. A PlanError names what it cannot plan (an
+    argument, the node count, the model's shape) and often the way out; only a model file the
+    planner cannot read gets the hint to check it."""
+    if isinstance(exc, GGUFError):
+        return TbrpcError.at("plan", f"{exc}\n  try: check the model file (`tbrpc plan --gguf` reads it)")
+    return TbrpcError.at("plan", str(exc))
 
 
 def check_split(model_path: str | os.PathLike[str], split: str | None, n_nodes: int, llama_kwargs: dict[str, Any],

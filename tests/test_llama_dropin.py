@@ -360,3 +360,26 @@ def test_speculative_tokens_are_the_split_models_greedy_choices(tmp_path: Path) 
     assert tokens == out["batched_argmax"], out
     assert out["diff"] <= BATCH_LOGIT_TOLERANCE, out["diff"]
     assert out["diff_other_row"] > 2 * BATCH_LOGIT_TOLERANCE, out   # every row of another position is far off
+
+
+def test_a_refused_argument_is_named_without_a_hint_elsewhere(tmp_path: Path) -> None:
+    """A plan refused for the caller's own arguments (a tensor_split of the wrong length, more
+    nodes than layers) says so, with no hint to check the model file and the context size, which
+    sent users after the wrong thing; a model file the planner cannot read keeps that hint."""
+    model = models.ensure("llama")
+    out = run_code(f"""
+        from tbrpc import TbrpcError
+        said = {{}}
+        for name, path, kwargs in (("shares", {str(model)!r}, dict(cluster=2, tensor_split=[1, 1, 1])),
+                                   ("nodes", {str(model)!r}, dict(cluster=7)),
+                                   ("file", "/etc/hostname", dict(cluster=1))):
+            try:
+                Llama(path, n_ctx=256, verbose=False, log_dir={str(tmp_path)!r}, **kwargs)
+            except TbrpcError as e:
+                said[name] = str(e)
+        print(json.dumps(said))
+    """)
+    assert out["shares"].startswith("step plan: tensor_split needs 2 non-negative shares, not [1, 1, 1]"), out
+    assert out["nodes"].startswith("step plan: 7 nodes but only 6 layers to share"), out
+    assert all("check the model file" not in out[k] for k in ("shares", "nodes")), out
+    assert "GGUF file" in out["file"] and "try: check the model file" in out["file"], out
