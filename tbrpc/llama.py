@@ -468,7 +468,7 @@ class Llama(llama_cpp.Llama):
                 raise
         self.tbrpc_load_seconds = time.monotonic() - started
         started = time.monotonic()
-        if len(nodes.endpoints) > 1:
+        if len(nodes.endpoints) > 1 and not self.model_params.vocab_only:   # llama.cpp aborts decoding without weights
             self._tbrpc_make_links()
         self.tbrpc_link_seconds = time.monotonic() - started
 

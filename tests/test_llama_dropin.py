@@ -383,3 +383,18 @@ def test_a_refused_argument_is_named_without_a_hint_elsewhere(tmp_path: Path) ->
     assert out["nodes"].startswith("step plan: 7 nodes but only 6 layers to share"), out
     assert all("check the model file" not in out[k] for k in ("shares", "nodes")), out
     assert "GGUF file" in out["file"] and "try: check the model file" in out["file"], out
+
+
+def test_a_vocab_only_model_tokenizes_as_llama_cpps_does(tmp_path: Path) -> None:
+    """vocab_only=True (a tokenizer, no weights): the load makes no links, since llama.cpp aborts
+    the process decoding a model without weights; it tokenizes as a one-process vocab-only Llama."""
+    model = models.ensure("llama")
+    out = run_code(f"""
+        import llama_cpp
+        alone = llama_cpp.Llama({str(model)!r}, vocab_only=True, verbose=False).tokenize({PROMPT!r}.encode())
+        llm = Llama({str(model)!r}, cluster=2, vocab_only=True, verbose=False, log_dir={str(tmp_path)!r})
+        split = llm.tokenize({PROMPT!r}.encode())
+        llm.close()
+        print(json.dumps({{"alone": alone, "split": split}}))
+    """)
+    assert out["split"] == out["alone"] and out["alone"], out
