@@ -9,6 +9,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tbrpc.client import DuplicateNodeError, NodeError
 from tbrpc.node_memory import ClusterError, ClusterNode, Node
 
 STARTS = ("local", "ssh", "manual")
@@ -200,6 +201,22 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+class EndpointError(ClusterError, NodeError):
+    """An entry of a list of nodes that is not "host:port": a ClusterError of the cluster given, and
+    the NodeError ``tbrpc.connect`` raises for it (``tbrpc.Llama`` raises connect's classes)."""
+
+    def __init__(self, message: str, endpoint: str | None = None) -> None:
+        NodeError.__init__(self, message, endpoint)
+
+
+class DuplicateEntryError(ClusterError, DuplicateNodeError):
+    """Two entries of a cluster that are one node: a ClusterError of the cluster given, and the
+    DuplicateNodeError ``tbrpc.connect`` raises for a node listed twice."""
+
+    def __init__(self, message: str, endpoint: str | None = None) -> None:
+        DuplicateNodeError.__init__(self, message, endpoint)
+
+
 def endpoint_specs(endpoints: list[str]) -> list[NodeSpec]:
     """Nodes given as "host:port", started by someone else."""
     specs = []
@@ -207,7 +224,7 @@ def endpoint_specs(endpoints: list[str]) -> list[NodeSpec]:
         try:
             host, port = split_endpoint(endpoint)
         except ValueError as exc:
-            raise ClusterError(f"node #{i + 1}: {exc}") from exc
+            raise EndpointError(f"node #{i + 1}: {exc}", endpoint) from exc
         specs.append(NodeSpec(name=endpoint, host=host, port=port, start="manual"))
     check_distinct(specs, "cluster")
     return specs
@@ -226,7 +243,7 @@ def _label(spec: NodeSpec) -> str:
 
 
 def check_distinct(specs: Sequence[NodeSpec], where: str) -> None:
-    """ClusterError naming both entries when two nodes are one: the same port at the same host, by
+    """DuplicateEntryError (a ClusterError) naming both entries when two nodes are one: the same port at the same host, by
     name or by address (localhost and 127.0.0.1), so a machine's memory is not counted twice.
     Nodes whose port is chosen at start (0) cannot collide. Connecting finds the rest (one node
     process reached at two addresses, tbrpc.connect)."""
@@ -242,6 +259,7 @@ def check_distinct(specs: Sequence[NodeSpec], where: str) -> None:
             addresses = _addresses(spec.host)
             for other, theirs in seen:
                 if addresses & theirs:
-                    raise ClusterError(f"{where}: nodes {_label(other)} and {_label(spec)} are the same node "
-                                       f"({sorted(addresses & theirs)[0]} port {port}): list each node once")
+                    raise DuplicateEntryError(f"{where}: nodes {_label(other)} and {_label(spec)} are the same node "
+                                              f"({sorted(addresses & theirs)[0]} port {port}): list each node once",
+                                              spec.endpoint)
             seen.append((spec, addresses))

@@ -398,3 +398,24 @@ def test_a_vocab_only_model_tokenizes_as_llama_cpps_does(tmp_path: Path) -> None
         print(json.dumps({{"alone": alone, "split": split}}))
     """)
     assert out["split"] == out["alone"] and out["alone"], out
+
+
+def test_a_bad_list_of_nodes_raises_what_connect_raises() -> None:
+    """tbrpc.Llama raises tbrpc.connect's classes for the same causes (README): a node listed twice
+    is a DuplicateNodeError, an entry that is not "host:port" a NodeError, before anything starts;
+    both stay ClusterErrors (ValueErrors), as `tbrpc plan` and the cluster file catch them."""
+    out = run_code("""
+        import tbrpc
+        from tbrpc.node_memory import ClusterError
+        said = {}
+        for name, cluster in (("twice", ["127.0.0.1:1", "127.0.0.1:1"]), ("malformed", ["no-port-here"])):
+            for how, call in (("connect", lambda: tbrpc.connect(cluster)), ("Llama", lambda: Llama("m.gguf", cluster=cluster))):
+                try:
+                    call()
+                except tbrpc.NodeError as e:
+                    said[f"{name} {how}"] = [type(e).__name__, isinstance(e, tbrpc.DuplicateNodeError),
+                                             isinstance(e, ClusterError) or how == "connect", e.endpoint]
+        print(json.dumps(said))
+    """)
+    assert out["twice connect"][1:] == out["twice Llama"][1:] == [True, True, "127.0.0.1:1"], out
+    assert out["malformed connect"][1:] == out["malformed Llama"][1:] == [False, True, "no-port-here"], out
