@@ -402,6 +402,15 @@ def connect(nodes: Sequence[str], timeout: float = defaults.STALL_TIMEOUT_S, tra
     return [c.add(endpoint, timeout, transport or default_transport(), key) for endpoint in nodes]
 
 
+# One llama_decode at a time in this process. A decode posts its requests to each node in turn (its
+# graphs, the copies of activations node to node, the all-reduces), holding one node's connection at
+# a time, and every node runs its requests in the order they came. Two decodes from two threads (two
+# models over the same nodes) would interleave them: a node would take one model's activations for
+# the other's, or add one's partial sums to the other's, and answer wrong tokens without an error.
+# Whole decodes one after the other keep every node's order the same.
+_one_decode = threading.Lock()
+
+
 def _install_error_hooks(c: Cluster) -> None:
     """Make llama-cpp-python raise NodeError (naming the node) when a node fails.
 
@@ -409,7 +418,7 @@ def _install_error_hooks(c: Cluster) -> None:
     marks the node failed (printing nothing) and makes ggml's calls fail
     softly. These wrappers, around the entry points llama-cpp-python uses for
     loading, context creation, decoding and reading the state, turn that
-    state into a Python exception. The load
+    state into a Python exception. Decodes run one at a time (``_one_decode``). The load
     wrapper also turns off the CPU's extra buffer types for a model that uses
     tbrpc devices (why: tbrpc/head_buffers.py).
     """
@@ -423,6 +432,12 @@ def _install_error_hooks(c: Cluster) -> None:
             return
 
         def checked(*args: Any) -> Any:
+            if name == "llama_decode":
+                with _one_decode:
+                    return checked_call(*args)
+            return checked_call(*args)
+
+        def checked_call(*args: Any) -> Any:
             if name == "llama_model_load_from_file" and uses_devices(args[1], c.device_names()):
                 plain_cpu(args[1])   # extra buffer types abort split graphs on some CPUs (head_buffers.py)
                 _refuse_aborting_tensor_split(args[0], args[1], c.device_names())

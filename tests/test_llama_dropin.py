@@ -419,3 +419,31 @@ def test_a_bad_list_of_nodes_raises_what_connect_raises() -> None:
     """)
     assert out["twice connect"][1:] == out["twice Llama"][1:] == [True, True, "127.0.0.1:1"], out
     assert out["malformed connect"][1:] == out["malformed Llama"][1:] == [False, True, "no-port-here"], out
+
+
+def test_two_models_over_the_same_nodes_generate_at_once(nodes: Any) -> None:
+    """Two tbrpc.Llama over the same two nodes, generating from two threads at once: each answers
+    what it answers alone. A decode posts its requests node by node; two decodes interleaved
+    made a node all-reduce one model's partial sums with the other's (an FFN split: garbage
+    every time), or in a layer split take one's activations for the other's (now and then), all
+    without an error."""
+    split = "ffn"
+    model = models.ensure("gemma")
+    endpoints = [n.endpoint for n in nodes(2)]
+    out = run_code(f"""
+        import threading
+        a, b = (Llama({str(model)!r}, cluster={endpoints!r}, n_ctx=256, verbose=False, split={split!r}) for _ in range(2))
+        alone = a({PROMPT!r}, max_tokens=24, temperature=0)["choices"][0]["text"]
+        texts = {{}}
+        def generate(name, llm):
+            texts[name] = [llm({PROMPT!r}, max_tokens=24, temperature=0)["choices"][0]["text"] for _ in range(3)]
+        threads = [threading.Thread(target=generate, args=item) for item in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        a.close()
+        b.close()
+        print(json.dumps({{"alone": alone, "texts": texts}}))
+    """)
+    assert out["texts"] == {"a": [out["alone"]] * 3, "b": [out["alone"]] * 3}, out
