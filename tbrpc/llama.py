@@ -228,6 +228,16 @@ def context_kwargs(cache_type_k: str | None = None, cache_type_v: str | None = N
     return kwargs
 
 
+def check_split_mode(split: str, split_mode: int | None) -> None:
+    """Refuse llama.cpp's ``split_mode`` when it is not the one ``split`` loads with (tensor: 3;
+    layer, and ffn, whose meta devices llama.cpp layer-splits: 1): the plan would size one split
+    while llama.cpp loaded the other."""
+    wanted = context_kwargs(split="tensor" if split == "tensor" else "layer")["split_mode"]
+    if split_mode is not None and int(split_mode) != wanted:
+        raise TbrpcError(f"split={split!r} loads with split_mode={wanted}, not the split_mode={split_mode} given: "
+                         "give split or split_mode, not both")
+
+
 def _offloaded(n_gpu_layers: int, n_layers: int) -> int:
     """How many of a model's layers and its output llama.cpp offloads for ``n_gpu_layers``
     (negative: all of them)."""
@@ -384,6 +394,7 @@ class Llama(llama_cpp.Llama):
         if split is not None:
             if split not in SPLIT_MODES:
                 raise TbrpcError(f"split {split!r}: choose one of {', '.join(SPLIT_MODES)}")
+            check_split_mode(split, kwargs.get("split_mode"))
             plan_options = {**(plan_options or {}), "split": split}
             if split != "ffn":   # llama.cpp's own split modes
                 kwargs = {**context_kwargs(split=split), **kwargs}

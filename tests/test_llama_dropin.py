@@ -447,3 +447,25 @@ def test_two_models_over_the_same_nodes_generate_at_once(nodes: Any) -> None:
         print(json.dumps({{"alone": alone, "texts": texts}}))
     """)
     assert out["texts"] == {"a": [out["alone"]] * 3, "b": [out["alone"]] * 3}, out
+
+
+def test_a_split_mode_that_contradicts_split_is_refused() -> None:
+    """split= and llama.cpp's split_mode= that disagree are refused before anything starts: the
+    plan sized one split while llama.cpp loaded the other (split="tensor", split_mode=1 loaded a
+    layer split that tbrpc_plan called a tensor split), and split="ffn", split_mode=3 was refused
+    for Gemma with "use --split ffn". split_mode=1 with split="ffn" agrees (its meta device is
+    layer-split)."""
+    out = run_code("""
+        from tbrpc import TbrpcError
+        said = {}
+        for split, mode in (("tensor", 1), ("layer", 3), ("ffn", 3), ("ffn", 1)):
+            try:
+                Llama("m.gguf", cluster=2, split=split, split_mode=mode)
+            except TbrpcError as e:
+                said[f"{split} {mode}"] = str(e)
+        print(json.dumps(said))
+    """)
+    for split, mode, want in (("tensor", 1, 3), ("layer", 3, 1), ("ffn", 3, 1)):
+        assert out.pop(f"{split} {mode}") == (f"split={split!r} loads with split_mode={want}, not the split_mode={mode} "
+                                              "given: give split or split_mode, not both"), out
+    assert out["ffn 1"].startswith("step plan: m.gguf: no such file"), out   # past the check, to the model file
