@@ -464,7 +464,8 @@ class Llama(llama_cpp.Llama):
             self._tbrpc_devices_array = (ctypes.c_void_p * 2)(meta, None)
         else:
             self._tbrpc_devices_array = device_pointers(self.tbrpc_devices)
-        self._tbrpc_progress_cb = _progress_callback(progress)
+        interrupted: list[BaseException] = []
+        self._tbrpc_progress_cb = _progress_callback(progress, interrupted)
         self.tbrpc_load_seconds = 0.0
         started = time.monotonic()
         with model_params_patch(self._tbrpc_devices_array, self._tbrpc_progress_cb):
@@ -473,6 +474,8 @@ class Llama(llama_cpp.Llama):
             except TbrpcError as exc:
                 raise nodes.explained("load", exc) from exc
             except ValueError as exc:
+                if interrupted:   # Ctrl-C during a progress report aborted the load
+                    raise interrupted[0] from None
                 failure = nodes.first_failure()
                 if failure:
                     raise nodes.explained("load", TbrpcError(failure[1]), failure[0]) from exc
@@ -563,7 +566,11 @@ class Llama(llama_cpp.Llama):
         self.close()
 
 
-def _progress_callback(progress: bool | Progress) -> Any:
+def _progress_callback(progress: bool | Progress, interrupted: list[BaseException]) -> Any:
+    """llama.cpp's progress callback for ``progress``. Python runs a signal's handler during a load
+    only in this callback, so a Ctrl-C there (KeyboardInterrupt), which ctypes would print and
+    drop (the load then failing as "Failed to load model from file"), aborts the load and is kept
+    in ``interrupted`` for the caller to raise."""
     if progress is False or progress is None:
         return None
     report: Progress = ProgressBar("loading") if progress is True else progress  # type: ignore[assignment]
@@ -573,6 +580,9 @@ def _progress_callback(progress: bool | Progress) -> Any:
             return report(fraction) is not False   # returning False aborts the load
         except Exception:  # a failing progress display must not abort the load
             return True
+        except BaseException as exc:   # KeyboardInterrupt, SystemExit
+            interrupted.append(exc)
+            return False
 
     return llama_lib.llama_progress_callback(on_progress)
 

@@ -469,3 +469,34 @@ def test_a_split_mode_that_contradicts_split_is_refused() -> None:
         assert out.pop(f"{split} {mode}") == (f"split={split!r} loads with split_mode={want}, not the split_mode={mode} "
                                               "given: give split or split_mode, not both"), out
     assert out["ffn 1"].startswith("step plan: m.gguf: no such file"), out   # past the check, to the model file
+
+
+def test_ctrl_c_during_a_load_with_progress_is_a_keyboard_interrupt() -> None:
+    """With progress=, a Ctrl-C during the load reaches Python in the progress callback (the one
+    Python code that runs then): it aborts the load and tbrpc.Llama raises KeyboardInterrupt,
+    stopping its nodes, where ctypes dropped it and the load failed as "Failed to load model from
+    file" (a ValueError); the last report (100 %) aborts it too."""
+    model = models.ensure("gemma")
+    out = run_code(f"""
+        import tbrpc.node_processes as launch
+        started = []
+        original = launch.start_process
+        def spy(*args):
+            node = original(*args)
+            started.append(node)
+            return node
+        launch.start_process = spy
+        raised = []
+        for at in (0.3, 1.0):
+            def progress(fraction):
+                if fraction >= at:
+                    raise KeyboardInterrupt
+            try:
+                Llama({str(model)!r}, cluster=2, n_ctx=256, verbose=False, progress=progress)
+                raised.append(None)
+            except BaseException as e:
+                raised.append(type(e).__name__)
+        print(json.dumps({{"raised": raised, "exit_codes": [n.proc.poll() for n in started]}}))
+    """)
+    assert out["raised"] == ["KeyboardInterrupt", "KeyboardInterrupt"], out
+    assert len(out["exit_codes"]) == 4 and None not in out["exit_codes"], out
