@@ -500,3 +500,23 @@ def test_ctrl_c_during_a_load_with_progress_is_a_keyboard_interrupt() -> None:
     """)
     assert out["raised"] == ["KeyboardInterrupt", "KeyboardInterrupt"], out
     assert len(out["exit_codes"]) == 4 and None not in out["exit_codes"], out
+
+
+def test_a_model_file_that_cannot_be_read_starts_no_node(tmp_path: Path) -> None:
+    """A mistyped model path fails before any node starts (on a cluster file: before ssh starts a
+    node on every machine), naming the file, as a tensor or FFN split's check already did."""
+    out = run_code(f"""
+        import tbrpc.node_processes as launch
+        from tbrpc import TbrpcError
+        started = []
+        launch.start_process = lambda *args: started.append(args)
+        said = []
+        for path in ({str(tmp_path / "typo.gguf")!r}, "/etc/hostname"):
+            try:
+                Llama(path, cluster=2, n_ctx=256, verbose=False)
+            except TbrpcError as e:
+                said.append(str(e))
+        print(json.dumps({{"said": said, "started": len(started)}}))
+    """)
+    assert out["started"] == 0, out
+    assert len(out["said"]) == 2 and "typo.gguf: no such file" in out["said"][0], out
