@@ -1318,6 +1318,9 @@ def check_model_split(model: GGUFModel, split: str, n_devices: int, layout: Weig
     params = arch_params(model)
     layout = layout or weight_layout(model, params)
     if split == "ffn":
+        if n_devices < 2:   # tbrpc's meta device (split_rules.c) is made of 2 or more nodes
+            raise TensorSplitError(f"ffn split: tbrpc's FFN split cuts the FFN across 2 to {META_MAX_DEVICES} nodes, "
+                                   f"not {n_devices}; use --split layer")
         check_empty_slices(model, params, layout, n_devices, ffn_only=True)
         return
     refused = params.arch in TENSOR_REFUSED_ARCHS | TENSOR_UNMODELLED_ARCHS

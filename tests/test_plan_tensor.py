@@ -637,6 +637,19 @@ def test_one_block_wide_cut_refused(n_nodes: int) -> None:
     assert f32.fits and f32.split_mode == "tensor"
 
 
+def test_an_ffn_split_over_one_node_is_refused() -> None:
+    """tbrpc's FFN split is a meta device of 2 to 16 nodes (split_rules.c): over one node (or a
+    hybrid group of one) the planner refuses it, and tbrpc.Llama does before any node starts, where
+    the plan fitted and the load then failed with a bare ValueError from the meta device."""
+    path = models.ensure("gemma")
+    with pytest.raises(TensorSplitError, match=r"^ffn split: tbrpc's FFN split cuts the FFN across 2 to 16 nodes, not 1; "
+                                               r"use --split layer$"):
+        plan(path, _cpu_nodes(1), ctx=256, split="ffn", head_device="none")
+    with pytest.raises(TbrpcError, match=r"^step plan: ffn split: .* not 1; use --split layer$"):
+        check_split(path, "ffn", 1, {})   # tbrpc.Llama and launch, before any node starts
+    assert plan(path, _cpu_nodes(2), ctx=256, split="ffn", head_device="none").fits
+
+
 def test_one_kv_head_refused_in_tensor_mode() -> None:
     """Gemma 3 270M has one KV head per layer: llama.cpp's tensor split cuts
     attention by whole KV heads, so one node would get all of it, and its meta
