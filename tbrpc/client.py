@@ -440,7 +440,7 @@ def _install_error_hooks(c: Cluster) -> None:
         def checked_call(*args: Any) -> Any:
             if name == "llama_model_load_from_file" and uses_devices(args[1], c.device_names()):
                 plain_cpu(args[1])   # extra buffer types abort split graphs on some CPUs (head_buffers.py)
-                _refuse_aborting_tensor_split(args[0], args[1], c.device_names())
+                _refuse_split_llama_cpp_fails_on(args[0], args[1], c.device_names())
             if name == "llama_init_from_model":
                 _refuse_tensor_context_without_flash_attn(args[0], args[1])
             # Only failures of this call count: a node that failed under an
@@ -477,17 +477,22 @@ def _install_error_hooks(c: Cluster) -> None:
         wrap(entry_point)
 
 
-def _refuse_aborting_tensor_split(path: bytes, params: Any, ours: Sequence[str]) -> None:
-    """A plain ``llama_cpp.Llama(..., split_mode=3)`` over tbrpc devices of a model llama.cpp's
-    meta device aborts the process on (one KV head, weights one block wide along a cut) or refuses
-    without a word ("Failed to load model"): TensorSplitError (a ValueError), saying why and what to
-    use instead, as ``tbrpc.Llama(split="tensor")`` refuses it (``plan.check_model_split``). The
-    split takes the devices ``params`` names, else every GPU-type device ggml has: tbrpc's. A file
-    tbrpc cannot read is left to llama.cpp to report."""
+def _refuse_split_llama_cpp_fails_on(path: bytes, params: Any, ours: Sequence[str]) -> None:
+    """A plain ``llama_cpp.Llama(..., split_mode=...)`` over tbrpc devices that llama.cpp would
+    abort the process on or refuse with only "Failed to load model from file" (its reason goes to
+    its log): PlanError (a ValueError) saying why and what to use instead. split_mode=2 (row)
+    needs a device's split buffers (CUDA's; a tbrpc device has none). split_mode=3 (tensor) of a
+    model llama.cpp's meta device aborts on (one KV head, weights one block wide along a cut) or
+    refuses (deepseek2): TensorSplitError, as ``tbrpc.Llama(split="tensor")`` refuses it
+    (``plan.check_model_split``); the split takes the devices ``params`` names, else every
+    GPU-type device ggml has: tbrpc's. A file tbrpc cannot read is left to llama.cpp to report."""
     from tbrpc.gguf_model import GGUFError, load_gguf
     from tbrpc.head_buffers import device_names
-    from tbrpc.plan import LLAMA_SPLIT_MODE_TENSOR, check_model_split
+    from tbrpc.plan import LLAMA_SPLIT_MODE_ROW, LLAMA_SPLIT_MODE_TENSOR, PlanError, check_model_split
 
+    if params.split_mode == LLAMA_SPLIT_MODE_ROW:
+        raise PlanError("split_mode=2 (row) needs devices with split buffers (CUDA's), and tbrpc devices have none: "
+                        "use split_mode=1 (layer) or 3 (tensor)")
     if params.split_mode != LLAMA_SPLIT_MODE_TENSOR:
         return
     try:

@@ -705,7 +705,7 @@ def _balanced_ranges(costs: _Costs, nodes: Sequence[Node], margin: int, by_compu
 SPLIT_MODES = ("layer", "tensor", "ffn")
 ALLREDUCE_SHAPES = ("mesh", "ring")
 RING_PIECE = 32 << 10   # the ring all-reduce's piece, the scratch it needs on a node (node_links.c, ALLREDUCE_INLINE)
-LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_TENSOR = 1, 3
+LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_ROW, LLAMA_SPLIT_MODE_TENSOR = 1, 2, 3
 META_MAX_DEVICES = 16  # GGML_BACKEND_META_MAX_DEVICES
 
 # llm_arch_supports_sm_tensor() is false for these (src/llama-arch.cpp): llama.cpp

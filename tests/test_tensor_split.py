@@ -304,6 +304,27 @@ def test_a_plain_tensor_split_llama_cpp_aborts_on_is_refused(model_name: str, no
     assert out["text"], out
 
 
+def test_a_plain_row_split_over_tbrpc_devices_says_why(nodes: Any) -> None:
+    """split_mode=2 (row) needs split buffers, which only CUDA devices have: llama.cpp refuses it
+    for tbrpc devices in its log only ("Failed to load model from file" with verbose=False);
+    tbrpc's load wrapper raises a PlanError (a ValueError) saying so and what to use."""
+    started = nodes(2)
+    script = (
+        "import json, sys, llama_cpp, tbrpc\n"
+        "tbrpc.connect(sys.argv[2:])\n"
+        "try:\n"
+        "    llama_cpp.Llama(sys.argv[1], n_gpu_layers=-1, n_ctx=256, split_mode=2, verbose=False)\n"
+        "    print(json.dumps(None))\n"
+        "except ValueError as e:\n"
+        "    print(json.dumps(str(e)))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(models.ensure("llama-f32")), *[n.endpoint for n in started]],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert said == ("split_mode=2 (row) needs devices with split buffers (CUDA's), and tbrpc devices have none: "
+                    "use split_mode=1 (layer) or 3 (tensor)"), said
+
+
 def test_a_plain_tensor_split_without_flash_attention_says_so(nodes: Any) -> None:
     """llama.cpp creates no tensor-split context with flash attention off and says why only in its
     log: a plain llama_cpp.Llama(split_mode=3) over tbrpc devices raises a PlanError (a ValueError)
