@@ -53,7 +53,9 @@ from tbrpc.plan import (
 )
 from tbrpc.cables import asked, discovers, links_from_cables
 from tbrpc.doctor import gather_facts
-from tbrpc.spec import NodeSpec, allreduce_of, cable_gaps, cable_order, cable_order_note, endpoint_specs, local_specs
+from tbrpc.spec import (
+    NodeSpec, allreduce_of, cable_gaps, cable_order, cable_order_note, endpoint_specs, local_specs, split_endpoint,
+)
 from tbrpc.units import format_size
 
 ClusterArg = str | os.PathLike[str] | Sequence[str] | int | Nodes
@@ -73,16 +75,26 @@ class DoesNotFitError(TbrpcError):
 
 def resolve_cluster(cluster: ClusterArg, threads: int | None = None) -> list[NodeSpec]:
     """A cluster file path (its nodes in the order the layers go: along its cables, ``spec.cable_order``),
-    a list of "host:port", or N (N nodes on this machine).
-    `threads`: compute threads of the nodes to be started that name none."""
+    a list of "host:port" (one node may come as the string alone, when no file has that name), or N
+    (N nodes on this machine). `threads`: compute threads of the nodes to be started that name none."""
     if isinstance(cluster, bool):
         raise TypeError("cluster= takes a cluster file path, a list of \"host:port\" or a number of local nodes")
     if isinstance(cluster, int):
         return local_specs(cluster, threads)
     if isinstance(cluster, Nodes):
         return list(cluster.specs)
+    if isinstance(cluster, str) and not os.path.exists(cluster) and _is_endpoint(cluster):
+        cluster = [cluster]
     specs = load_specs(os.fspath(cluster)) if isinstance(cluster, (str, os.PathLike)) else endpoint_specs(list(cluster))
     return [replace(s, threads=s.threads or threads or 0) for s in specs]
+
+
+def _is_endpoint(text: str) -> bool:
+    try:
+        split_endpoint(text)
+    except ValueError:
+        return False
+    return True
 
 
 Gather = Callable[[NodeSpec], "tuple[dict[str, Any] | None, str, str]"]

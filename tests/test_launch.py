@@ -559,6 +559,17 @@ def test_threads_reach_the_nodes_that_name_none(tmp_path: Path) -> None:
     assert [s.threads for s in resolve_cluster(str(path))] == [4, 0]
 
 
+def test_one_node_may_be_given_as_its_endpoint_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tbrpc.Llama(cluster="host:port") is that one node, not a cluster file of that name (none exists)."""
+    monkeypatch.chdir(tmp_path)
+    [one] = resolve_cluster("10.0.0.2:50052")
+    assert (one.host, one.port, one.start) == ("10.0.0.2", 50052, "manual")
+    with pytest.raises(ClusterError, match="nodes.toml"):   # not an endpoint: still a cluster file, named
+        resolve_cluster("nodes.toml")
+    (tmp_path / "h:1").write_text('[[node]]\nname = "a"\nhost = "127.0.0.1"\nport = 7\n')
+    assert [s.port for s in resolve_cluster("h:1")] == [7]   # a file of that name wins
+
+
 @pytest.mark.parametrize("draft", [("--draft", "prompt-lookup:6"), ("--draft-model", "SELF", "--draft-tokens", "4")])
 def test_speculative_decoding_keeps_greedy_output(draft: tuple[str, ...], tmp_path: Path) -> None:
     """Guessed tokens are checked by the split model in batches; on this prompt no choice is close enough for
