@@ -415,7 +415,8 @@ static void * comm_init(ggml_backend_t * backends, size_t n) {
     }
     char why[256];
     cm->ring = tbrpc_allreduce_choose(addressed, n, getenv("TBRPC_ALLREDUCE"), why, sizeof why) == TBRPC_ALLREDUCE_RING;
-    fprintf(stderr, "tbrpc: tensor-split all-reduce over %zu nodes: %s (%s)\n", n, cm->ring ? "ring" : "mesh", why);
+    ggml_log_internal(GGML_LOG_LEVEL_INFO, "tbrpc: tensor-split all-reduce over %zu nodes: %s (%s)\n", n,
+                      cm->ring ? "ring" : "mesh", why);
     for (size_t i = 0; i < n; i++) {       // every link it uses now, not on the first token
         for (size_t k = 0; k < n; k++) {
             const bool used = cm->ring ? k == (i + 1) % n : i != k;   // a ring: node i to i+1 only

@@ -23,6 +23,10 @@ extern "C" {
 // ggml_version() of the ggml inside llama-cpp-python 0.3.36.
 #define TBRPC_LLAMA_CPP_PYTHON_VERSION "0.3.36"
 
+// ggml's log (ggml-impl.h; exported by libggml-base): what the head says goes
+// where llama.cpp's own messages go, so llama-cpp-python's `verbose` governs it.
+GGML_API void ggml_log_internal(enum ggml_log_level level, const char * format, ...);
+
 // --- buffer type -----------------------------------------------------------
 struct ggml_backend_buffer_type_i {
     const char *          (*get_name)      (ggml_backend_buffer_type_t buft);
