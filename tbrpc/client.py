@@ -321,6 +321,16 @@ class Cluster:
         with self._lock:
             self._stopped.update(e for e in endpoints if e in self._endpoints)
 
+    def earlier_failure(self, indexes: Sequence[int]) -> NodeError:
+        """The NodeError of a call that failed on nodes that had failed before it (the first one's
+        class, endpoint and peer): what happened to them, and that a model on them cannot go on."""
+        first = self.exception(indexes[0])
+        words = "; ".join(str(self.exception(i)) for i in indexes)
+        if all(self.info(i).endpoint in self._stopped for i in indexes):   # its words say what to do
+            return type(first)(words, first.endpoint, first.peer)
+        return type(first)(f"{words} (before this call: a model using that node cannot go on; close it, and "
+                           "load it again once the node is back)", first.endpoint, first.peer)
+
     def exception(self, index: int) -> NodeError:
         """The NodeError of node `index`'s failure, saying so when tbrpc stopped the node itself."""
         info = self.info(index)
@@ -459,11 +469,7 @@ def _install_error_hooks(c: Cluster) -> None:
                 _free_result(llama_lib, name, result)
                 raise c.exception(new[0])
             if before and _call_failed(name, result):   # it may have run on a node that failed earlier
-                earlier = sorted(before)
-                if len(earlier) == 1:
-                    raise c.exception(earlier[0])
-                infos = [c.info(i) for i in earlier]
-                raise node_error(infos[0].error_kind, "; ".join(str(c.exception(i)) for i in earlier), infos[0].endpoint)
+                raise c.earlier_failure(sorted(before))
             return result
 
         checked._tbrpc_wrapped = True  # type: ignore[attr-defined]

@@ -106,6 +106,13 @@ def main(spec_path: str, out_path: str) -> None:
     except Exception as e:  # the test asserts on type and message
         result["error"] = {"type": type(e).__name__, "message": str(e), "endpoint": getattr(e, "endpoint", None),
                            "peer": getattr(e, "peer", None)}
+        if spec.get("decode_again") and "llm" in locals():   # the model used again after its node failed
+            try:
+                llm.eval([llm.token_bos()])
+                result["again"] = None
+            except Exception as again:
+                result["again"] = {"type": type(again).__name__, "message": str(again),
+                                   "endpoint": getattr(again, "endpoint", None)}
         if nodes:  # are the nodes that did not fail still usable?
             result["failed_indexes"] = sorted(tbrpc.cluster().failed_indexes())
             result["survivor_status"] = {}

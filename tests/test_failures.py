@@ -123,7 +123,7 @@ def test_node_killed_mid_generation(model_name: str, transport: str, nodes: Any,
     a, b = nodes(2)
     result, _ = run_head(tmp_path, model=str(models.ensure(model_name)), prompt=PROMPT, n_predict=12,
                          nodes=[a.endpoint, b.endpoint], kill={"pid": b.proc.pid, "after_tokens": 3},
-                         transport=transport)
+                         transport=transport, decode_again=True)
     # the head process survived (run_head checks its exit code) and raised NodeError naming node b,
     # of the class that says it failed mid-run
     assert result["error"] is not None
@@ -132,6 +132,10 @@ def test_node_killed_mid_generation(model_name: str, transport: str, nodes: Any,
     assert "no answer within" not in result["error"]["message"]   # its end of file, not the head's timeout
     assert b.proc.wait(timeout=10) == -9
     assert result["failed_indexes"] == [1]   # the cheap check around every decode knows which one
+    # the model used again: the same kind and node, and what to do about it
+    again = result["again"]
+    assert again is not None and (again["type"], again["endpoint"]) == ("NodeFailed", b.endpoint), again
+    assert "before this call: a model using that node cannot go on; close it" in again["message"], again
     # the other node is still usable, through the same head
     assert list(result["survivor_status"]) == [a.endpoint]
     assert result["survivor_status"][a.endpoint]["clients"] >= 1
