@@ -6,6 +6,11 @@ round:
   single            the model in one process (n_threads=1, flash attention)
   single-norepack   the same without the CPU backend's weight repacking: the
                     kernels the nodes run (they hold weights in plain buffers)
+  norepack-x2       two single-norepack processes decoding at once, their
+                    tokens/s added: what this machine gives two one-thread
+                    decoders of the model side by side, the ceiling of any
+                    split over 2 nodes here (two vCPUs may share a core, its
+                    caches and the memory bus)
   layer             head + 2 local nodes, llama.cpp's layer split
   tensor            head + 2 local nodes, split_mode=3 with tbrpc's ALLREDUCE
   tensor-butterfly  the same with TBRPC_NO_ALLREDUCE=1: llama.cpp's own butterfly
@@ -62,10 +67,11 @@ from typing import Any
 from tbrpc.node_processes import listening_port
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("single", "single-norepack", "layer", "tensor", "tensor-butterfly", "tensor-ring", "ffn", "ffn-ring")
-MODES_OF = {"llama-f32": MODES, "gemma": ("single", "single-norepack", "layer", "ffn", "ffn-ring"),
-            "deepseek2": ("single", "single-norepack", "layer", "ffn", "ffn-ring"),
-            "deepseek2-f32": ("single", "single-norepack", "layer", "ffn", "ffn-ring")}
+MODES = ("single", "single-norepack", "norepack-x2", "layer", "tensor", "tensor-butterfly", "tensor-ring", "ffn",
+         "ffn-ring")
+MODES_OF = {"llama-f32": MODES, "gemma": ("single", "single-norepack", "norepack-x2", "layer", "ffn", "ffn-ring"),
+            "deepseek2": ("single", "single-norepack", "norepack-x2", "layer", "ffn", "ffn-ring"),
+            "deepseek2-f32": ("single", "single-norepack", "norepack-x2", "layer", "ffn", "ffn-ring")}
 ENV_OF = {"tensor-butterfly": {"TBRPC_NO_ALLREDUCE": "1"}, "tensor-ring": {"TBRPC_ALLREDUCE": "ring"},
           "ffn-ring": {"TBRPC_ALLREDUCE": "ring"}}
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
@@ -101,6 +107,10 @@ from bench_node_cost import cpu_s, group_pids
 def group_cpu_s(pgid):
     return sum(cpu_s(pid) for pid in group_pids(pgid))   # a node and its session workers
 t = time.perf_counter(); llm.eval(prompt); prompt_s = time.perf_counter() - t
+if spec.get("barrier"):   # norepack-x2: decode when every process is ready to
+    open(spec["barrier"] + f".{os.getpid()}", "w").close()
+    while not os.path.exists(spec["barrier"]):
+        time.sleep(0.001)
 def next_token():   # llm.scores holds logits only with logits_all: read llama.cpp's last row
     return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
 token = next_token()
@@ -139,6 +149,8 @@ def start_node(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 def run(mode: str, model: str, nodes: list[tuple[subprocess.Popen[bytes], str]], n: int,
         granularity: int) -> dict[str, Any]:
+    if mode == "norepack-x2":
+        return run_side_by_side(model, n)
     remote = not mode.startswith("single")
     spec = {"model": model, "norepack": mode == "single-norepack", "prompt": PROMPT, "n": n, "nodes": [e for _, e in nodes] if remote else [],
             "node_pgids": [p.pid for p, _ in nodes] if remote else [],
@@ -150,6 +162,27 @@ def run(mode: str, model: str, nodes: list[tuple[subprocess.Popen[bytes], str]],
         raise RuntimeError(f"{mode}: {proc.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
+
+
+def run_side_by_side(model: str, n: int) -> dict[str, Any]:
+    """Two single-norepack processes that decode at the same moment (a barrier after their prompts):
+    their tokens/s added, their CPU time added."""
+    barrier = Path(tempfile.mkdtemp(prefix="bench-x2-")) / "go"
+    spec = {"model": model, "norepack": True, "prompt": PROMPT, "n": n, "nodes": [], "node_pgids": [],
+            "split_mode": 1, "ffn_granularity": 0, "env": {}, "barrier": str(barrier)}
+    procs = [subprocess.Popen([sys.executable, "-c", RUN, json.dumps(spec)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+             for _ in range(2)]
+    while len(list(barrier.parent.glob("go.*"))) < len(procs) and all(p.poll() is None for p in procs):
+        time.sleep(0.001)
+    barrier.touch()
+    outs = [p.communicate() for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError(f"norepack-x2: {[err[-2000:] for _, err in outs]}")
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    return {"prompt_tps": sum(r["prompt_tps"] for r in results), "decode_tps": sum(r["decode_tps"] for r in results),
+            "tokens": results[0]["tokens"], "allreduces": [], "allreduce_s": [],
+            "cpu_s": [sum(r["cpu_s"][0] for r in results)], "n_embd": results[0]["n_embd"]}
 
 
 def main() -> None:
