@@ -34,6 +34,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for broken in ("NO_CREDITS", "SHORT_APPLE_SEND", "POST_RECV_BEFORE_RTS", "REUSE_SLOT", "REGISTER_RX_ONLY"):
         progs[broken] = build_program(C_TEST, out / f"rdma_tests_{broken.lower()}", with_ggml=False,
                                       defines=(f"TB_RDMA_BROKEN_{broken}",))
+    progs["SEQ_WRAP"] = build_program(C_TEST, out / "rdma_tests_seq_wrap", with_ggml=False,
+                                      defines=("TB_RING_FIRST_SEQ=0xffffffc0u",))
     progs["QP_PROCESS_LOCKS"] = build_program(C_TEST, out / "rdma_tests_qp_process_locks", with_ggml=False,
                                               defines=("TB_QP_BROKEN_PROCESS_LOCKS",))
     progs["sim"] = build_verbs_sim(out / "libtbverbs_sim.so")
@@ -61,6 +63,16 @@ def test_stream_both_ways_identical_bytes(built, profile, tmp_path) -> None:
     kind = "RC" if profile == "linux-rc" else "UC"
     geometry = "128Kx16" if profile == "apple-uc" else "256Kx16"
     assert f"parent: rdma simbolt0 {kind} {geometry}" in proc.stdout
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_stream_across_the_seq_wrap(built, profile, tmp_path) -> None:
+    """Seqs are 32 bits: a link that has moved 2^32 frames (hours of small frames on a busy link)
+    goes on through seq 0. Built to start 64 frames below the wrap, the stream crosses it; a wire
+    that takes seq 0 for "none" reads a receive that has not landed, or reuses a send slot early."""
+    proc = run(built, "stream", profile, tmp_path, prog="SEQ_WRAP")
+    passed(proc, "stream")
+    assert "changed before its completion" not in proc.stderr
 
 
 @pytest.mark.parametrize("profile", PROFILES)

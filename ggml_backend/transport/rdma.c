@@ -148,12 +148,14 @@ struct tb_rdma {
 };
 
 // What one index of the ring knows about its receive slot and its send slot
-// (both counts are `slots`). A seq of 0 means none: the ring numbers frames from 1.
+// (both counts are `slots`). Each seq is kept as HELD(seq), 0 meaning none:
+// seqs wrap after 2^32 frames and 0 is then a frame like any other.
+#define HELD(seq)    ((uint64_t) (uint32_t) (seq) | (1ull << 32))
 struct slot_state {
-    uint32_t rx_arrived;         // the wr_id (seq) of the receive's completion
-    uint32_t rx_bytes;           // and its byte_len
-    uint32_t rx_valid;           // seq whose prefix and checksum were checked (until released)
-    uint32_t tx_busy;            // seq of the send whose completion is not yet polled (no reuse till then)
+    uint64_t rx_arrived;         // HELD(wr_id) of the receive's completion
+    uint64_t rx_valid;           // HELD(seq) whose prefix and checksum were checked (until released)
+    uint64_t tx_busy;            // HELD(seq) of the send whose completion is not yet polled (no reuse till then)
+    uint32_t rx_bytes;           // the receive's byte_len
 };
 
 struct rdma_transport {
@@ -409,7 +411,7 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
 #ifdef TB_RDMA_BROKEN_POST_RECV_BEFORE_RTS
     // deliberately wrong (tests only): receives posted in INIT, which Apple refuses
     step = "ibv_post_recv before RTS";
-    if ((errno = post_receives(d, 1, d->slots)) != 0) goto fail;
+    if ((errno = post_receives(d, TB_RING_FIRST_SEQ, d->slots)) != 0) goto fail;
 #endif
     mine->ok = 1;
     mine->qpn = d->qp->qp_num;
@@ -470,7 +472,7 @@ int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char *
     d->slots = slots;
     d->stride = stride;
 #ifndef TB_RDMA_BROKEN_POST_RECV_BEFORE_RTS
-    rc = post_receives(d, 1, d->slots);   // after RTS: Apple refuses receives before
+    rc = post_receives(d, TB_RING_FIRST_SEQ, d->slots);   // after RTS: Apple refuses receives before
     if (rc != 0) { snprintf(err, err_len, "RDMA ibv_post_recv on %s failed: %s", d->device, strerror(rc)); return -1; }
 #endif
     return 0;
@@ -537,7 +539,7 @@ static int progress_locked(struct rdma_transport * t) {
                 set_broken(t, TB_IO_BROKEN, "%s: RDMA send of frame %u failed: %s", t->ring.base.peer, seq,
                            t->d->v->wc_status_str(wc[i].status));
             }
-            if (t->state[idx].tx_busy == seq) t->state[idx].tx_busy = 0;
+            if (t->state[idx].tx_busy == HELD(seq)) t->state[idx].tx_busy = 0;
             continue;
         }
         if (wc[i].status != IBV_WC_SUCCESS) {
@@ -545,7 +547,7 @@ static int progress_locked(struct rdma_transport * t) {
                        t->d->v->wc_status_str(wc[i].status));
             continue;
         }
-        t->state[idx].rx_arrived = seq;
+        t->state[idx].rx_arrived = HELD(seq);
         t->state[idx].rx_bytes = wc[i].byte_len;
     }
     return t->broken ? -1 : n;
@@ -559,7 +561,7 @@ static void note_eof(struct rdma_transport * t) {
 static int arrived(struct rdma_transport * t, uint32_t seq) {
     pthread_mutex_lock(&t->cq_lock);
     int n = progress_locked(t);
-    int done = n < 0 || t->state[seq % t->d->slots].rx_arrived == seq;
+    int done = n < 0 || t->state[seq % t->d->slots].rx_arrived == HELD(seq);
     pthread_mutex_unlock(&t->cq_lock);
     return done;
 }
@@ -631,7 +633,8 @@ static uint8_t * rdma_tx_frame(struct tb_ring * r, uint32_t seq) {
         if (progress_locked(t) < 0) break;
         if (t->state[idx].tx_busy == 0) break;
         if (tb_now_ms() > until) {
-            set_broken(t, TB_IO_TIMEOUT, "%s: RDMA send of frame %u never completed", r->base.peer, t->state[idx].tx_busy);
+            set_broken(t, TB_IO_TIMEOUT, "%s: RDMA send of frame %u never completed", r->base.peer,
+                       (uint32_t) t->state[idx].tx_busy);
             break;
         }
         pthread_mutex_unlock(&t->cq_lock);
@@ -665,7 +668,7 @@ static int rdma_post(struct tb_ring * r, uint32_t seq) {
     struct ibv_send_wr wr = { .wr_id = SEND_TAG | seq, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_SEND,
                               .send_flags = IBV_SEND_SIGNALED }, * bad = NULL;
     pthread_mutex_lock(&t->cq_lock);
-    t->state[idx].tx_busy = seq;
+    t->state[idx].tx_busy = HELD(seq);
     int rc = ibv_post_send(d->qp, &wr, &bad);
     if (rc != 0) {
         t->state[idx].tx_busy = 0;
@@ -687,12 +690,13 @@ static const uint8_t * rdma_rx_frame(struct tb_ring * r, uint32_t seq, int * bro
     *broken = 0;
     pthread_mutex_lock(&t->cq_lock);
     int n = progress_locked(t);
-    uint32_t got = t->state[idx].rx_arrived, len = t->state[idx].rx_bytes;
+    uint64_t got = t->state[idx].rx_arrived;
+    uint32_t len = t->state[idx].rx_bytes;
     pthread_mutex_unlock(&t->cq_lock);
     if (n < 0) { *broken = 1; return fail_broken(t), NULL; }
-    if (got != seq) return NULL;
+    if (got != HELD(seq)) return NULL;
     const uint8_t * slot = rx_slot(d, idx);
-    if (t->state[idx].rx_valid == seq) return slot + TB_RDMA_PREFIX;
+    if (t->state[idx].rx_valid == HELD(seq)) return slot + TB_RDMA_PREFIX;
     struct wire_prefix p;
     memcpy(&p, slot, sizeof p);
     struct tb_frame_header h;
@@ -706,7 +710,7 @@ static const uint8_t * rdma_rx_frame(struct tb_ring * r, uint32_t seq, int * bro
                    len, TB_RDMA_PREFIX + p.bytes);
     }
     if (t->broken) { *broken = 1; fail_broken(t); return NULL; }
-    t->state[idx].rx_valid = seq;
+    t->state[idx].rx_valid = HELD(seq);
     return slot + TB_RDMA_PREFIX;
 }
 

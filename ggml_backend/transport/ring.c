@@ -289,7 +289,7 @@ struct tb_transport * tb_ring_init(struct tb_ring * r, const struct tb_ring_wire
     r->wire = wire;
     r->slots = slots;
     r->stride = stride;
-    r->tx_seq = r->rx_seq = r->rx_seen = 1;   // slot 0 starts zeroed: seq 0 never matches
+    r->tx_seq = r->rx_seq = r->rx_seen = TB_RING_FIRST_SEQ;   // 1: slot 0 starts zeroed, seq 0 never matches first
     r->tx_credits = slots;
     r->rx_checked = calloc(slots, sizeof(struct rx_check));
     if (!r->rx_checked) return NULL;

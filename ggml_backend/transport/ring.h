@@ -33,6 +33,14 @@
 #define TB_FRAME_CREDIT_ONLY 1u           // carries credits, no payload, returns no slot to the sender
 #define TB_FRAME_CLOSE       2u           // the sender closes: the next recv says "closed by peer"
 
+// The first seq of each direction. Seqs are 32 bits and wrap after 2^32
+// frames (hours of small frames on a busy link); a wire must treat 0 as an
+// ordinary seq. Tests build with a first seq just below the wrap
+// (-DTB_RING_FIRST_SEQ=0xffffffc0u) to cross it within a short stream.
+#ifndef TB_RING_FIRST_SEQ
+#define TB_RING_FIRST_SEQ    1u
+#endif
+
 struct tb_frame_header {
     uint32_t magic;
     uint32_t len;       // payload bytes after the header
