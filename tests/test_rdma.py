@@ -82,9 +82,10 @@ def test_slow_reader_loses_nothing(built, profile, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-@pytest.mark.parametrize("fault,words", [("drop:5", "RDMA frame lost from parent (seq 6, expected 5)"),
-                                         ("drop:40", "RDMA frame lost from parent (seq 41, expected 40)"),
-                                         ("corrupt:7", "RDMA frame from parent is corrupt (seq 7")])
+# the Nth message the child receives: the bring-up's probe is the first, ring frame seq N-1 the Nth
+@pytest.mark.parametrize("fault,words", [("drop:6", "RDMA frame lost from parent (seq 6, expected 5)"),
+                                         ("drop:41", "RDMA frame lost from parent (seq 41, expected 40)"),
+                                         ("corrupt:8", "RDMA frame from parent is corrupt (seq 7")])
 def test_lost_or_corrupt_frame_is_a_named_error(built, profile, fault, words, tmp_path) -> None:
     proc = run(built, "fault", profile, tmp_path, CHILD_TBVSIM_FAULT=fault)
     passed(proc, "fault")
@@ -126,6 +127,18 @@ def test_any_failure_leaves_both_on_tcp_with_a_reason(built, env, reason, tmp_pa
     assert "parent: tcp" in proc.stdout
     lines = [line for line in proc.stdout.splitlines() if "stays on tcp" in line]
     assert len(lines) == 2 and all(reason in line for line in lines), proc.stdout
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_a_wire_that_moves_nothing_leaves_both_on_tcp(built, profile, tmp_path) -> None:
+    """RTR and RTS check no path: a GID that leads nowhere (a stale APIPA address, RoCE v1 against
+    v2, a cable to another machine) brings both QPs up and then loses every frame. The bring-up
+    must prove the wire with a frame each way before both switch, else the first message after the
+    switch times out and the node fails instead of staying on TCP."""
+    proc = run(built, "stays_on_tcp", profile, tmp_path, CHILD_TBVSIM_FAULT="unreachable")
+    passed(proc, "stays_on_tcp")
+    lines = [line for line in proc.stdout.splitlines() if "stays on tcp" in line]
+    assert len(lines) == 2 and all("RDMA probe on simbolt0" in line for line in lines), proc.stdout
 
 
 def test_apple_profile_refuses_rc_and_loopback(built, tmp_path) -> None:
@@ -178,11 +191,11 @@ def test_broken_slot_reuse_is_caught_by_the_late_read(built, profile, tmp_path) 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_broken_send_outside_its_registered_memory_is_a_protection_error(built, profile, tmp_path) -> None:
     """Only the receive half is registered: every profile refuses a send whose SGE lies outside
-    a registered MR with a local protection error, and the wire names it."""
+    a registered MR with a local protection error, and the bring-up's probe (the first send) names it."""
     proc = run(built, "stream", profile, tmp_path, prog="REGISTER_RX_ONLY")
     assert proc.returncode != 0
     assert "WRONG BYTES" not in proc.stderr
-    assert "RDMA send of frame 1 failed: local protection error" in proc.stderr, proc.stderr[-3000:]
+    assert "RDMA probe on simbolt0: send failed: local protection error" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_builds_without_verbs_headers(tmp_path) -> None:

@@ -79,6 +79,11 @@ struct tb_transport * tb_rdma_transport(struct tb_rdma * d, struct tb_transport 
     snprintf(err, err_len, "%s", NO_VERBS);
     return NULL;
 }
+int tb_rdma_probe(struct tb_rdma * d, char * err, size_t err_len) {
+    (void) d;
+    snprintf(err, err_len, "%s", NO_VERBS);
+    return -1;
+}
 void tb_rdma_discard(struct tb_rdma * d) { (void) d; }
 int tb_rdma_available(char * why, size_t why_len) {
     snprintf(why, why_len, "%s", NO_VERBS);
@@ -116,6 +121,8 @@ struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * lo
 #define SPIN_NS      50000                  // spin on the CQ this long before sleeping
 #define EOF_GRACE_MS 30                     // frames posted before the peer closed may still land
 #define SEND_TAG     (1ull << 63)           // wr_id of a send: SEND_TAG | seq
+#define PROBE_TAG    (1ull << 62)           // wr_id of the bring-up's probe (receive; SEND_TAG | PROBE_TAG: send)
+#define PROBE_MS     1000                   // how long the probe may take each way
 
 struct wire_prefix {
     uint32_t magic;
@@ -338,6 +345,15 @@ static int post_receives(struct tb_rdma * d, uint32_t seq, uint32_t count) {
     return 0;
 }
 
+#ifndef TB_RDMA_BROKEN_POST_RECV_BEFORE_RTS
+// The receive the peer's probe frame lands in (rx slot 0, before the ring's receives).
+static int post_probe_receive(struct tb_rdma * d) {
+    struct ibv_sge sge = { (uintptr_t) rx_slot(d, 0), d->stride, d->mr->lkey };
+    struct ibv_recv_wr wr = { .wr_id = PROBE_TAG, .sg_list = &sge, .num_sge = 1 }, * bad = NULL;
+    return ibv_post_recv(d->qp, &wr, &bad);
+}
+#endif
+
 struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * mine) {
     memset(mine, 0, sizeof *mine);
     mine->magic = TB_RDMA_INFO_MAGIC;
@@ -472,10 +488,70 @@ int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char *
     d->slots = slots;
     d->stride = stride;
 #ifndef TB_RDMA_BROKEN_POST_RECV_BEFORE_RTS
-    rc = post_receives(d, TB_RING_FIRST_SEQ, d->slots);   // after RTS: Apple refuses receives before
+    rc = post_probe_receive(d);   // after RTS: Apple refuses receives before
     if (rc != 0) { snprintf(err, err_len, "RDMA ibv_post_recv on %s failed: %s", d->device, strerror(rc)); return -1; }
 #endif
     return 0;
+}
+
+// RTR and RTS check no path: a GID that leads nowhere (a stale APIPA address,
+// RoCE v1 on one end and v2 on the other, a cable to another machine) brings
+// both QPs up, and then every frame is lost, a UC send stays pending on Apple,
+// RC retries out. So once both sides have their probe receive posted (the
+// caller's first readiness exchange), each sends one frame and waits for the
+// peer's and for its own send's completion; only then the ring's receives go
+// up. 0, or -1 with err (the caller tells the peer and both stay on TCP).
+int tb_rdma_probe(struct tb_rdma * d, char * err, size_t err_len) {
+#ifdef TB_RDMA_BROKEN_POST_RECV_BEFORE_RTS
+    (void) d; (void) err; (void) err_len;
+    return 0;   // the ring's receives are up already: a probe would land in the first of them
+#else
+    uint8_t * slot = tx_slot(d, 0);
+    struct wire_prefix p = { WIRE_MAGIC, 0, 0, PROBE_TAG >> 32, checksum(slot, 0, PROBE_TAG) };
+    memset(slot, 0, TB_RDMA_PREFIX);
+    memcpy(slot, &p, sizeof p);
+    // Apple: the same number of 4 KiB frames as the receive; elsewhere the prefix will do
+    struct ibv_sge sge = { (uintptr_t) slot, d->profile == TB_RDMA_APPLE_UC ? d->stride : TB_RDMA_PREFIX, d->mr->lkey };
+    struct ibv_send_wr wr = { .wr_id = SEND_TAG | PROBE_TAG, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_SEND,
+                              .send_flags = IBV_SEND_SIGNALED }, * bad = NULL;
+    int rc = ibv_post_send(d->qp, &wr, &bad);
+    if (rc != 0) { snprintf(err, err_len, "RDMA probe on %s: ibv_post_send failed: %s", d->device, strerror(rc)); return -1; }
+    int sent = 0, got = 0;
+    int64_t until = now_ns() + PROBE_MS * 1000000ll;
+    while (!(sent && got)) {
+        struct ibv_wc wc[4];
+        int n = ibv_poll_cq(d->cq, 4, wc);
+        if (n < 0) { snprintf(err, err_len, "RDMA probe on %s: ibv_poll_cq failed", d->device); return -1; }
+        for (int i = 0; i < n; i++) {
+            const char * what = wc[i].wr_id & SEND_TAG ? "send" : "receive";
+            if (wc[i].status != IBV_WC_SUCCESS) {
+                snprintf(err, err_len, "RDMA probe on %s: %s failed: %s", d->device, what, d->v->wc_status_str(wc[i].status));
+                return -1;
+            }
+            if (wc[i].wr_id == (SEND_TAG | PROBE_TAG)) { sent = 1; continue; }
+            struct wire_prefix q;
+            memcpy(&q, rx_slot(d, 0), sizeof q);
+            if (wc[i].wr_id != PROBE_TAG || wc[i].byte_len < sizeof q || q.magic != WIRE_MAGIC ||
+                q.reserved != (uint32_t) (PROBE_TAG >> 32) || q.sum != p.sum) {
+                snprintf(err, err_len, "RDMA probe on %s: the peer's frame is not a probe (%u bytes)", d->device,
+                         wc[i].byte_len);
+                return -1;
+            }
+            got = 1;
+        }
+        if (sent && got) break;
+        if (now_ns() > until) {
+            snprintf(err, err_len, "RDMA probe on %s: %s within %d ms (no path between the two GIDs?)", d->device,
+                     !got ? "no frame from the peer" : "our frame not taken", PROBE_MS);
+            return -1;
+        }
+        struct timespec ts = { 0, 20000 };
+        nanosleep(&ts, NULL);
+    }
+    rc = post_receives(d, TB_RING_FIRST_SEQ, d->slots);
+    if (rc != 0) { snprintf(err, err_len, "RDMA ibv_post_recv on %s failed: %s", d->device, strerror(rc)); return -1; }
+    return 0;
+#endif
 }
 
 // --- the wire ------------------------------------------------------------------
@@ -875,19 +951,23 @@ struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * lo
         tb_rdma_discard(d);
         return NULL;
     }
-    // Both go RTR/RTS and post receives, then say whether they are ready.
+    // Both go RTR/RTS and post the probe's receive, then say whether they are
+    // ready; both then send a probe frame and post the ring's receives, and say so again.
     struct { uint8_t ready; char why[127]; } me = { 1, "" }, them;
-    if (tb_rdma_connect(d, &peer, me.why, sizeof me.why) != 0) me.ready = 0;
-    if (tb_send(tcp, &me, sizeof me) != 0 || tb_flush(tcp) != 0 || tb_recv(tcp, &them, sizeof them) != 0) {
-        snprintf(reason, reason_len, "RDMA bring-up: %s", tcp->error);
-        tb_rdma_discard(d);
-        return NULL;
-    }
-    them.why[sizeof them.why - 1] = 0;
-    if (!me.ready || them.ready != 1) {
-        snprintf(reason, reason_len, "%s%s", me.ready ? "peer: " : "", me.ready ? them.why : me.why);
-        tb_rdma_discard(d);
-        return NULL;
+    for (int round = 0; round < 2; round++) {
+        int rc = round == 0 ? tb_rdma_connect(d, &peer, me.why, sizeof me.why) : tb_rdma_probe(d, me.why, sizeof me.why);
+        if (rc != 0) me.ready = 0;
+        if (tb_send(tcp, &me, sizeof me) != 0 || tb_flush(tcp) != 0 || tb_recv(tcp, &them, sizeof them) != 0) {
+            snprintf(reason, reason_len, "RDMA bring-up: %s", tcp->error);
+            tb_rdma_discard(d);
+            return NULL;
+        }
+        them.why[sizeof them.why - 1] = 0;
+        if (!me.ready || them.ready != 1) {
+            snprintf(reason, reason_len, "%s%s", me.ready ? "peer: " : "", me.ready ? them.why : me.why);
+            tb_rdma_discard(d);
+            return NULL;
+        }
     }
     struct tb_transport * t = tb_rdma_transport(d, tcp, why, sizeof why);
     if (!t) snprintf(reason, reason_len, "%s", why);

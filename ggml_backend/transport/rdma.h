@@ -4,8 +4,10 @@
 // (tb_rdma_upgrade): each opens the RDMA device whose GID matches its TCP
 // address, creates one QP with its rings registered, and sends a
 // tb_rdma_info. If both infos say yes (same profile, different hosts), both
-// go RTR/RTS once, post their receives, and exchange a readiness byte each
-// way over TCP. Only when both are ready do both switch; otherwise both stay
+// go RTR/RTS once, post the probe's receive, and exchange a readiness byte
+// each way over TCP; then each sends one probe frame over RDMA (RTR checks no
+// path), waits for the peer's, posts the ring's receives, and says so again.
+// Only when both are ready at both steps do both switch; otherwise both stay
 // on TCP and both know why. The TCP connection stays open under the RDMA
 // transport as its liveness anchor (end of file = the peer is gone).
 //
@@ -29,7 +31,7 @@
 enum tb_rdma_profile { TB_RDMA_APPLE_UC = 1, TB_RDMA_LINUX_RC = 2, TB_RDMA_LINUX_UC = 3 };
 
 #define TB_RDMA_INFO_MAGIC   0x41445254u   // "TRDA"
-#define TB_RDMA_INFO_VERSION 2
+#define TB_RDMA_INFO_VERSION 3   // 3: a probe frame each way before the switch
 #define TB_RDMA_PREFIX       64u           // wire bytes before each ring frame: seq, length, checksum
 
 // What each side tells the other over TCP (fixed layout, 256 bytes).
@@ -63,8 +65,11 @@ struct tb_rdma;
 // The QP takes one of its device's places (qp_budget.h) first, and gives it
 // back when the endpoint goes: no place, no QP ("QP budget: 10 of 10 in use on ...").
 struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * mine);
-// RTR, RTS (once), post the receive ring. 0, or -1 with err.
+// RTR, RTS (once), post the probe's receive. 0, or -1 with err.
 int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char * err, size_t err_len);
+// Once both sides connected: one probe frame each way (RTR checks no path),
+// then post the receive ring. 0, or -1 with err.
+int tb_rdma_probe(struct tb_rdma * d, char * err, size_t err_len);
 // The transport over a connected endpoint and its TCP connection (owns both on
 // success; on failure discards d and leaves tcp to the caller).
 struct tb_transport * tb_rdma_transport(struct tb_rdma * d, struct tb_transport * tcp, char * err, size_t err_len);

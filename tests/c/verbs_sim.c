@@ -45,7 +45,10 @@
 // EACCES when /dev/infiniband/uverbs* is not accessible), TBVSIM_FAIL_RTR=1,
 // TBVSIM_FAULT=drop:N | corrupt:N[:OFFSET] (the Nth message this process
 // receives, 1-based; corrupt flips the byte at OFFSET, default 80: the first
-// payload byte of a tbrpc frame).
+// payload byte of a tbrpc frame) | unreachable (RTR accepts the peer's GID but
+// nothing this QP sends reaches it, as with a stale APIPA GID, RoCE v1 on one
+// end and v2 on the other, or a cable to another machine: no NIC checks the
+// path at RTR; UC sends vanish or, on apple, stay pending; RC retries out).
 #define _GNU_SOURCE
 #include <infiniband/verbs.h>
 
@@ -79,7 +82,7 @@ static struct {
     char device[64];
     struct in_addr addr;
     int port_state, max_qps, qps_used, fail_rtr, devices, open_errno, no_addr;
-    int fault;            // 0 none, 1 drop, 2 corrupt
+    int fault;            // 0 none, 1 drop, 2 corrupt, 3 unreachable
     unsigned fault_n, fault_off;
 } cfg;
 
@@ -104,6 +107,7 @@ static void read_config(void) {
     cfg.fault_off = 80;
     const char * f = getenv("TBVSIM_FAULT");
     if (f && !strncmp(f, "drop:", 5)) { cfg.fault = 1; cfg.fault_n = (unsigned) atoi(f + 5); }
+    if (f && !strcmp(f, "unreachable")) cfg.fault = 3;   // RTR takes the peer's GID, but no path leads there
     if (f && !strncmp(f, "corrupt:", 8)) {
         cfg.fault = 2;
         cfg.fault_n = (unsigned) atoi(f + 8);
@@ -781,6 +785,7 @@ EXPORT int ibv_modify_qp(struct ibv_qp * qp, struct ibv_qp_attr * a, int mask) {
         socklen_t sl;
         sock_name(&sa, &sl, &q->dgid, a->dest_qp_num);
         int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (cfg.fault == 3) { if (fd >= 0) close(fd); fd = -1; }   // RTR checks no path, as no NIC does
         if (fd >= 0 && connect(fd, (struct sockaddr *) &sa, sl) == 0) q->out_fd = fd;
         else if (fd >= 0) close(fd);   // nobody there: sends vanish (UC) or retry out (RC), as on a wrong GID
         break;
