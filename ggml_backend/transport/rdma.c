@@ -392,6 +392,14 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     d->mem_len = 2 * (size_t) d->slots * d->stride;
     d->mem = mmap(NULL, d->mem_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (d->mem == MAP_FAILED) { d->mem = NULL; step = "mmap"; goto fail; }
+#ifdef MADV_DONTFORK
+    // What ibv_fork_init() does for every MR: a process that forks after this
+    // (a head's user code, multiprocessing) must not make the ring copy-on-write,
+    // or on kernels before 5.13 the parent's next write moves its page away from
+    // the one the NIC reads and writes. The child never uses the ring.
+    step = "madvise(MADV_DONTFORK)";
+    if (madvise(d->mem, d->mem_len, MADV_DONTFORK) != 0) goto fail;
+#endif
     step = "ibv_alloc_pd";
     if (!(d->pd = v->alloc_pd(d->ctx))) goto fail;
     step = "ibv_reg_mr";   // before RTR: an MR registered later may never be mapped on Apple
