@@ -469,8 +469,10 @@ int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char *
         .path_mtu = peer->mtu < (uint32_t) d->mtu ? (enum ibv_mtu) peer->mtu : d->mtu,
         .dest_qp_num = peer->qpn,
         .rq_psn = peer->psn,
+        // hop_limit is the IP TTL under RoCE v2: 1 (TN3205's value, a cable between two Macs) would have
+        // the first router of a routed RoCE fabric drop every packet after an RTR that succeeded
         .ah_attr = { .is_global = 1, .dlid = peer->lid, .port_num = d->port,
-                     .grh = { .hop_limit = 1, .sgid_index = d->gid_index } },
+                     .grh = { .hop_limit = d->profile == TB_RDMA_APPLE_UC ? 1 : 64, .sgid_index = d->gid_index } },
     };
     memcpy(rtr.ah_attr.grh.dgid.raw, peer->gid, 16);
     int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN;
