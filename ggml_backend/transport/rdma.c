@@ -110,6 +110,9 @@ struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * lo
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __APPLE__
+#include <uuid/uuid.h>   // gethostuuid's uuid_t
+#endif
 
 #ifndef MSG_NOSIGNAL
 #define MSG_NOSIGNAL 0   // macOS: the anchor has SO_NOSIGPIPE (tb_adopt)
@@ -211,7 +214,16 @@ static uint64_t host_id(void) {
     char buf[128] = "";
     if (e && *e) snprintf(buf, sizeof buf, "%s", e);
     else {
-        FILE * f = fopen("/etc/machine-id", "r");
+#ifdef __APPLE__
+        // macOS has no /etc/machine-id: the hardware UUID (IOPlatformUUID). The
+        // host name alone made two Macs set up alike "one host", and RDMA between them was refused.
+        uuid_t u;
+        struct timespec wait = { 1, 0 };
+        if (gethostuuid(u, &wait) == 0) {
+            for (int i = 0; i < 16; i++) snprintf(buf + 2 * i, sizeof buf - 2 * (size_t) i, "%02x", u[i]);
+        }
+#endif
+        FILE * f = buf[0] ? NULL : fopen("/etc/machine-id", "r");
         if (f) { if (!fgets(buf, sizeof buf, f)) buf[0] = 0; fclose(f); }
         if (!buf[0]) gethostname(buf, sizeof buf - 1);
     }
