@@ -232,6 +232,13 @@ static uint64_t host_id(void) {
 
 uint64_t tb_rdma_host_id(void) { return host_id(); }
 
+// A verbs call's failure as an errno: rdma-core returns it, Apple's posts its
+// negation (observed: "ibv_post_recv ... ret=-12"), and -1 means errno says.
+static int verbs_errno(int rc) {
+    if (rc == -1) return errno ? errno : EINVAL;
+    return rc < 0 ? -rc : rc;
+}
+
 static uint8_t * rx_slot(struct tb_rdma * d, uint32_t i) { return d->mem + (size_t) i * d->stride; }
 static uint8_t * tx_slot(struct tb_rdma * d, uint32_t i) { return d->mem + ((size_t) d->slots + i) * d->stride; }
 
@@ -440,14 +447,15 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     // SEND/RECV only: the QP grants no remote access (TN3205's INIT: access 0); the MR flags are another matter
     struct ibv_qp_attr init = { .qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = d->port, .qp_access_flags = 0 };
     step = "INIT";
-    if ((errno = v->modify_qp(d->qp, &init, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) != 0) goto fail;
+    int rc = v->modify_qp(d->qp, &init, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+    if (rc != 0) { errno = verbs_errno(rc); goto fail; }
     step = "random psn";
     if (random_u32(&d->psn) != 0) goto fail;
     d->psn &= 0xffffff;
 #ifdef TB_RDMA_BROKEN_POST_RECV_BEFORE_RTS
     // deliberately wrong (tests only): receives posted in INIT, which Apple refuses
     step = "ibv_post_recv before RTS";
-    if ((errno = post_receives(d, TB_RING_FIRST_SEQ, d->slots)) != 0) goto fail;
+    if ((rc = post_receives(d, TB_RING_FIRST_SEQ, d->slots)) != 0) { errno = verbs_errno(rc); goto fail; }
 #endif
     mine->ok = 1;
     mine->qpn = d->qp->qp_num;
@@ -494,7 +502,7 @@ int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char *
         mask |= IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
     }
     int rc = v->modify_qp(d->qp, &rtr, mask);   // once: repeated failed RTRs can wedge an Apple port
-    if (rc != 0) { snprintf(err, err_len, "RDMA RTR on %s failed: %s", d->device, strerror(rc)); return -1; }
+    if (rc != 0) { snprintf(err, err_len, "RDMA RTR on %s failed: %s", d->device, strerror(verbs_errno(rc))); return -1; }
     struct ibv_qp_attr rts = { .qp_state = IBV_QPS_RTS, .sq_psn = d->psn };
     mask = IBV_QP_STATE | IBV_QP_SQ_PSN;
     if (rc_qp) {
@@ -505,13 +513,13 @@ int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char *
         mask |= IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC;
     }
     rc = v->modify_qp(d->qp, &rts, mask);
-    if (rc != 0) { snprintf(err, err_len, "RDMA RTS on %s failed: %s", d->device, strerror(rc)); return -1; }
+    if (rc != 0) { snprintf(err, err_len, "RDMA RTS on %s failed: %s", d->device, strerror(verbs_errno(rc))); return -1; }
     // The agreed geometry is at most what we registered, so every slot stays inside our MR.
     d->slots = slots;
     d->stride = stride;
 #ifndef TB_RDMA_BROKEN_POST_RECV_BEFORE_RTS
     rc = post_probe_receive(d);   // after RTS: Apple refuses receives before
-    if (rc != 0) { snprintf(err, err_len, "RDMA ibv_post_recv on %s failed: %s", d->device, strerror(rc)); return -1; }
+    if (rc != 0) { snprintf(err, err_len, "RDMA ibv_post_recv on %s failed: %s", d->device, strerror(verbs_errno(rc))); return -1; }
 #endif
     return 0;
 }
@@ -537,7 +545,7 @@ int tb_rdma_probe(struct tb_rdma * d, char * err, size_t err_len) {
     struct ibv_send_wr wr = { .wr_id = SEND_TAG | PROBE_TAG, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_SEND,
                               .send_flags = IBV_SEND_SIGNALED }, * bad = NULL;
     int rc = ibv_post_send(d->qp, &wr, &bad);
-    if (rc != 0) { snprintf(err, err_len, "RDMA probe on %s: ibv_post_send failed: %s", d->device, strerror(rc)); return -1; }
+    if (rc != 0) { snprintf(err, err_len, "RDMA probe on %s: ibv_post_send failed: %s", d->device, strerror(verbs_errno(rc))); return -1; }
     int sent = 0, got = 0;
     int64_t until = now_ns() + PROBE_MS * 1000000ll;
     while (!(sent && got)) {
@@ -571,7 +579,7 @@ int tb_rdma_probe(struct tb_rdma * d, char * err, size_t err_len) {
         nanosleep(&ts, NULL);
     }
     rc = post_receives(d, TB_RING_FIRST_SEQ, d->slots);
-    if (rc != 0) { snprintf(err, err_len, "RDMA ibv_post_recv on %s failed: %s", d->device, strerror(rc)); return -1; }
+    if (rc != 0) { snprintf(err, err_len, "RDMA ibv_post_recv on %s failed: %s", d->device, strerror(verbs_errno(rc))); return -1; }
     return 0;
 #endif
 }
@@ -773,7 +781,7 @@ static int rdma_post(struct tb_ring * r, uint32_t seq) {
         // A QP that an error completion put in the error state refuses posts:
         // take that completion first, so the failure names its cause.
         progress_locked(t);
-        set_broken(t, TB_IO_BROKEN, "%s: RDMA post_send of frame %u failed: %s", r->base.peer, seq, strerror(rc));
+        set_broken(t, TB_IO_BROKEN, "%s: RDMA post_send of frame %u failed: %s", r->base.peer, seq, strerror(verbs_errno(rc)));
     }
     pthread_mutex_unlock(&t->cq_lock);
     if (rc != 0) return fail_broken(t);
@@ -820,7 +828,7 @@ static int rdma_release(struct tb_ring * r, uint32_t seq) {
     t->state[idx].rx_arrived = 0;
     t->state[idx].rx_valid = 0;
     int rc = post_receives(d, seq + d->slots, 1);
-    if (rc != 0) set_broken(t, TB_IO_BROKEN, "%s: RDMA post_recv failed: %s", r->base.peer, strerror(rc));
+    if (rc != 0) set_broken(t, TB_IO_BROKEN, "%s: RDMA post_recv failed: %s", r->base.peer, strerror(verbs_errno(rc)));
     pthread_mutex_unlock(&t->cq_lock);
     return rc != 0 ? fail_broken(t) : 0;
 }

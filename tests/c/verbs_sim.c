@@ -501,7 +501,7 @@ static int sim_post_recv(struct ibv_qp * qp, struct ibv_recv_wr * wr, struct ibv
     deliver_held(q);   // held SENDs meet the receives now posted
     pthread_mutex_unlock(&c->lock);
     if (rc && bad) *bad = wr;
-    return rc;
+    return apple() ? -rc : rc;   // Apple's posts return a negative errno (observed: "ibv_post_recv ... ret=-12")
 }
 
 static int sim_post_send(struct ibv_qp * qp, struct ibv_send_wr * wr, struct ibv_send_wr ** bad) {
@@ -516,7 +516,7 @@ static int sim_post_send(struct ibv_qp * qp, struct ibv_send_wr * wr, struct ibv
     }
     pthread_mutex_unlock(&c->lock);
     if (rc && bad) *bad = wr;
-    return rc;
+    return apple() ? -rc : rc;
 }
 
 // --- setup verbs -------------------------------------------------------------------
