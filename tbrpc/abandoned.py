@@ -21,6 +21,14 @@ context into the worker thread a completion runs in):
   stopping criterion that is true once its request's client has gone; the
   completion ends at the next token as if a stop word came, and its answer
   goes nowhere.
+
+A client that stays connected but stops reading (a paused process, a peer
+gone without a reset) is gone too, once a piece of its answer has waited
+`CLIENT_STALL_TIMEOUT_S` to be sent: a stream's send waits for the reader,
+and the stream holds the model meanwhile, so without this every later
+request would wait as long as that client kept its connection. The rest of
+its answer is dropped; uvicorn then closes the connection ("ASGI callable
+returned without completing response").
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from typing import Any
 
 from llama_cpp import StoppingCriteriaList
 
+from tbrpc import defaults
 from tbrpc.outage import ASGIApp, Message, Receive, Scope, Send
 
 _client_gone: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("tbrpc_client_gone",
@@ -46,9 +55,10 @@ def _is_disconnect(task: asyncio.Task[Message]) -> bool:
 class ClientWatch:
     """ASGI middleware: marks the requests to `paths` whose client has gone (see the module's doc)."""
 
-    def __init__(self, app: ASGIApp, paths: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, paths: Iterable[str], stall_timeout: float | None = None) -> None:
         self.app = app
         self.paths = frozenset(paths)
+        self.stall_timeout = defaults.CLIENT_STALL_TIMEOUT_S if stall_timeout is None else stall_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") not in self.paths:
@@ -69,9 +79,18 @@ class ClientWatch:
                 watch.add_done_callback(lambda t: gone.set() if _is_disconnect(t) else None)
             return message
 
+        async def watched_send(message: Message) -> None:
+            if gone.is_set():   # it left, or stopped reading: the rest of its answer goes nowhere
+                return
+            try:
+                async with asyncio.timeout(self.stall_timeout):
+                    await send(message)
+            except TimeoutError:
+                gone.set()
+
         mark = _client_gone.set(gone)
         try:
-            await self.app(scope, watched_receive, send)
+            await self.app(scope, watched_receive, watched_send)
         finally:
             _client_gone.reset(mark)
             if watch is not None and not watch.done():

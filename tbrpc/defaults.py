@@ -17,6 +17,7 @@ START_TIMEOUT_S = 60.0       # launch and tbrpc.Llama: every node answers within
 STOP_TIMEOUT_S = 10.0        # launch: a node still running this long after it was asked to stop is killed
 ASK_TIMEOUT_S = 3.0          # plan: each node has this long to say its memory
 CHECK_TIMEOUT_S = 5.0        # doctor and status: each node (each network check) has this long to answer
+CLIENT_STALL_TIMEOUT_S = 30.0 # launch: an HTTP client that takes none of its answer this long counts as gone
 FACTS_TIMEOUT_S = 30.0       # doctor and launch: a machine's facts (`python -m tbrpc.facts`, over ssh) within this
 
 # launch and tbrpc.Llama give llama.cpp the TBRPC devices only, on any head (a

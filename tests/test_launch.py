@@ -8,6 +8,7 @@ launch itself, or a node killed during load or generation (checked by PID).
 
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 import os
@@ -288,6 +289,48 @@ def test_a_request_whose_client_left_stops_generating(tmp_path: Path) -> None:
         assert out["choices"][0]["text"] == want["text"]
         assert "Traceback" not in launch.stderr, launch.stderr
         stop_and_check(launch, signal.SIGINT, 0)
+
+
+def test_a_client_that_stops_reading_counts_as_gone() -> None:
+    """A streaming client that stays connected but reads nothing (a paused process, a peer gone
+    without a reset) fills the socket's buffers; then the stream's next send waits for it, with the
+    model held, and every later request waited as long as that client kept its connection. A send
+    that waits CLIENT_STALL_TIMEOUT_S marks the client gone like a hang-up: the completion's
+    stopping criterion turns true, the rest of the answer is dropped, and the model is free."""
+    from tbrpc.abandoned import ClientWatch, stop_when_client_gone
+
+    class Model:
+        def create_completion(self, **kwargs: Any) -> Any:
+            return kwargs["stopping_criteria"]
+
+    sent: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:   # a stream: a send a token, until told to stop
+        await receive()
+        criteria = stop_when_client_gone(Model()).create_completion(prompt="x")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while not any(stop([], None) for stop in criteria):
+            await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def receive() -> dict[str, Any]:
+        if not sent:
+            sent.append(b"")
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await asyncio.Event().wait()   # connected: no disconnect ever comes
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            sent.append(message["body"])
+            if len(sent) > 3:   # its buffers are full: nothing more is taken
+                await asyncio.Event().wait()
+
+    watch = ClientWatch(app, ["/v1/completions"], stall_timeout=0.2)
+    started = time.monotonic()
+    asyncio.run(asyncio.wait_for(watch({"type": "http", "path": "/v1/completions"}, receive, send), 10))
+    assert time.monotonic() - started < 2
+    assert len(sent) == 4   # what it took before it stopped reading; nothing after
 
 
 def test_api_key_guards_the_api_and_the_dashboard(tmp_path: Path) -> None:
