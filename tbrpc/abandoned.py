@@ -34,9 +34,10 @@ returned without completing response").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from llama_cpp import StoppingCriteriaList
@@ -97,20 +98,74 @@ class ClientWatch:
                 watch.cancel()
 
 
+class _InModel:
+    """The watched completions inside the model now (a thread running one, or a stream's next
+    chunk), each with its client's `gone`."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._gone: list[threading.Event] = []
+
+    @contextlib.contextmanager
+    def inside(self, gone: threading.Event) -> Iterator[None]:
+        with self._changed:
+            self._gone.append(gone)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._gone.remove(gone)
+                self._changed.notify_all()
+
+    def stop_all(self) -> None:
+        with self._changed:
+            for gone in self._gone:
+                gone.set()
+            self._changed.wait_for(lambda: not self._gone)
+
+
+_in_model = _InModel()
+
+
+def stop_completions() -> None:
+    """The server stops: every watched completion stops at its next token; return once none is in
+    the model. uvicorn cuts a request still open after its grace period, but the thread running its
+    completion goes on, and the model freed under it crashed the process."""
+    _in_model.stop_all()
+
+
+def _stepped(chunks: Iterator[Any], gone: threading.Event) -> Iterator[Any]:
+    """A stream's chunks, each made inside the model as `_in_model` counts it."""
+    while True:
+        with _in_model.inside(gone):
+            chunk = next(chunks, _END)
+        if chunk is _END:
+            return
+        yield chunk
+
+
+_END = object()
+
+
 def stop_when_client_gone(llm: Any) -> Any:
     """Give `llm`'s completions (chat completions go through them) a stopping criterion that turns
-    true once the client of the request calling it has gone; outside a watched request it adds
-    nothing. Returns `llm`; a second call changes nothing."""
+    true once the client of the request calling it has gone, and count them in while they run
+    (`stop_completions`); outside a watched request it adds nothing. Returns `llm`; a second call
+    changes nothing."""
     if getattr(llm, "_tbrpc_stops_when_client_gone", False):
         return llm
     create_completion = llm.create_completion
 
     def create_completion_until_gone(*args: Any, **kwargs: Any) -> Any:
         gone = _client_gone.get()
-        if gone is not None:
-            kwargs["stopping_criteria"] = StoppingCriteriaList(
-                [*(kwargs.get("stopping_criteria") or []), lambda _ids, _logits: gone.is_set()])
-        return create_completion(*args, **kwargs)
+        if gone is None:
+            return create_completion(*args, **kwargs)
+        kwargs["stopping_criteria"] = StoppingCriteriaList(
+            [*(kwargs.get("stopping_criteria") or []), lambda _ids, _logits: gone.is_set()])
+        if kwargs.get("stream"):   # a generator: it runs as the stream takes its chunks
+            return _stepped(iter(create_completion(*args, **kwargs)), gone)
+        with _in_model.inside(gone):
+            return create_completion(*args, **kwargs)
 
     llm.create_completion = create_completion_until_gone
     llm._tbrpc_stops_when_client_gone = True

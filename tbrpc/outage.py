@@ -45,6 +45,7 @@ MAX_PROBE_S = 5.0           # ... up to this
 PROBE_TIMEOUT_S = 1.0
 STILL_WAITING_EVERY_S = 60.0   # how often the log says it still waits
 RETRY_AFTER_S = 5
+STOPPING = "the server is stopping"   # the 503 of requests cut or refused once a stop began
 MODEL_PATHS = ("/v1/", "/extras/")   # routes that use the model get 503 while it is away ...
 ALWAYS_ANSWERED = ("/v1/models",)    # ... except this one
 
@@ -110,7 +111,9 @@ class Serving:
         return llm
 
     def unavailable(self) -> str | None:
-        """Why the model cannot answer now (a failed node, or the wait for one), else None."""
+        """Why the model cannot answer now (the server stops, a failed node, or the wait for one), else None."""
+        if self.stopping.is_set():
+            return STOPPING
         if self.outage is not None:
             return self.outage.message()
         failed = self.nodes.failed()   # before the watcher noticed: what it is about to do
@@ -227,7 +230,8 @@ def error_body(message: str) -> bytes:
 
 class OutageGuard:
     """ASGI middleware: while the server waits for a node, requests for the model get 503 naming it;
-    a request that fails because a node failed under it (llama-cpp-python's 500) gets the same."""
+    a request that fails because a node failed under it (llama-cpp-python's 500) gets the same.
+    Once the server stops, new requests and those it cuts after its grace period get 503 STOPPING."""
 
     def __init__(self, app: ASGIApp, serving: Serving) -> None:
         self.app = app
@@ -262,13 +266,22 @@ class OutageGuard:
                 await send(message)
 
         try:
-            await self.app(scope, receive, guarded_send)
+            await self._through_nodes(scope, receive, guarded_send, lambda: started)
+        except asyncio.CancelledError:   # the server stops: uvicorn cuts what is open after its grace period
+            if started or replaced or not self.serving.stopping.is_set():
+                raise
+            await self._refuse(send, STOPPING)   # answered, and the request's task ends without a traceback
+
+    async def _through_nodes(self, scope: Scope, receive: Receive, send: Send, started: Callable[[], bool]) -> None:
+        """The app; a node that failed under the request gets its one log line and the 503."""
+        try:
+            await self.app(scope, receive, send)
         except* NodeError as failed:   # a node failed under the request (the routes let it through: serve.py;
             exc = failed.exceptions[0]   # a stream's arrives in its task groups' ExceptionGroups)
             while isinstance(exc, BaseExceptionGroup):
                 exc = exc.exceptions[0]
             assert isinstance(exc, NodeError)
             self.serving.request_failed(exc)
-            if not started:   # else the stream under way just ends, without [DONE]
+            if not started():   # else the stream under way just ends, without [DONE]
                 await self._refuse(send, await asyncio.to_thread(self.serving.unavailable) or str(exc))
 

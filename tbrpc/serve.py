@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import llama_cpp
 from llama_cpp import llama_chat_format
 
-from tbrpc.abandoned import ClientWatch, stop_when_client_gone
+from tbrpc.abandoned import ClientWatch, stop_completions, stop_when_client_gone
 from tbrpc.client import NodeError
 from tbrpc.gguf_model import GGUFModel
 from tbrpc.native import SUPPORTED_LLAMA_CPP_PYTHON, TbrpcError
@@ -164,10 +164,16 @@ def serve_http(serving: Serving, sock: socket.socket, alias: str, api_key: str |
             try:
                 await super().serve(sockets)
             finally:
-                serving.stopping.set()   # a reload under way stops at its next progress report
+                serving.stopping.set()   # also when it ends without a shutdown (it did not start)
+                await asyncio.to_thread(stop_completions)   # none is left in the model when launch frees it
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # from now on requests get 503 (OutageGuard), and a reload under way stops at its next progress report
+            serving.stopping.set()
+            await super().shutdown(sockets)
 
     # A stop does not wait for long streams to finish: 3 s, then open requests are cut.
     server = Server(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3))

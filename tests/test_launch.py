@@ -450,6 +450,44 @@ def test_sigterm_stops_server_and_nodes(tmp_path: Path) -> None:
     stop_and_check(launch, signal.SIGTERM, 0)
 
 
+def test_sigterm_with_requests_waiting_answers_each_with_a_status(tmp_path: Path) -> None:
+    """SIGTERM while completions run and wait for the model: uvicorn gives them 3 s, then cuts what
+    is left. Each cut request gets 503 with a JSON error saying the server stops (it got a plain-text
+    500, and the log a CancelledError traceback each); the others their whole answer. Launch exits
+    0 in time and leaves no node."""
+    model = models.ensure("llama")
+    no_end = {str(load_gguf(model).metadata["tokenizer.ggml.eos_token_id"]): -1000}
+    with start_launch(tmp_path, "--gguf", str(model), "--local", "2", "--ctx", "2048", "--port", "0",
+                      "--alias", "m") as launch:
+        base = launch.http_base()
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 1900, "temperature": 0, "logit_bias": no_end}
+        answers: dict[int, tuple[int, Any]] = {}
+
+        def ask(i: int) -> None:
+            try:
+                answers[i] = (200, http_json(f"{base}/completions", body, timeout=60))
+            except urllib.error.HTTPError as exc:
+                answers[i] = (exc.code, exc.read())
+
+        clients = [threading.Thread(target=ask, args=(i,)) for i in range(12)]   # one at a time: some are cut
+        for c in clients:
+            c.start()
+        time.sleep(1.0)
+        started = time.monotonic()
+        stop_and_check(launch, signal.SIGTERM, 0)
+        assert time.monotonic() - started < 20, launch.stderr
+        for c in clients:
+            c.join(timeout=30)
+        codes = sorted(code for code, _ in answers.values())
+        assert len(codes) == 12 and set(codes) <= {200, 503} and 503 in codes, (codes, answers)
+        for code, answer in answers.values():
+            if code == 200:
+                assert answer["usage"]["completion_tokens"] == 1900
+            else:
+                assert json.loads(answer)["error"]["message"] == "the server is stopping", answer
+        assert "Traceback" not in launch.stderr, launch.stderr
+
+
 def test_launch_killed_leaves_no_node(tmp_path: Path) -> None:
     """Even SIGKILL of launch: each node sees its stdin close and stops by itself."""
     launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256", "--port", "0")
