@@ -68,7 +68,7 @@ def make_app(serving: Serving, alias: str, api_key: str | None = None) -> Any:
             self._default_model_alias = alias
 
         def __call__(self, model: str | None = None) -> llama_cpp.Llama:
-            return stop_when_client_gone(serving.model())   # each load's model, once
+            return stop_when_client_gone(refuse_logprobs(serving.model()))   # each load's model, once
 
         def free(self) -> None:
             pass
@@ -88,6 +88,30 @@ def make_app(serving: Serving, alias: str, api_key: str | None = None) -> Any:
     app.add_middleware(OutageGuard, serving=serving)
     install(app, serving, alias, api_key)   # /tbrpc, /tbrpc/status.json, /metrics (outermost: sees the 503s)
     return app
+
+
+def refuse_logprobs(llm: llama_cpp.Llama) -> llama_cpp.Llama:
+    """A request for logprobs gets 400 saying why, unless `llm` keeps every token's logits (with a
+    draft it does). Launch loads without `logits_all`, which a layer split would pay for with every
+    prompt token's logits sent from the last node; llama-cpp-python refused with a 500
+    internal_server_error naming that Llama argument. Returns `llm`; a second call changes nothing."""
+    if llm._logits_all or getattr(llm, "_tbrpc_refuses_logprobs", False):
+        return llm
+    from fastapi import HTTPException
+    create_completion = llm.create_completion
+
+    def create_completion_without_logprobs(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("logprobs") is not None:   # chats' logprobs with top_logprobs come as this too
+            raise HTTPException(status_code=400, detail=NO_LOGPROBS)
+        return create_completion(*args, **kwargs)
+
+    llm.create_completion = create_completion_without_logprobs   # type: ignore[method-assign]
+    llm._tbrpc_refuses_logprobs = True   # type: ignore[attr-defined]
+    return llm
+
+
+NO_LOGPROBS = ("this server gives no logprobs (nor top_logprobs): tbrpc launch loads the model without "
+               "logits_all, as the nodes would send every prompt token's logits to the head; ask without them")
 
 
 def _node_errors_through(router: Any) -> None:

@@ -333,6 +333,26 @@ def test_a_client_that_stops_reading_counts_as_gone() -> None:
     assert len(sent) == 4   # what it took before it stopped reading; nothing after
 
 
+def test_logprobs_are_refused_with_400_saying_why(tmp_path: Path) -> None:
+    """Launch loads the model without logits_all (a layer split would send the head every prompt
+    token's logits), so llama-cpp-python cannot give logprobs; it said so as a 500
+    internal_server_error naming a Llama argument the client never saw. A 400 says what to do."""
+    with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "1", "--ctx", "256",
+                      "--port", "0", "--alias", "m") as launch:
+        base = launch.http_base()
+        for path, body in (("completions", {"prompt": PROMPT, "logprobs": 2}),
+                           ("completions", {"prompt": PROMPT, "logprobs": 0, "echo": True}),
+                           ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2})):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                http_json(f"{base}/{path}", {"model": "m", "max_tokens": 4, **body})
+            assert refused.value.code == 400, (path, body)
+            assert "logprobs" in json.loads(refused.value.read())["detail"]
+        out = http_json(f"{base}/completions", {"model": "m", "prompt": PROMPT, "max_tokens": 4})
+        assert out["usage"]["completion_tokens"] == 4   # the model is unharmed
+        assert "Traceback" not in launch.stderr, launch.stderr
+        stop_and_check(launch, signal.SIGINT, 0)
+
+
 def test_api_key_guards_the_api_and_the_dashboard(tmp_path: Path) -> None:
     env = {**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
     with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "1", "--ctx", "256",
