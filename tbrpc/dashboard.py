@@ -292,7 +292,8 @@ def install(app: Any, serving: Any, alias: str, api_key: str | None) -> RequestL
     def allowed(request: HttpRequest) -> None:
         if api_key is None:
             return
-        given = request.query_params.get("api_key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = request.query_params.get("api_key") or (token.strip() if scheme.lower() == "bearer" else "")
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise HTTPException(status_code=401, detail="this server wants its --api-key")
 

@@ -359,8 +359,8 @@ def test_api_key_guards_the_api_and_the_dashboard(tmp_path: Path) -> None:
                       "--port", "0", "--api-key", "s3cret", env=env) as launch:
         root = launch.http_base().removesuffix("/v1")
 
-        def code(path: str, key: str | None = None) -> int:
-            request = urllib.request.Request(root + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+        def code(path: str, key: str | None = None, scheme: str = "Bearer") -> int:
+            request = urllib.request.Request(root + path, headers={"Authorization": f"{scheme} {key}"} if key else {})
             try:
                 with urllib.request.urlopen(request, timeout=30) as r:
                     return int(r.status)
@@ -371,6 +371,9 @@ def test_api_key_guards_the_api_and_the_dashboard(tmp_path: Path) -> None:
         assert [code("/v1/models", "wrong"), code("/metrics", "wrong")] == [401, 401]
         assert [code("/v1/models", "s3cret"), code("/metrics", "s3cret"), code("/tbrpc?api_key=s3cret"),
                 code("/tbrpc/status.json?api_key=s3cret")] == [200] * 4
+        # the scheme's case does not matter (RFC 9110), as on llama-cpp-python's routes
+        assert [code("/v1/models", "s3cret", "bearer"), code("/metrics", "s3cret", "bearer")] == [200, 200]
+        assert code("/metrics", "s3cret", "Basic") == 401
         # tbrpc status on this machine reads the key from the launch's record (the user's alone)
         shown = json.loads(subprocess.run([sys.executable, "-m", "tbrpc.cli", "status", "--json"], cwd=tmp_path, env=env,
                                           capture_output=True, text=True, timeout=60).stdout)
