@@ -228,6 +228,18 @@ def error_body(message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "node_unavailable", "code": 503}}).encode()
 
 
+def _is_stream(start: Message) -> bool:
+    return int(start["status"]) == 200 and any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+                                               for name, value in start.get("headers") or [])
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group.exceptions[0]
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 class OutageGuard:
     """ASGI middleware: while the server waits for a node, requests for the model get 503 naming it;
     a request that fails because a node failed under it (llama-cpp-python's 500) gets the same.
@@ -252,36 +264,61 @@ class OutageGuard:
             await self._refuse(send, why)
             return
         replaced = started = False
+        held: Message | None = None   # a stream's 200, sent with its first bytes
 
         async def guarded_send(message: Message) -> None:
-            nonlocal replaced, started
+            nonlocal replaced, started, held
             if message["type"] == "http.response.start" and int(message["status"]) >= 500:
                 why = await asyncio.to_thread(self.serving.unavailable)
                 if why:
                     replaced = True
                     await self._refuse(send, why)
                     return
-            if not replaced:
+            if replaced:
+                return
+            if message["type"] == "http.response.start" and _is_stream(message):
+                # A stream's headers go out before it reaches the model: held until it says something,
+                # a node failing while it waits for the model is still answered with the 503
+                held = message
+                return
+            if held is not None and message["type"] == "http.response.body":
+                if not message.get("body"):   # nothing said yet; its end waits too (an error may follow it)
+                    if not message.get("more_body", False):
+                        ends.append(message)
+                    return
                 started = True
-                await send(message)
+                await send(held)
+                held = None
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
+        ends: list[Message] = []   # a held stream's empty end
         try:
-            await self._through_nodes(scope, receive, guarded_send, lambda: started)
+            refused = await self._through_nodes(scope, receive, guarded_send, lambda: started)
+            if held is not None and not replaced and not refused:   # a stream that ended saying nothing, no error
+                await send(held)
+                for end in ends:
+                    await send(end)
         except asyncio.CancelledError:   # the server stops: uvicorn cuts what is open after its grace period
             if started or replaced or not self.serving.stopping.is_set():
                 raise
             await self._refuse(send, STOPPING)   # answered, and the request's task ends without a traceback
 
-    async def _through_nodes(self, scope: Scope, receive: Receive, send: Send, started: Callable[[], bool]) -> None:
-        """The app; a node that failed under the request gets its one log line and the 503."""
+    async def _through_nodes(self, scope: Scope, receive: Receive, send: Send, started: Callable[[], bool]) -> bool:
+        """The app; a node that failed under the request gets its one log line and the 503. Whether
+        this answered the request (the 503)."""
+        why: str | None = None
         try:
             await self.app(scope, receive, send)
         except* NodeError as failed:   # a node failed under the request (the routes let it through: serve.py;
-            exc = failed.exceptions[0]   # a stream's arrives in its task groups' ExceptionGroups)
-            while isinstance(exc, BaseExceptionGroup):
-                exc = exc.exceptions[0]
+            exc = _first(failed)         # a stream's arrives in its task groups' ExceptionGroups)
             assert isinstance(exc, NodeError)
             self.serving.request_failed(exc)
-            if not started():   # else the stream under way just ends, without [DONE]
-                await self._refuse(send, await asyncio.to_thread(self.serving.unavailable) or str(exc))
+            why = str(exc)
+        except* ModelAway as away:   # a stream that reached the model after it was freed (a plain request's
+            why = str(_first(away))  # 500 for it is replaced in guarded_send)
+        if why is None or started():   # a stream under way just ends, without [DONE]
+            return False
+        await self._refuse(send, await asyncio.to_thread(self.serving.unavailable) or why)
+        return True
 

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 import models
+from tbrpc.gguf_model import load_gguf
 from helpers import (
     ENV, PROMPT, Launch, assert_gone, baseline, http_json, http_stream, start_launch, start_node, stop_nodes,
     with_descendants,
@@ -279,6 +280,51 @@ def test_requests_in_flight_get_the_error_and_a_node_that_never_returns_is_waite
             assert "Traceback" not in launch.stderr, launch.stderr   # the failed requests: a line each
     finally:
         stop_nodes([n for n in started if n.proc.poll() is None])
+
+
+def test_a_stream_waiting_for_the_model_when_a_node_fails_gets_the_503(tmp_path: Path) -> None:
+    """A stream queued behind a long request while a node dies is answered 503 naming the node, not
+    a 200 whose stream says nothing: its headers wait for its first event."""
+    first, second = start_node(tmp_path), start_node(tmp_path)
+    cluster = tmp_path / "two.toml"
+    cluster.write_text("".join(f'[[node]]\nname = "n{i}"\nhost = "127.0.0.1"\nport = {n.port}\nstart = "manual"\n\n'
+                               for i, n in enumerate((first, second))))
+    model = models.ensure("llama")
+    no_end = {str(load_gguf(model).metadata["tokenizer.ggml.eos_token_id"]): -1000}
+    try:
+        with start_launch(tmp_path, "--gguf", str(model), "--cluster", str(cluster), "--ctx", "2048",
+                          "--port", "0") as launch:
+            base = launch.http_base()
+            root = base.removesuffix("/v1")
+            answers: dict[str, Any] = {}
+
+            def ask(name: str, body: dict[str, Any]) -> None:
+                answers[name] = refused(f"{base}/completions", body)
+
+            long = threading.Thread(target=ask, args=("long", {"prompt": PROMPT, "max_tokens": 1900, "temperature": 0,
+                                                                "logit_bias": no_end}))
+            long.start()
+            deadline = time.monotonic() + 60
+            while http_json(f"{root}/tbrpc/status.json")["requests"]["in_flight"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            queued = threading.Thread(target=ask, args=("stream", {**BODY, "stream": True}))
+            queued.start()
+            while http_json(f"{root}/tbrpc/status.json")["requests"]["in_flight"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            time.sleep(0.2)   # the stream waits for the model
+            assert long.is_alive(), "the long request ended before the node was killed"
+            second.proc.kill()
+            second.proc.wait()
+            for t in (long, queued):
+                t.join(timeout=60)
+            for name in ("long", "stream"):
+                code, _, body, _ = answers[name]
+                assert code == 503 and f"node n1 (127.0.0.1:{second.port})" in body["error"]["message"], (name, body)
+            stop(launch)
+    finally:
+        stop_nodes([n for n in (first, second) if n.proc.poll() is None])
 
 
 def test_other_errors_keep_their_traceback(capsys: pytest.CaptureFixture[str]) -> None:
