@@ -89,6 +89,23 @@ CHAT = [{"role": "user", "content": "Name a French city."}]
 
 
 @cache
+def spy_on_starts() -> list[Any]:
+    """The nodes tbrpc.Llama and launch start from now on in this process, as they start them
+    (tbrpc.node_processes.start_process watched)."""
+    import tbrpc.node_processes as processes
+
+    started: list[Any] = []
+    original = processes.start_process
+
+    def spy(*args: Any) -> Any:
+        node = original(*args)
+        started.append(node)
+        return node
+
+    processes.start_process = spy
+    return started
+
+
 def layer_weight_bytes(model: Path) -> int:
     """Bytes of all repeating-layer tensors (blk.*), which a split must all put on the nodes."""
     reader = gguf.GGUFReader(model)

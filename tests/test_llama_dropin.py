@@ -157,14 +157,8 @@ def test_does_not_fit_raises_and_stops_nodes(tmp_path: Path) -> None:
     cluster = tmp_path / "small.toml"
     cluster.write_text('[[node]]\nname = "small"\nhost = "127.0.0.1"\nport = 0\nmemory = "1GiB"\nkind = "cpu"\n')
     out = run_code(f"""
-        import tbrpc.node_processes as launch
-        started = []
-        original = launch.start_process
-        def spy(*args):
-            node = original(*args)
-            started.append(node)
-            return node
-        launch.start_process = spy
+        from helpers import spy_on_starts
+        started = spy_on_starts()
         from tbrpc.llama import DoesNotFitError
         try:
             Llama({str(model)!r}, cluster={str(cluster)!r}, n_ctx=256, verbose=False)
@@ -478,14 +472,8 @@ def test_ctrl_c_during_a_load_with_progress_is_a_keyboard_interrupt() -> None:
     file" (a ValueError); the last report (100 %) aborts it too."""
     model = models.ensure("gemma")
     out = run_code(f"""
-        import tbrpc.node_processes as launch
-        started = []
-        original = launch.start_process
-        def spy(*args):
-            node = original(*args)
-            started.append(node)
-            return node
-        launch.start_process = spy
+        from helpers import spy_on_starts
+        started = spy_on_starts()
         raised = []
         for at in (0.3, 1.0):
             def progress(fraction):

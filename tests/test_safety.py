@@ -360,6 +360,16 @@ print("failed:", tbrpc.cluster().exception(0) if tbrpc.cluster().failed_indexes(
 """
 
 
+def head_allocates_from(answer: Any) -> subprocess.CompletedProcess[str]:
+    """A head process allocating one buffer on a fake node that answers ALLOC_BUFFER with `answer(asked)`."""
+    srv, port = fake_node(answer)
+    try:
+        return subprocess.run([sys.executable, "-c", HEAD_ALLOCATES % port], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    finally:
+        srv.close()
+
+
 @pytest.mark.parametrize("base,size", [(0, 1 << 20), (TB_FAKE_BASE + 1, 1 << 20), (2**64 - 4096, 1 << 20),
                                        (TB_FAKE_BASE, 4096)], ids=["null", "unaligned", "wraps", "short"])
 def test_a_node_cannot_hand_the_head_an_address_ggml_aborts_on(base: int, size: int) -> None:
@@ -369,12 +379,7 @@ def test_a_node_cannot_hand_the_head_an_address_ggml_aborts_on(base: int, size: 
     abort it in ggml_backend_tensor_alloc. The head refuses such a reply (and
     an unaligned base, or less than it asked for): no buffer, the node failed
     with the reason, the process lives."""
-    srv, port = fake_node(lambda asked: (1, base, size))
-    try:
-        proc = subprocess.run([sys.executable, "-c", HEAD_ALLOCATES % port], capture_output=True, text=True, timeout=60,
-                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
-    finally:
-        srv.close()
+    proc = head_allocates_from(lambda asked: (1, base, size))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "base" not in proc.stdout.split("failed:")[0], proc.stdout
     assert "failed during ALLOC_BUFFER: a buffer of 1048576 bytes came back as" in proc.stdout, proc.stdout
@@ -383,12 +388,7 @@ def test_a_node_cannot_hand_the_head_an_address_ggml_aborts_on(base: int, size: 
 
 def test_a_node_that_answers_alloc_buffer_well_is_believed() -> None:
     """The same fake node, answering as a node does, gives the head its buffer."""
-    srv, port = fake_node(lambda asked: (1, TB_FAKE_BASE, asked))
-    try:
-        proc = subprocess.run([sys.executable, "-c", HEAD_ALLOCATES % port], capture_output=True, text=True, timeout=60,
-                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
-    finally:
-        srv.close()
+    proc = head_allocates_from(lambda asked: (1, TB_FAKE_BASE, asked))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"base {TB_FAKE_BASE}" in proc.stdout and "failed: no" in proc.stdout, proc.stdout
 
