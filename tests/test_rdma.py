@@ -36,6 +36,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                       defines=(f"TB_RDMA_BROKEN_{broken}",))
     progs["SEQ_WRAP"] = build_program(C_TEST, out / "rdma_tests_seq_wrap", with_ggml=False,
                                       defines=("TB_RING_FIRST_SEQ=0xffffffc0u",))
+    progs["TESTING"] = build_program(C_TEST, out / "rdma_tests_testing", with_ggml=False, defines=("TB_RDMA_TESTING",))
     progs["QP_PROCESS_LOCKS"] = build_program(C_TEST, out / "rdma_tests_qp_process_locks", with_ggml=False,
                                               defines=("TB_QP_BROKEN_PROCESS_LOCKS",))
     progs["sim"] = build_verbs_sim(out / "libtbverbs_sim.so")
@@ -139,6 +140,19 @@ def test_a_wire_that_moves_nothing_leaves_both_on_tcp(built, profile, tmp_path) 
     passed(proc, "stays_on_tcp")
     lines = [line for line in proc.stdout.splitlines() if "stays on tcp" in line]
     assert len(lines) == 2 and all("RDMA probe on simbolt0" in line for line in lines), proc.stdout
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_a_side_out_of_memory_for_its_ring_leaves_both_on_tcp(built, profile, tmp_path) -> None:
+    """The transport's memory is taken before the last readiness exchange: a side that cannot have it
+    says so and both stay on TCP. Taken after both said ready, that side stayed on TCP while its peer
+    switched to RDMA, and the connection was lost. (A test build, TB_RDMA_TESTING, fails the
+    allocation on RDMA_TEST_RING_ALLOC_FAILS.)"""
+    proc = run(built, "stays_on_tcp", profile, tmp_path, prog="TESTING", CHILD_RDMA_TEST_RING_ALLOC_FAILS="1")
+    passed(proc, "stays_on_tcp")
+    lines = sorted(line for line in proc.stdout.splitlines() if "stays on tcp" in line)
+    assert lines == ["child stays on tcp: out of memory for an RDMA ring",
+                     "parent stays on tcp: peer: out of memory for an RDMA ring"], proc.stdout
 
 
 def test_apple_profile_refuses_rc_and_loopback(built, tmp_path) -> None:

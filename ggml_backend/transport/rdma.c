@@ -74,11 +74,6 @@ int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char *
     snprintf(err, err_len, "%s", NO_VERBS);
     return -1;
 }
-struct tb_transport * tb_rdma_transport(struct tb_rdma * d, struct tb_transport * tcp, char * err, size_t err_len) {
-    (void) d; (void) tcp;
-    snprintf(err, err_len, "%s", NO_VERBS);
-    return NULL;
-}
 int tb_rdma_probe(struct tb_rdma * d, char * err, size_t err_len) {
     (void) d;
     snprintf(err, err_len, "%s", NO_VERBS);
@@ -105,6 +100,7 @@ struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * lo
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -882,21 +878,39 @@ static const struct tb_ring_wire rdma_wire = {
     .peer_alive = rdma_peer_alive,
 };
 
-struct tb_transport * tb_rdma_transport(struct tb_rdma * d, struct tb_transport * tcp, char * err, size_t err_len) {
+// The transport's own memory, taken before the last readiness exchange: running
+// out of it then leaves both sides on TCP, where taking it after both said
+// ready would leave this side on TCP and the peer on RDMA. NULL: out of memory.
+static struct rdma_transport * transport_alloc(const struct tb_rdma * d, const struct tb_transport * tcp) {
+#ifdef TB_RDMA_TESTING
+    if (getenv("RDMA_TEST_RING_ALLOC_FAILS")) return NULL;   // tests only: a process out of memory here
+#endif
     struct rdma_transport * t = calloc(1, sizeof *t);
-    if (t) {
-        t->state = calloc(d->slots, sizeof *t->state);
-        t->scratch = calloc(1, d->stride);
-    }
-    if (!t || !t->state || !t->scratch ||
-        pthread_mutex_init(&t->cq_lock, NULL) != 0 ||
-        !tb_ring_init(&t->ring, &rdma_wire, d->slots, d->stride - TB_RDMA_PREFIX, tcp->timeout_ms, tcp->peer)) {
-        snprintf(err, err_len, "out of memory for an RDMA ring");
-        if (t) { free(t->state); free(t->scratch); }
+    if (!t) return NULL;
+    t->state = calloc(d->slots, sizeof *t->state);
+    t->scratch = calloc(1, d->stride);
+    const bool locked = t->state && t->scratch && pthread_mutex_init(&t->cq_lock, NULL) == 0;
+    if (!locked || !tb_ring_init(&t->ring, &rdma_wire, d->slots, d->stride - TB_RDMA_PREFIX, tcp->timeout_ms, tcp->peer)) {
+        if (locked) pthread_mutex_destroy(&t->cq_lock);
+        free(t->state);
+        free(t->scratch);
         free(t);
-        close_endpoint(d);
         return NULL;
     }
+    return t;
+}
+
+// Undo transport_alloc (the bring-up failed after it).
+static void transport_unalloc(struct rdma_transport * t) {
+    tb_ring_destroy(&t->ring);
+    pthread_mutex_destroy(&t->cq_lock);
+    free(t->state);
+    free(t->scratch);
+    free(t);
+}
+
+// The transport over d and tcp (it owns both from now on); nothing here can fail.
+static struct tb_transport * transport_bind(struct rdma_transport * t, struct tb_rdma * d, struct tb_transport * tcp) {
 #ifdef TB_RDMA_BROKEN_NO_CREDITS
     t->ring.tx_credits = 1u << 30;   // deliberately wrong (tests only): send whether or not a receive waits
 #endif
@@ -983,25 +997,27 @@ struct tb_transport * tb_rdma_upgrade(struct tb_transport * tcp, const char * lo
     }
     // Both go RTR/RTS and post the probe's receive, then say whether they are
     // ready; both then send a probe frame and post the ring's receives, and say so again.
+    // The transport's memory is taken before the last exchange (transport_alloc).
     struct { uint8_t ready; char why[127]; } me = { 1, "" }, them;
+    struct rdma_transport * t = NULL;
     for (int round = 0; round < 2; round++) {
         int rc = round == 0 ? tb_rdma_connect(d, &peer, me.why, sizeof me.why) : tb_rdma_probe(d, me.why, sizeof me.why);
-        if (rc != 0) me.ready = 0;
-        if (tb_send(tcp, &me, sizeof me) != 0 || tb_flush(tcp) != 0 || tb_recv(tcp, &them, sizeof them) != 0) {
-            snprintf(reason, reason_len, "RDMA bring-up: %s", tcp->error);
-            tb_rdma_discard(d);
-            return NULL;
+        if (rc == 0 && round == 1 && !(t = transport_alloc(d, tcp))) {
+            snprintf(me.why, sizeof me.why, "out of memory for an RDMA ring");
+            rc = -1;
         }
+        if (rc != 0) me.ready = 0;
+        const bool said = tb_send(tcp, &me, sizeof me) == 0 && tb_flush(tcp) == 0 && tb_recv(tcp, &them, sizeof them) == 0;
         them.why[sizeof them.why - 1] = 0;
-        if (!me.ready || them.ready != 1) {
-            snprintf(reason, reason_len, "%s%s", me.ready ? "peer: " : "", me.ready ? them.why : me.why);
+        if (!said || !me.ready || them.ready != 1) {
+            if (!said) snprintf(reason, reason_len, "RDMA bring-up: %s", tcp->error);
+            else snprintf(reason, reason_len, "%s%s", me.ready ? "peer: " : "", me.ready ? them.why : me.why);
+            if (t) transport_unalloc(t);
             tb_rdma_discard(d);
             return NULL;
         }
     }
-    struct tb_transport * t = tb_rdma_transport(d, tcp, why, sizeof why);
-    if (!t) snprintf(reason, reason_len, "%s", why);
-    return t;
+    return transport_bind(t, d, tcp);
 }
 
 #endif  // TB_HAVE_VERBS

@@ -70,9 +70,6 @@ int tb_rdma_connect(struct tb_rdma * d, const struct tb_rdma_info * peer, char *
 // Once both sides connected: one probe frame each way (RTR checks no path),
 // then post the receive ring. 0, or -1 with err.
 int tb_rdma_probe(struct tb_rdma * d, char * err, size_t err_len);
-// The transport over a connected endpoint and its TCP connection (owns both on
-// success; on failure discards d and leaves tcp to the caller).
-struct tb_transport * tb_rdma_transport(struct tb_rdma * d, struct tb_transport * tcp, char * err, size_t err_len);
 void tb_rdma_discard(struct tb_rdma * d);
 
 // The whole symmetric bring-up over `tcp` (both sides call it at the same
