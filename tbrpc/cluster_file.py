@@ -155,7 +155,7 @@ def read(path: str | os.PathLike[str], metal_fraction: float = defaults.METAL_FR
         spec = replace(spec_from_table(table, node.given, where, secret_file), file_position=i)
         nodes.append(replace(node, start_command=start_command(spec)))
         specs.append(spec)
-    check_unique(nodes)
+    check_unique(nodes, str(path))
     check_distinct(specs, str(path))
     names = {s.name for s in specs}
     for s in specs:

@@ -279,9 +279,15 @@ def nodes_from_flags(node_flags: list[str], nodes_flag: str | None, metal_fracti
     return nodes
 
 
-def check_unique(nodes: Sequence[Node | ClusterNode]) -> None:
-    seen: set[str] = set()
-    for node in nodes:
-        if node.name in seen:
-            raise ClusterError(f"node name {node.name!r} is used twice")
-        seen.add(node.name)
+def check_unique(nodes: Sequence[Node | ClusterNode], cluster_file: str | None = None) -> None:
+    """ClusterError when two nodes share a name: of `cluster_file`'s [[node]] tables (the message names
+    the file and both tables), else of the --node flags."""
+    first: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        if node.name not in first:
+            first[node.name] = i
+        elif cluster_file is not None:
+            raise ClusterError(f"{cluster_file}: node #{first[node.name] + 1} and node #{i + 1} are both named "
+                               f"{node.name!r}: give each [[node]] table a name of its own")
+        else:
+            raise ClusterError(f"--node {node.name}=... is given twice: give each node a name of its own")

@@ -108,12 +108,26 @@ def test_cluster_file_errors_name_the_problem(tmp_path: Path) -> None:
     path.write_text('[[node]]\nname = "a"\nport = 1\nmemory = "1GiB"\n')
     with pytest.raises(ClusterError, match="missing required key 'host'"):
         load_cluster_file(path)
-    path.write_text('[[node]]\nname = "a"\nhost = "h"\nport = 1\nmemory = "1GiB"\n[[node]]\nname = "a"\nhost = "h"\nport = 2\nmemory = "1GiB"\n')
-    with pytest.raises(ClusterError, match="used twice"):
-        load_cluster_file(path)
     path.write_text('secret_file = "/s"\n')
     with pytest.raises(ClusterError, match="no \\[\\[node\\]\\]"):
         load_cluster_file(path)
+
+
+def test_two_nodes_of_one_name_are_refused_naming_the_file_and_both_tables(tmp_path: Path) -> None:
+    """Every command reads the file: each says which file and which two tables share the name (it said
+    only "node name 'a' is used twice", which names neither the file nor the tables)."""
+    path = tmp_path / "bad.toml"
+    path.write_text('[[node]]\nname = "a"\nhost = "h"\nport = 1\nmemory = "1GiB"\n'
+                    '[[node]]\nname = "b"\nhost = "h"\nport = 2\nmemory = "1GiB"\n'
+                    '[[node]]\nname = "a"\nhost = "h"\nport = 3\nmemory = "1GiB"\n')
+    for read in (load_cluster_file, load_specs):
+        with pytest.raises(ClusterError) as refused:
+            read(path)
+        assert str(refused.value) == (f"{path}: node #1 and node #3 are both named 'a': "
+                                      "give each [[node]] table a name of its own")
+    with pytest.raises(ClusterError) as flags:
+        nodes_from_flags(["a=1GiB", "a=2GiB"], None)
+    assert str(flags.value) == "--node a=... is given twice: give each node a name of its own"
 
 
 def test_one_node_listed_twice_is_refused_naming_both(tmp_path: Path) -> None:
