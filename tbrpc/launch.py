@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 from tbrpc import defaults
 from tbrpc import secret as cluster_secret
-from tbrpc.client import cluster as client_cluster
+from tbrpc.client import NodeError, cluster as client_cluster
 from tbrpc.draft import DraftError, GGUFDraft, check_options as check_draft, logits_bytes, make_draft
 from tbrpc.gguf_model import GGUFError, load_gguf
 from tbrpc.launch_signals import Interrupted, LaunchSignals
@@ -30,9 +30,11 @@ from tbrpc.llama import (ClusterArg, DoesNotFitError, Llama, ProgressBar, check_
                          say_cable_order, with_secret)
 from tbrpc.native import TbrpcError
 from tbrpc.node import is_loopback
+from tbrpc.node_memory import ClusterError
 from tbrpc.node_processes import Nodes, head_secret_file, start_nodes
 from tbrpc.outage import Serving
 from tbrpc.serve import chat, chat_format_warning, complete_once, listen, require_server, serve_http
+from tbrpc.spec import NodeSpec
 from tbrpc.status import connection_lines, connection_records, launch_record, note_connections, note_serving
 from tbrpc.units import format_size
 
@@ -63,6 +65,19 @@ class LaunchOptions:
     split: str | None = None        # "layer", "tensor" or "ffn" (tbrpc.Llama's split); None: layer
     groups: int = 1                 # ffn split: groups of consecutive nodes, layer-split (the hybrid)
     llama_kwargs: dict[str, Any] = field(default_factory=dict)   # context options: llama.context_kwargs()
+
+
+def _cluster_specs(opts: LaunchOptions, log_dir: Path) -> list[NodeSpec]:
+    """The nodes to start or reach, with this run's secret. A cluster file with a mistake is step
+    start's error naming the file, the node and the key, and the fix: not the hint to check the
+    model file and the node logs that a failed load gets (no node has started)."""
+    try:
+        return with_secret(opts.cluster, resolve_cluster(opts.cluster, opts.threads), log_dir)
+    except ClusterError as exc:
+        if isinstance(exc, NodeError):   # an entry of a list of "host:port": tbrpc.connect's error, as it is
+            raise
+        raise TbrpcError.at("start", f"{exc}\n  try: fix the cluster file (docs/cluster.md, The cluster file, "
+                            "explains every key)") from exc
 
 
 def _first_load(opts: LaunchOptions, nodes: Nodes, signals: LaunchSignals, say: Callable[[str], None], record: Path) -> Llama:
@@ -161,7 +176,7 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             signals = records.enter_context(LaunchSignals())
         try:
             signals.arm()
-            specs = with_secret(opts.cluster, resolve_cluster(opts.cluster, opts.threads), log_dir)
+            specs = _cluster_specs(opts, log_dir)
             if isinstance(opts.cluster, (str, os.PathLike)):
                 specs = discover_links(specs, say)
             say_cable_order(specs, say)

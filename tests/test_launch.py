@@ -40,7 +40,8 @@ from tbrpc.cli import main as cli_main
 from tbrpc.cluster_file import choose_cluster, load_specs, spec_from_table
 from tbrpc.doctor import transport_fix
 from tbrpc.gguf_model import load_gguf
-from tbrpc.llama import resolve_cluster
+from tbrpc.llama import check_split, resolve_cluster
+from tbrpc.native import TbrpcError
 from tbrpc.node_memory import ClusterError
 from tbrpc.spec import NodeSpec, SshTarget, local_specs
 
@@ -516,6 +517,30 @@ def test_launch_killed_leaves_no_node(tmp_path: Path) -> None:
     launch = start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256", "--port", "0")
     launch.http_base()
     stop_and_check(launch, signal.SIGKILL, -signal.SIGKILL)
+
+
+def test_mistakes_found_before_any_node_starts_are_said_with_their_fix(tmp_path: Path) -> None:
+    """A cluster file with a mistake is refused naming the file, the node and the key, and the fix -- not
+    with the hint to check the model file and the node logs of a failed load. More nodes than the split
+    takes is refused before any node starts: `--local 40` started 40 nodes, then said that 18 layers do
+    not go round 40 nodes."""
+    model = models.ensure("llama")   # 6 layers
+    bad = tmp_path / "tbrpc.toml"
+    bad.write_text('[[node]]\nname = "a"\nhost = "127.0.0.1"\nport = 0\nmemroy = "8GiB"\n')
+    launch = start_launch(tmp_path, "--gguf", str(model), "--cluster", str(bad), "--prompt", "x")
+    assert launch.finish() == 1
+    launch.wait_for("try: ")
+    assert launch.stderr == (f"tbrpc: step start: {bad}: node a: unknown key 'memroy' (did you mean 'memory'?)\n"
+                             "  try: fix the cluster file (docs/cluster.md, The cluster file, explains every key)\n")
+    launch = start_launch(tmp_path, "--gguf", str(model), "--local", "7", "--prompt", "x")
+    assert launch.finish() == 1
+    launch.wait_for("nodes")
+    assert launch.stderr == ("tbrpc: step plan: 7 nodes but only 6 layers to share: a layer split gives every node "
+                             "at least one layer; use at most 6 nodes\n")   # and no "node local0: starting"
+    assert not launch.log_dir.exists() or not list(launch.log_dir.glob("*.log"))
+    with pytest.raises(TbrpcError) as refused:
+        check_split(model, "tensor", 17, {})
+    assert str(refused.value) == "step plan: tensor split: llama.cpp's meta device takes at most 16 devices, not 17"
 
 
 def test_does_not_fit_refuses_and_stops_nodes(tmp_path: Path) -> None:
