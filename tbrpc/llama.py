@@ -184,8 +184,8 @@ def _plan_failed(exc: PlanError | GGUFError) -> TbrpcError:
 
 def check_split(model_path: str | os.PathLike[str], split: str | None, n_nodes: int, llama_kwargs: dict[str, Any],
                 groups: int = 1) -> None:
-    """Refuse, before any node starts, a model file the planner cannot read, and a
-    tensor or FFN split llama.cpp refuses or aborts on (``plan.check_model_split``):
+    """Refuse, before any node starts, a model file the planner cannot read, more nodes than a
+    layer split has layers, and a tensor or FFN split llama.cpp refuses or aborts on (``plan.check_model_split``):
     ``split`` as ``tbrpc.Llama`` takes it, or llama.cpp's own ``split_mode=3`` among
     ``llama_kwargs``; with ``groups`` (the hybrid) the FFN split within each group
     of ``n_nodes // groups``."""
@@ -193,9 +193,7 @@ def check_split(model_path: str | os.PathLike[str], split: str | None, n_nodes: 
     try:
         check_groups(split, n_nodes, groups, llama_kwargs.get("tensor_split") is not None)
         model = load_gguf(model_path)
-        if not tensor and split != "ffn":
-            return
-        check_model_split(model, "tensor" if tensor else "ffn", n_nodes // groups)
+        check_model_split(model, "tensor" if tensor else split or "layer", n_nodes // groups)
     except (PlanError, GGUFError) as exc:
         raise _plan_failed(exc) from exc
 

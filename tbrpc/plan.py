@@ -1310,15 +1310,22 @@ def _instead_of_tensor(model: GGUFModel, p: ArchParams, layout: WeightLayout, n_
 
 
 def check_model_split(model: GGUFModel, split: str, n_devices: int, layout: WeightLayout | None = None) -> None:
-    """Refuse a ``"tensor"`` or ``"ffn"`` split of a model file over
-    ``n_devices`` nodes that llama.cpp refuses or aborts on: its architecture
+    """Refuse a ``"layer"``, ``"tensor"`` or ``"ffn"`` split of a model file over
+    ``n_devices`` nodes that llama.cpp refuses or aborts on: more nodes than
+    layers (layer split) or than its meta device takes, its architecture
     and KV heads (check_tensor_mode, tensor split), its weights' widths along
     the cuts (check_empty_slices). ``layout``: the weights loaded (default:
     without MTP blocks)."""
     params = arch_params(model)
+    if split == "layer":
+        check_layer_count(params, n_devices)
+        return
+    if split == "tensor" and n_devices > META_MAX_DEVICES:
+        raise TensorSplitError(f"tensor split: llama.cpp's meta device takes at most {META_MAX_DEVICES} devices, "
+                               f"not {n_devices}")
     layout = layout or weight_layout(model, params)
     if split == "ffn":
-        if n_devices < 2:   # tbrpc's meta device (split_rules.c) is made of 2 or more nodes
+        if not 2 <= n_devices <= META_MAX_DEVICES:   # tbrpc's meta device (split_rules.c): 2 nodes or more
             raise TensorSplitError(f"ffn split: tbrpc's FFN split cuts the FFN across 2 to {META_MAX_DEVICES} nodes, "
                                    f"not {n_devices}; use --split layer")
         check_empty_slices(model, params, layout, n_devices, ffn_only=True)
@@ -1327,6 +1334,13 @@ def check_model_split(model: GGUFModel, split: str, n_devices: int, layout: Weig
     instead = "--split layer" if refused else _instead_of_tensor(model, params, layout, n_devices)
     check_tensor_mode(params.arch, () if params.is_mla else params.n_head_kv, instead)
     check_empty_slices(model, params, layout, n_devices)
+
+
+def check_layer_count(params: ArchParams, n_nodes: int) -> None:
+    """A layer split gives every node at least one layer: refuse more nodes than the model has layers."""
+    if n_nodes > params.n_layer_all:
+        raise PlanError(f"{n_nodes} nodes but only {params.n_layer_all} layers to share: a layer split gives every "
+                        f"node at least one layer; use at most {params.n_layer_all} nodes")
 
 
 # --- public API -------------------------------------------------------------------
@@ -1431,8 +1445,8 @@ def plan(
         flash_attn = True
         if len(nodes) > META_MAX_DEVICES:
             raise TensorSplitError(f"tensor split: llama.cpp's meta device takes at most {META_MAX_DEVICES} devices, not {len(nodes)}")
-    elif len(nodes) > params.n_layer_all:
-        raise PlanError(f"{len(nodes)} nodes but only {params.n_layer_all} layers to share")
+    else:
+        check_layer_count(params, len(nodes))
     if tensor_split is not None and (len(tensor_split) != len(nodes) or any(s < 0 for s in tensor_split) or not sum(tensor_split)):
         raise PlanError(f"tensor_split needs {len(nodes)} non-negative shares, not {list(tensor_split)}")
     margin_b = parse_size(margin)
