@@ -17,11 +17,12 @@ this machine.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tbrpc import defaults
@@ -181,6 +182,19 @@ def _check_device(n: _Node, info: Any) -> None:
               "free memory on the node (other processes, another model loaded?) or lower `usable_memory`")
     else:
         n.add("device", OK, f"{detail}; the cluster file counts on {format_size(declared)}")
+
+
+def _check_model_dir(n: _Node, info: Any, model: str | None) -> None:
+    """The running node reads weights from its own disk only when started with --model-dir (its
+    handshake says whether it was): launch uses a node it finds running as it is, so without one
+    every weight crosses the network, whatever copy of the model that machine holds."""
+    if model is None or info.model_files:
+        return
+    spec = n.spec
+    n.add("model dir", FAIL if spec.model is not None else WARN,
+          f"{spec.endpoint}: the running node was started without --model-dir: it cannot read "
+          f"{os.path.basename(model)} from its own disk, so launch sends it its weights over the network",
+          f"restart it with the model's directory: `{start_command(replace(spec, model=model))}`")
 
 
 def _check_versions(n: _Node, facts: dict[str, Any]) -> None:
@@ -626,6 +640,7 @@ def diagnose(specs: Sequence[NodeSpec], gguf: str | None = None, timeout: float 
         if up:
             _check_distinct(n, answer[0], answered)
             _check_device(n, answer[0])
+            _check_model_dir(n, answer[0], spec.model or gguf)
         model = spec.model or gguf
         facts, why, failing = gather_facts(spec, model, timeout=max(defaults.FACTS_TIMEOUT_S, timeout),
                                            toward=toward.get(spec.name, []))

@@ -52,7 +52,7 @@ def by(checks: list[Check], node: str, name: str) -> Check:
 
 def test_healthy_cluster(nodes: Any, tmp_path: Path) -> None:
     model = models.ensure("llama")
-    a, b = nodes(2)
+    a, b = nodes(2, "--model-dir", str(model.parent))
     cluster = write_cluster(tmp_path / "tbrpc.toml", [node_table("a", a.port, model=str(model)),
                                                       node_table("b", b.port)])
     checks = diagnose(load_specs(cluster), str(model))
@@ -219,6 +219,30 @@ def test_doctor_and_nodes_agree_on_same_file(tmp_path: Path) -> None:
         path.write_bytes(changed)
         by_doctor, by_node = file_fingerprint(path) != doctor_before, node_fingerprint(path) != node_before
         assert (by_doctor, by_node) == (expected, expected), offset
+
+
+def test_a_running_node_without_model_dir_is_named_with_the_command_that_fixes_it(nodes: Any, tmp_path: Path) -> None:
+    """A node started by hand without --model-dir receives every weight over the network, whatever copy of
+    the model its machine holds: doctor said "model ok, same as the head's" and nothing else. Now its
+    handshake's answer makes a row: FAIL for a node whose `model` the file names, WARN for one that only
+    has the head's path, each with the `tbrpc node` command that gives it the model's directory."""
+    model = models.ensure("llama")
+    (bare,) = nodes(1)
+    (served,) = nodes(1, "--model-dir", str(model.parent))
+    cluster = write_cluster(tmp_path / "c.toml", [node_table("a", bare.port, model=str(model)),
+                                                  node_table("c", served.port, model=str(model))])
+    checks = diagnose(load_specs(cluster), str(model), launches=[])
+    row = by(checks, "a", "model dir")
+    assert (row.status, row.detail) == (FAIL, f"{bare.endpoint}: the running node was started without --model-dir: it "
+                                        f"cannot read {model.name} from its own disk, so launch sends it its weights "
+                                        "over the network")
+    assert row.fix == (f"restart it with the model's directory: `tbrpc node --host 127.0.0.1 --port {bare.port} "
+                       f"--name a --model-dir {model.parent}`")
+    assert not [c for c in checks if c.node == "c" and c.name == "model dir"], format_checks(checks)
+    assert by(checks, "a", "model").status == OK   # the machine holds the file: the node does not read it
+    assert failed(checks)
+    listed = diagnose(endpoint_specs([bare.endpoint]), str(model), launches=[])   # no `model`: the head's path
+    assert by(listed, bare.endpoint, "model dir").status == WARN and not failed(listed), format_checks(listed)
 
 
 def test_a_node_with_only_its_shards(nodes: Any, tmp_path: Path) -> None:
