@@ -565,9 +565,6 @@ def allreduce_choice(addressed: Sequence[Sequence[bool]], forced: str | None = N
     return ("ring" if kind == lib.TBRPC_ALLREDUCE_RING else "mesh"), text(why)
 
 
-_CAP_MODEL_FILES = 32   # proto.h TB_CAP_MODEL_FILES: the node has model directories (docs/protocol.md)
-
-
 def probe(endpoint: str, timeout: float = defaults.STALL_TIMEOUT_S,
           secret_file: str | os.PathLike[str] | None = None) -> tuple[NodeInfo, NodeStatus]:
     """Connect, handshake, read status and disconnect (for doctor and launch).
@@ -589,6 +586,6 @@ def probe(endpoint: str, timeout: float = defaults.STALL_TIMEOUT_S,
         description=text(hello.device_description), mem_free=hello.mem_free, mem_total=hello.mem_total,
         failed=False, error="", bytes_sent=0, bytes_received=0, round_trips=0, messages=0, graphs_sent=0,
         graphs_reused=0, bytes_from_files=0, transport="tcp: a probe connection", node_id=bytes(hello.node_id).hex(),
-        model_files=bool(hello.caps & _CAP_MODEL_FILES),
+        model_files=bool(hello.caps & lib.TB_CAP_MODEL_FILES),
     )
     return info, _status_from_c(status)
