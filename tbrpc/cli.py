@@ -103,8 +103,9 @@ def node(host: str, port: int, device: str | None, threads: int, name: str | Non
 @click.option("--ctx", type=int, default=None, help="Context length in tokens [default: min(32768, training context)].")
 @click.option("--cache-type-k", default="f16", show_default=True, help="KV cache type for K (f16, q8_0, q4_0, ...).")
 @click.option("--cache-type-v", default="f16", show_default=True, help="KV cache type for V.")
-@click.option("--ubatch", type=int, default=512, show_default=True, help="Physical batch size (n_ubatch).")
-@click.option("--batch", type=int, default=None, help="Logical batch size (n_batch) [default: ubatch].")
+@click.option("--ubatch", type=int, default=defaults.BATCH, show_default=True, help="Physical batch size (n_ubatch).")
+@click.option("--batch", type=int, default=None,
+              help=f"Logical batch size (n_batch) [default: {defaults.BATCH}, or --ubatch when larger].")
 @click.option("--flash-attn/--no-flash-attn", default=None, help="Plan for flash attention [default: off, on for a quantized V cache].")
 @click.option("--swa-full/--no-swa-full", default=True, show_default=True, help="Full-size cache for sliding-window layers (llama.cpp's default).")
 @click.option("--margin", default="2GiB", show_default=True, help="Memory kept free on every node.")
@@ -216,8 +217,10 @@ _cluster_option = click.option("--cluster", "cluster_file", default=None, type=c
 @click.option("--cache-type-v", callback=_kv_cache_type, default=None,
               help="KV cache type for V [default: f16]; a quantized V turns flash attention on.")
 @click.option("--flash-attn/--no-flash-attn", default=None, help="Flash attention [default: off, on for a quantized V cache].")
-@click.option("--ubatch", type=click.IntRange(min=1), default=None, help="Physical batch size (n_ubatch) [default: 512].")
-@click.option("--batch", type=click.IntRange(min=1), default=None, help="Logical batch size (n_batch) [default: 512].")
+@click.option("--ubatch", type=click.IntRange(min=1), default=None,
+              help=f"Physical batch size (n_ubatch) [default: {defaults.BATCH}].")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help=f"Logical batch size (n_batch) [default: {defaults.BATCH}, or --ubatch when larger].")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Compute threads of the head and of every node launch starts that names none "
                    "[default: --local shares the cores; ggml's choice].")

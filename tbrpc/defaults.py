@@ -20,6 +20,10 @@ CHECK_TIMEOUT_S = 5.0        # doctor and status: each node (each network check)
 CLIENT_STALL_TIMEOUT_S = 30.0 # launch: an HTTP client that takes none of its answer this long counts as gone
 FACTS_TIMEOUT_S = 30.0       # doctor and launch: a machine's facts (`python -m tbrpc.facts`, over ssh) within this
 
+# llama-cpp-python's n_batch and n_ubatch. A larger --ubatch raises the batch
+# with it (plan.default_batch): llama.cpp caps n_ubatch at n_batch.
+BATCH = 512
+
 # launch and tbrpc.Llama give llama.cpp the TBRPC devices only, on any head (a
 # Mac's Metal too stays unused): the head runs no layers. `tbrpc plan` plans
 # that unless told otherwise.

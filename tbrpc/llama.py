@@ -48,6 +48,7 @@ from tbrpc.plan import (
     cache_type_name,
     check_groups,
     check_model_split,
+    default_batch,
     format_table,
     plan,
 )
@@ -233,8 +234,8 @@ def context_kwargs(cache_type_k: str | None = None, cache_type_v: str | None = N
         kwargs["flash_attn"] = flash_attn
     if ubatch is not None:
         kwargs["n_ubatch"] = ubatch
-    if batch is not None:
-        kwargs["n_batch"] = batch
+    if batch is not None or ubatch is not None:
+        kwargs["n_batch"] = batch if batch is not None else default_batch(ubatch or defaults.BATCH)
     if threads is not None:
         kwargs["n_threads"] = kwargs["n_threads_batch"] = threads
     return kwargs
@@ -260,7 +261,7 @@ def planned_context(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The planner's options for these ``llama_cpp.Llama`` keyword arguments:
     what llama.cpp will allocate is what gets planned (context, split mode,
     and a draft model, which also makes llama-cpp-python keep all logits)."""
-    options: dict[str, Any] = {"ubatch": kwargs.get("n_ubatch", 512), "batch": kwargs.get("n_batch", 512)}
+    options: dict[str, Any] = {"ubatch": kwargs.get("n_ubatch", defaults.BATCH), "batch": kwargs.get("n_batch", defaults.BATCH)}
     if kwargs.get("split_mode") is not None:
         mode = int(kwargs["split_mode"])
         if mode not in (LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_TENSOR):

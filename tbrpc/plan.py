@@ -96,6 +96,13 @@ class TensorSplitError(PlanError):
 # --- memory model ---------------------------------------------------------------
 
 
+def default_batch(ubatch: int) -> int:
+    """The logical batch (n_batch) when only the physical one is given: llama-cpp-python's 512, or
+    the ubatch when larger, since llama.cpp caps n_ubatch at n_batch (a larger ubatch alone would
+    load as 512). What `tbrpc plan` plans and `tbrpc launch` loads."""
+    return max(defaults.BATCH, ubatch)
+
+
 @dataclass(frozen=True)
 class ContextParams:
     ctx: int
@@ -1368,7 +1375,7 @@ def plan(
     ctx: int | None = None,
     cache_type_k: str = "f16",
     cache_type_v: str = "f16",
-    ubatch: int = 512,
+    ubatch: int = defaults.BATCH,
     batch: int | None = None,
     flash_attn: bool | None = None,
     swa_full: bool = True,
@@ -1452,7 +1459,7 @@ def plan(
     margin_b = parse_size(margin)
     context = _context(
         model, params, ctx,
-        ubatch=ubatch, batch=batch or ubatch, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+        ubatch=ubatch, batch=batch or default_batch(ubatch), cache_type_k=cache_type_k, cache_type_v=cache_type_v,
         flash_attn=flash_attn, swa_full=swa_full,
         all_logits=draft_model is not None if all_logits is None else all_logits,
     )  # fmt: skip

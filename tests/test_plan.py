@@ -362,6 +362,27 @@ def test_plan_cli_takes_a_layer_tensor_split(gemma_path: Path) -> None:
     assert data["balance"] == "given" and [n["layers"] for n in data["nodes"]] == [[0, 2], [3, 17]]
 
 
+@pytest.mark.parametrize("ubatch,batch,planned", [(256, None, (256, 512)), (1024, None, (1024, 1024)),
+                                                   (256, 128, (256, 128))])
+def test_plan_and_launch_take_one_batch_for_a_ubatch(gemma_path: Path, ubatch: int, batch: int | None,
+                                                    planned: tuple[int, int]) -> None:
+    """`tbrpc plan --ubatch` plans the n_batch `tbrpc launch --ubatch` loads: llama-cpp-python's 512,
+    or the ubatch when larger (llama.cpp caps n_ubatch at n_batch, so --ubatch 1024 alone would load
+    512). The host's score array is n_batch rows of the vocabulary, so a batch planned as the ubatch
+    (256) under-counted what launch's 512 allocate."""
+    from tbrpc.llama import context_kwargs, planned_context
+
+    args = ["--ubatch", str(ubatch)] + (["--batch", str(batch)] if batch else [])
+    out = CliRunner().invoke(cli_main, ["plan", "--gguf", str(gemma_path), "--nodes", "2x8GiB", "--ctx", "1024",
+                                        "--json", *args])
+    assert out.exit_code == 0, out.output
+    context = json.loads(out.output)["context"]
+    assert (context["ubatch"], context["batch"]) == planned
+    loaded = context_kwargs(ubatch=ubatch, batch=batch)   # what launch gives llama_cpp.Llama
+    assert (loaded["n_ubatch"], loaded["n_batch"]) == planned
+    assert (planned_context(loaded)["ubatch"], planned_context(loaded)["batch"]) == planned
+
+
 # --- other architectures ----------------------------------------------------------
 
 
