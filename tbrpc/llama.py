@@ -212,7 +212,7 @@ def make_plan(model_path: str | os.PathLike[str], specs: Sequence[NodeSpec], nod
         why = result.shortfall.message if result.shortfall else "does not fit"
         raise DoesNotFitError(
             f"step plan: the model does not fit on these {len(specs)} nodes: {why}\n"
-            f"  try: a smaller --ctx, more nodes, or a smaller quantization\n\n{format_table(result)}", result)
+            f"  try: a smaller context (launch --ctx, Llama n_ctx), more nodes, or a smaller quantization\n\n{format_table(result)}", result)
     return result
 
 
