@@ -138,7 +138,9 @@ def _check_reachable(n: _Node, timeout: float) -> tuple[bool, Any]:
         if isinstance(answer, NodeVersionMismatch):
             fix = _SAME_VERSIONS
         else:
-            fix = "is this port a tbrpc node? restart it: " + start_command(spec)
+            fix = (f"see what holds port {spec.port} on {spec.host} (`ss -ltnp 'sport = :{spec.port}'` on Linux, "
+                   f"`lsof -nP -iTCP:{spec.port} -sTCP:LISTEN` on macOS): another program (stop it, or give the "
+                   f"node another port), or a node that hangs (stop it, then `{start_command(spec)}`)")
         n.add("handshake", FAIL, str(answer), fix)
         return False, None
     info, status = answer

@@ -314,6 +314,26 @@ def test_version_mismatch(fake_node: int, tmp_path: Path) -> None:
     assert "same tbrpc and llama-cpp-python" in hs.fix
 
 
+def test_a_port_that_answers_but_not_as_a_node_says_how_to_find_what_holds_it(tmp_path: Path) -> None:
+    """An HTTP server on the node's port: the handshake row says what answered, and the fix says how
+    to see what holds the port; "restart it" (the old fix) fails there, the port being taken."""
+    import http.server
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        checks = diagnose(load_specs(write_cluster(tmp_path / "c.toml", [node_table("web", port)])))
+    finally:
+        server.shutdown()
+        server.server_close()
+    hs = by(checks, "web", "handshake")
+    assert hs.status == FAIL and "not a tbrpc message" in hs.detail
+    assert f"ss -ltnp 'sport = :{port}'" in hs.fix and f"lsof -nP -iTCP:{port} -sTCP:LISTEN" in hs.fix
+    assert f"--port {port}" in hs.fix and "restart it" not in hs.fix
+
+
 def test_ssh_that_fails_says_how_to_fix(tmp_path: Path) -> None:
     port = free_port()   # nothing listens: ssh fails at once
     spec_file = write_cluster(tmp_path / "c.toml", [{
