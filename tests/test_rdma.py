@@ -36,6 +36,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                       defines=(f"TB_RDMA_BROKEN_{broken}",))
     progs["SEQ_WRAP"] = build_program(C_TEST, out / "rdma_tests_seq_wrap", with_ggml=False,
                                       defines=("TB_RING_FIRST_SEQ=0xffffffc0u",))
+    progs["FIRST_GID"] = build_program(C_TEST, out / "rdma_tests_first_gid", with_ggml=False,
+                                       defines=("TB_RDMA_BROKEN_FIRST_GID",))
     progs["TESTING"] = build_program(C_TEST, out / "rdma_tests_testing", with_ggml=False, defines=("TB_RDMA_TESTING",))
     progs["QP_PROCESS_LOCKS"] = build_program(C_TEST, out / "rdma_tests_qp_process_locks", with_ggml=False,
                                               defines=("TB_QP_BROKEN_PROCESS_LOCKS",))
@@ -153,6 +155,69 @@ def test_a_side_out_of_memory_for_its_ring_leaves_both_on_tcp(built, profile, tm
     lines = sorted(line for line in proc.stdout.splitlines() if "stays on tcp" in line)
     assert lines == ["child stays on tcp: out of memory for an RDMA ring",
                      "parent stays on tcp: peer: out of memory for an RDMA ring"], proc.stdout
+
+
+# --- which GID: RoCE v2 over v1, the same type on both sides, no InfiniBand ------------------
+# The stand-in lists every address twice on the Linux profiles, RoCE v1 first (index 2) then v2
+# (index 3), as mlx5 does; v1 is an Ethernet frame no router forwards, so a v1 GID reaches only
+# its own subnet (TBVSIM_ADDR a.b.c.d/NN, /24 unless said); a NIC listing only v1 takes no v2 frame.
+# The parent is 127.0.0.1; a child at 127.0.1.3 is on another /24, one router away.
+
+@pytest.mark.parametrize("profile", ["linux-rc", "linux-uc"])
+@pytest.mark.parametrize("types_from", ["query_gid_ex", "sysfs"])
+def test_roce_v2_reaches_another_subnet(built, profile, types_from, tmp_path) -> None:
+    """The address's RoCE v2 GID is chosen, so a peer one router away is reached; the type is known
+    from _ibv_query_gid_ex (rdma-core v30+) or, without it, from the kernel's sysfs file. Taking the
+    first match (v1) stays on TCP here: see the FIRST_GID test below."""
+    env = {"TBVSIM_GID_EX": "0", "TBVSIM_SYSFS": str(tmp_path / "sysfs")} if types_from == "sysfs" else {}
+    proc = run(built, "stream", profile, tmp_path, CHILD_TBVSIM_ADDR="127.0.1.3", **env)
+    passed(proc, "stream")
+    if types_from == "sysfs":
+        assert (tmp_path / "sysfs" / "simbolt0" / "ports" / "1" / "gid_attrs" / "types" / "3").read_text() == "RoCE v2\n"
+
+
+@pytest.mark.parametrize("profile", ["linux-rc", "linux-uc"])
+def test_broken_first_gid_is_v1_and_reaches_no_other_subnet(built, profile, tmp_path) -> None:
+    """Negative: a build that takes the first GID holding the address (RoCE v1, as before) brings
+    both QPs up, but no v1 frame crosses the router: the probe finds no path and both stay on TCP."""
+    proc = run(built, "stays_on_tcp", profile, tmp_path, prog="FIRST_GID", CHILD_TBVSIM_ADDR="127.0.1.3")
+    passed(proc, "stays_on_tcp")
+    lines = [line for line in proc.stdout.splitlines() if "stays on tcp" in line]
+    assert len(lines) == 2 and all("RDMA probe on simbolt0" in line for line in lines), proc.stdout
+
+
+def test_v1_only_nics_on_one_subnet_use_v1(built, tmp_path) -> None:
+    """Two NICs that list only RoCE v1 use it (both sides the same type) on one subnet; across a router the
+    stand-in loses their frames, which is why v2 is preferred when there is one."""
+    passed(run(built, "stream", "linux-rc", tmp_path, TBVSIM_GID_TYPES="v1"), "stream")
+    proc = run(built, "stays_on_tcp", "linux-rc", tmp_path, TBVSIM_GID_TYPES="v1", CHILD_TBVSIM_ADDR="127.0.1.3")
+    passed(proc, "stays_on_tcp")
+    assert proc.stdout.count("RDMA probe on simbolt0") == 2, proc.stdout
+
+
+def test_gid_types_that_differ_leave_both_on_tcp_naming_both(built, tmp_path) -> None:
+    """The child's NIC lists only RoCE v1, the parent's both: the parent takes v2, the child v1. Both
+    stay on TCP, each naming both types (without the check the child's NIC drops the v2 probe and the
+    reason is a probe timeout that names neither)."""
+    proc = run(built, "stays_on_tcp", "linux-rc", tmp_path, CHILD_TBVSIM_GID_TYPES="v1")
+    passed(proc, "stays_on_tcp")
+    lines = sorted(line for line in proc.stdout.splitlines() if "stays on tcp" in line)
+    assert lines == ["child stays on tcp: GID types differ (RoCE v1 here, RoCE v2 on the peer)",
+                     "parent stays on tcp: GID types differ (RoCE v2 here, RoCE v1 on the peer)"], proc.stdout
+
+
+def test_a_forged_gid_type_is_refused(built, tmp_path) -> None:
+    passed(run(built, "hostile_gid_type", "linux-rc", tmp_path), "hostile_gid_type")
+
+
+def test_infiniband_port_stays_on_tcp_saying_it_is_not_supported(built, tmp_path) -> None:
+    """An InfiniBand port's GIDs are subnet prefix + GUID, never the TCP address: both sides stay on TCP
+    with a reason that says so, not "no RDMA device has a GID for ..."."""
+    proc = run(built, "stays_on_tcp", "linux-rc", tmp_path, CHILD_TBVSIM_LINK="ib")
+    passed(proc, "stays_on_tcp")
+    lines = sorted(line for line in proc.stdout.splitlines() if "stays on tcp" in line)
+    words = "RDMA device simbolt0 port 1 is InfiniBand, which tbrpc does not support (no GID holds 127.0.0.3)"
+    assert lines == [f"child stays on tcp: {words}", f"parent stays on tcp: peer: {words}"], proc.stdout
 
 
 def test_apple_profile_refuses_rc_and_loopback(built, tmp_path) -> None:

@@ -143,7 +143,7 @@ struct tb_rdma {
     uint8_t * mem;
     size_t mem_len;
     uint32_t slots, stride;      // ours, as offered; after connect: what both agreed
-    uint8_t port, gid_index;
+    uint8_t port, gid_index, gid_type;
     union ibv_gid gid;
     enum ibv_mtu mtu;
     uint16_t lid;
@@ -288,7 +288,27 @@ static int gid_of_host(const char * host, union ibv_gid * gid) {
     return inet_pton(AF_INET6, host, gid->raw) == 1 ? 0 : -1;
 }
 
+int tb_rdma_find_gid(const struct tb_verbs * v, struct ibv_context * ctx, uint8_t port, int tbl_len, int link_layer,
+                     const union ibv_gid * want, int * type) {
+    int first = -1, first_type = TB_GID_UNTYPED;
+    if (tbl_len > 256) tbl_len = 256;
+    for (int g = 0; g < tbl_len; g++) {
+        union ibv_gid gid;
+        if (v->query_gid(ctx, port, g, &gid) != 0 || memcmp(gid.raw, want->raw, 16) != 0) continue;
+        const int t = tb_verbs_gid_type(v, ctx, port, g, link_layer);
+#ifndef TB_RDMA_BROKEN_FIRST_GID
+        if (t == TB_GID_ROCE_V2) { *type = t; return g; }
+#endif
+        if (first < 0) { first = g; first_type = t; }
+    }
+    *type = first_type;
+    return first;
+}
+
 // Find the device, port and GID index for local_host; open it into d.
+// InfiniBand ports are not looked at: their GIDs are subnet prefix + GUID,
+// never an IP address, and tbrpc addresses a peer by the GID of its TCP
+// address (docs/protocol.md, Transports: RDMA, InfiniBand).
 static int pick_device(struct tb_rdma * d, const char * local_host, char * why, size_t why_len) {
     const struct tb_verbs * v = d->v;
     union ibv_gid want;
@@ -305,39 +325,52 @@ static int pick_device(struct tb_rdma * d, const char * local_host, char * why, 
         return -1;
     }
     snprintf(why, why_len, "no RDMA device has a GID for %s", local_host);
-    int found = 0;
+    int found = 0, said = 0;   // said: why names something more precise than "no GID"
+    char ib_port[64] = "";     // an InfiniBand port seen, "mlx5_0 port 1"
     for (int i = 0; i < n && !found; i++) {
         const char * name = v->get_device_name(list[i]);
         if (named && *named && strcmp(named, name) != 0) continue;
         struct ibv_context * ctx = v->open_device(list[i]);
-        if (!ctx) { snprintf(why, why_len, "cannot open RDMA device %s: %s", name, strerror(errno)); continue; }
+        if (!ctx) {
+            snprintf(why, why_len, "cannot open RDMA device %s: %s", name, strerror(errno));
+            said = 1;
+            continue;
+        }
         for (int port = 1; port <= 2 && !found; port++) {
             struct ibv_port_attr pa;
             memset(&pa, 0, sizeof pa);
             if (v->query_port(ctx, (uint8_t) port, &pa) != 0) break;
-            int tbl = pa.gid_tbl_len < 64 ? pa.gid_tbl_len : 64;
-            for (int g = 0; g < tbl; g++) {
-                union ibv_gid gid;
-                if (v->query_gid(ctx, (uint8_t) port, g, &gid) != 0) continue;
-                if (memcmp(gid.raw, want.raw, 16) != 0) continue;
-                if (pa.state != IBV_PORT_ACTIVE) {
-                    snprintf(why, why_len, "RDMA device %s port %d is not active (peer not enabled or cable out)", name, port);
-                    break;
-                }
-                d->ctx = ctx;
-                d->port = (uint8_t) port;
-                d->gid_index = (uint8_t) g;
-                d->gid = gid;
-                d->lid = pa.lid;
-                d->mtu = pa.active_mtu ? pa.active_mtu : IBV_MTU_1024;
-                snprintf(d->device, sizeof d->device, "%s", name);
-                found = 1;
+            if (pa.link_layer == IBV_LINK_LAYER_INFINIBAND) {
+                if (!ib_port[0]) snprintf(ib_port, sizeof ib_port, "%.40s port %d", name, port);
+                continue;
+            }
+            int type = TB_GID_UNTYPED;
+            const int g = tb_rdma_find_gid(v, ctx, (uint8_t) port, pa.gid_tbl_len, pa.link_layer, &want, &type);
+            if (g < 0 || g > 255) continue;
+            if (pa.state != IBV_PORT_ACTIVE) {
+                snprintf(why, why_len, "RDMA device %s port %d is not active (peer not enabled or cable out)", name, port);
+                said = 1;
                 break;
             }
+            union ibv_gid gid;
+            if (v->query_gid(ctx, (uint8_t) port, g, &gid) != 0) continue;
+            d->ctx = ctx;
+            d->port = (uint8_t) port;
+            d->gid_index = (uint8_t) g;
+            d->gid_type = (uint8_t) type;
+            d->gid = gid;
+            d->lid = pa.lid;
+            d->mtu = pa.active_mtu ? pa.active_mtu : IBV_MTU_1024;
+            snprintf(d->device, sizeof d->device, "%s", name);
+            found = 1;
         }
         if (!found) v->close_device(ctx);
     }
     v->free_device_list(list);
+    if (!found && !said && ib_port[0]) {
+        snprintf(why, why_len, "RDMA device %s is InfiniBand, which tbrpc does not support (no GID holds %s)",
+                 ib_port, local_host);
+    }
     return found ? 0 : -1;
 }
 
@@ -462,6 +495,7 @@ struct tb_rdma * tb_rdma_prepare(const char * local_host, struct tb_rdma_info * 
     mine->lid = d->lid;
     mine->port = d->port;
     mine->gid_index = d->gid_index;
+    mine->gid_type = d->gid_type;
     memcpy(mine->gid, d->gid.raw, 16);
     snprintf(mine->device, sizeof mine->device, "%s", d->device);
     return d;
@@ -947,6 +981,17 @@ static int agree(const struct tb_rdma_info * mine, const struct tb_rdma_info * p
     if (mine->profile != peer->profile) {
         snprintf(why, why_len, "profiles differ (%s here, %s on the peer)", tb_rdma_profile_name(mine->profile),
                  tb_rdma_profile_name(peer->profile));
+        return 0;
+    }
+    if (peer->gid_type > TB_GID_IB) {
+        snprintf(why, why_len, "peer sent an unknown GID type (%u)", (unsigned) peer->gid_type);
+        return 0;
+    }
+    // RoCE v1 and v2 are different frames (Ethernet, UDP/IP): a NIC that speaks
+    // one need not take the other, and v1 crosses no router. Never mixed.
+    if (mine->gid_type != peer->gid_type) {
+        snprintf(why, why_len, "GID types differ (%s here, %s on the peer)", tb_gid_type_name(mine->gid_type),
+                 tb_gid_type_name(peer->gid_type));
         return 0;
     }
     if (mine->host_id == peer->host_id) { snprintf(why, why_len, "peer is on this host"); return 0; }

@@ -31,10 +31,10 @@
 enum tb_rdma_profile { TB_RDMA_APPLE_UC = 1, TB_RDMA_LINUX_RC = 2, TB_RDMA_LINUX_UC = 3 };
 
 #define TB_RDMA_INFO_MAGIC   0x41445254u   // "TRDA"
-#define TB_RDMA_INFO_VERSION 3   // 3: a probe frame each way before the switch
+#define TB_RDMA_INFO_VERSION 4   // 3: a probe frame each way before the switch; 4: gid_type
 #define TB_RDMA_PREFIX       64u           // wire bytes before each ring frame: seq, length, checksum
 
-// What each side tells the other over TCP (fixed layout, 256 bytes).
+// What each side tells the other over TCP (fixed layout, 240 bytes).
 struct tb_rdma_info {
     uint32_t magic;
     uint16_t version;
@@ -51,8 +51,10 @@ struct tb_rdma_info {
     char     device[32];
     char     reason[136];
     uint32_t why;           // ok=0: enum tb_why of the reason (TB_WHY_QP_BUDGET, else TB_WHY_RDMA_FAILED)
-    uint32_t reserved;
+    uint8_t  gid_type;      // enum tb_gid_type (verbs_load.h) of gid; both sides must send the same
+    uint8_t  reserved[3];
 };
+_Static_assert(sizeof(struct tb_rdma_info) == 240, "tb_rdma_info is a wire layout");
 
 const char * tb_rdma_profile_name(int profile);
 int tb_rdma_profile_default(void);   // from TBRPC_RDMA_PROFILE, else the platform's
@@ -93,3 +95,14 @@ int tb_rdma_available(char * why, size_t why_len);
 // (2 x slots x stride bytes).
 uint64_t tb_rdma_host_id(void);
 void tb_rdma_geometry(int profile, uint32_t * slots, uint32_t * stride);
+
+#include "verbs_load.h"
+#if TB_HAVE_VERBS
+// The GID index of `want` on a port of `link_layer` with `tbl_len` entries:
+// the RoCE v2 entry when the address has one (RoCE NICs list each address
+// twice, v1 first; v1 is an Ethernet frame no router forwards, and rdma-core's
+// tools use v2), else the first entry that holds it (Apple: one untyped
+// entry). -1 when none holds it; *type: enum tb_gid_type of the index.
+int tb_rdma_find_gid(const struct tb_verbs * v, struct ibv_context * ctx, uint8_t port, int tbl_len, int link_layer,
+                     const union ibv_gid * want, int * type);
+#endif

@@ -107,11 +107,22 @@ static void report_device(const struct tb_verbs * v, struct ibv_device * dev, in
             static const union ibv_gid zero;
             if (v->query_gid(ctx, (uint8_t) r->port, g, &gid) != 0 || memcmp(&gid, &zero, sizeof gid) == 0) continue;
             ip_gids += is_ip_gid(&gid);
-            if (r->n_gids < TB_RDMA_REPORT_GIDS && inet_ntop(AF_INET6, gid.raw, r->gids[r->n_gids], sizeof r->gids[0])) {
+            const int k = r->n_gids;
+            if (k < TB_RDMA_REPORT_GIDS && inet_ntop(AF_INET6, gid.raw, r->gids[k], sizeof r->gids[0])) {
+                r->gid_index[k] = g;
+                r->gid_types[k] = tb_verbs_gid_type(v, ctx, (uint8_t) r->port, g, first.link_layer);
+                int type;   // the entry a connection from this address takes, by the rule rdma.c uses
+                r->gid_chosen[k] = tb_rdma_find_gid(v, ctx, (uint8_t) r->port, first.gid_tbl_len, first.link_layer, &gid,
+                                                    &type) == g;
                 r->n_gids++;
             }
         }
-        if (!active) {
+        if (first.link_layer == IBV_LINK_LAYER_INFINIBAND) {
+            r->kind = TB_RDMA_INFINIBAND;
+            snprintf(r->text, sizeof r->text, "%s port %d is InfiniBand: tbrpc does not support RDMA over InfiniBand "
+                     "(it finds a peer by its address's RoCE GID; IB GIDs hold no address), so this link stays on TCP",
+                     r->name, r->port);
+        } else if (!active) {
             r->kind = TB_RDMA_PORT_DOWN;
             snprintf(r->text, sizeof r->text, "%s port 1 is %s, not ACTIVE", r->name, port_state_name(first.state));
         } else if (ip_gids == 0) {

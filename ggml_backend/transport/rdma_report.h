@@ -20,6 +20,7 @@ enum tb_rdma_verdict {
     TB_RDMA_PORT_DOWN   = 5,   // no port is ACTIVE (peer not enabled, cable out, a port without RDMA)
     TB_RDMA_NO_GID      = 6,   // the active port has no IPv4-mapped or global IPv6 GID
     TB_RDMA_QP_BUDGET   = 7,   // not one more QP can be created on this device now
+    TB_RDMA_INFINIBAND  = 8,   // the port's link layer is InfiniBand: tbrpc's RDMA is RoCE and Apple's only
 };
 
 #define TB_RDMA_REPORT_GIDS    8
@@ -38,6 +39,9 @@ struct tb_rdma_device_report {
     int      qp_free;              // QPs the probe could create (at most its limit); -1 not probed
     int      n_gids;
     char     gids[8][48];          // the port's non-zero GIDs, as IPv6 text (::ffff:a.b.c.d for IPv4)
+    int      gid_index[8];         // each one's index in the GID table
+    int      gid_types[8];         // each one's enum tb_gid_type: 0 untyped, 1 RoCE v1, 2 RoCE v2, 3 IB
+    int      gid_chosen[8];        // 1: the entry a connection from this GID's address would use (tb_rdma_find_gid)
 };
 
 struct tb_rdma_report {

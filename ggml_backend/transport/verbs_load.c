@@ -66,6 +66,7 @@ static int load(void) {
     OPTIONAL(get_cq_event, "ibv_get_cq_event");
     OPTIONAL(ack_cq_events, "ibv_ack_cq_events");
     OPTIONAL(query_device, "ibv_query_device");
+    OPTIONAL(query_gid_ex, "_ibv_query_gid_ex");   // the exported entry of the header's inline ibv_query_gid_ex
     if (!table.create_comp_channel || !table.destroy_comp_channel || !table.get_cq_event || !table.ack_cq_events) {
         table.create_comp_channel = NULL;   // all or nothing
     }
@@ -82,6 +83,54 @@ const struct tb_verbs * tb_verbs_load(char * err, size_t err_len) {
     if (!ok) snprintf(err, err_len, "%s", load_error);
     return ok ? &table : NULL;
 }
+const char * tb_gid_type_name(int type) {
+    switch (type) {
+    case TB_GID_ROCE_V1: return "RoCE v1";
+    case TB_GID_ROCE_V2: return "RoCE v2";
+    case TB_GID_IB:      return "IB";
+    default:             return "untyped";
+    }
+}
+
+// The kernel's word for a GID's type: "IB/RoCE v1" or "RoCE v2" (drivers/infiniband/core/sysfs.c).
+static int gid_type_from_sysfs(struct ibv_context * ctx, uint8_t port, int index, int link_layer) {
+#ifdef __APPLE__
+    (void) ctx; (void) port; (void) index; (void) link_layer;
+    return TB_GID_UNTYPED;   // no sysfs; Apple's GIDs have one kind
+#else
+    const char * dev = ctx->device ? ctx->device->ibdev_path : "";
+    if (!dev[0]) return TB_GID_UNTYPED;
+    char path[sizeof ctx->device->ibdev_path + 64], word[32] = "";
+    snprintf(path, sizeof path, "%s/ports/%u/gid_attrs/types/%d", dev, (unsigned) port, index);
+    FILE * f = fopen(path, "r");
+    if (!f) return TB_GID_UNTYPED;
+    const int got = fgets(word, sizeof word, f) != NULL;
+    fclose(f);
+    if (!got) return TB_GID_UNTYPED;   // an empty entry: the kernel refuses the read
+    if (strncmp(word, "RoCE v2", 7) == 0) return TB_GID_ROCE_V2;
+    if (strncmp(word, "IB/RoCE v1", 10) == 0) return link_layer == IBV_LINK_LAYER_INFINIBAND ? TB_GID_IB : TB_GID_ROCE_V1;
+    return TB_GID_UNTYPED;
+#endif
+}
+
+int tb_verbs_gid_type(const struct tb_verbs * v, struct ibv_context * ctx, uint8_t port, int index, int link_layer) {
+    if (index < 0) return TB_GID_UNTYPED;
+    if (v->query_gid_ex) {
+        struct ibv_gid_entry e;
+        memset(&e, 0, sizeof e);
+        if (v->query_gid_ex(ctx, port, (uint32_t) index, &e, 0, sizeof e) == 0) {
+            switch (e.gid_type) {
+            case IBV_GID_TYPE_IB:      return link_layer == IBV_LINK_LAYER_INFINIBAND ? TB_GID_IB : TB_GID_ROCE_V1;
+            case IBV_GID_TYPE_ROCE_V1: return TB_GID_ROCE_V1;
+            case IBV_GID_TYPE_ROCE_V2: return TB_GID_ROCE_V2;
+            default:                   return TB_GID_UNTYPED;
+            }
+        }
+        // refused (an empty entry, a kernel without the query): sysfs may still know
+    }
+    return gid_type_from_sysfs(ctx, port, index, link_layer);
+}
+
 const char * tb_verbs_wanted(void) {
     const char * forced = getenv("TBRPC_VERBS_LIB");
     return forced && *forced ? forced : system_libs[0];

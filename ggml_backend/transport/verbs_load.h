@@ -57,7 +57,26 @@ struct tb_verbs {
     int           (*get_cq_event)(struct ibv_comp_channel * ch, struct ibv_cq ** cq, void ** cq_context);
     void          (*ack_cq_events)(struct ibv_cq * cq, unsigned int n);
     int           (*query_device)(struct ibv_context * ctx, struct ibv_device_attr * attr);   // optional
+    // optional: rdma-core v30+ (IBVERBS_1.11); older libibverbs and Apple's librdma lack it
+    int           (*query_gid_ex)(struct ibv_context * ctx, uint32_t port, uint32_t index, struct ibv_gid_entry * entry,
+                                  uint32_t flags, size_t entry_size);
 };
+
+// What a GID table entry is, as the two sides of a bring-up tell each other
+// (tb_rdma_info.gid_type; these values, not the verbs enum, are on the wire).
+enum tb_gid_type {
+    TB_GID_UNTYPED = 0,   // the library says nothing (Apple's librdma: one kind of GID, nothing to choose)
+    TB_GID_ROCE_V1 = 1,   // RoCE v1: an Ethernet frame (ethertype 0x8915), reaches its own L2 segment only
+    TB_GID_ROCE_V2 = 2,   // RoCE v2: UDP/IP (port 4791), routable; what rdma-core's tools use by default
+    TB_GID_IB      = 3,   // an InfiniBand port's GID (subnet prefix + port GUID)
+};
+const char * tb_gid_type_name(int type);
+
+// The type of GID `index` of `port`: _ibv_query_gid_ex where the library has
+// it, else the kernel's sysfs file (<ibdev_path>/ports/<port>/gid_attrs/types/<index>,
+// what rdma-core itself reads), else TB_GID_UNTYPED. link_layer (IBV_LINK_LAYER_*)
+// tells an IB port's "IB/RoCE v1" from an Ethernet port's.
+int tb_verbs_gid_type(const struct tb_verbs * v, struct ibv_context * ctx, uint8_t port, int index, int link_layer);
 
 // The process's verbs table, loaded once (thread-safe). NULL with the reason
 // in err when no library or a required verb is missing.

@@ -385,6 +385,37 @@ static void case_heartbeat(void) {
     tb_close(p.mine);
 }
 
+// A peer's info is hostile bytes: a GID type no side sends (9) is refused by
+// name, and the side that read it stays on a working TCP connection.
+static void case_hostile_gid_type(void) {
+    int sv[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair: %s", strerror(errno));
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) {
+        close(sv[0]);
+        become(1);
+        struct tb_rdma_info forged, theirs;
+        struct tb_rdma * d = tb_rdma_prepare(getenv("TBVSIM_ADDR"), &forged);
+        forged.gid_type = 9;
+        int ok = write(sv[1], &forged, sizeof forged) == (ssize_t) sizeof forged;
+        ok = ok && recv(sv[1], &theirs, sizeof theirs, MSG_WAITALL) == (ssize_t) sizeof theirs;
+        tb_rdma_discard(d);
+        _exit(ok && d ? 0 : 4);
+    }
+    close(sv[1]);
+    become(0);
+    struct tb_transport * tcp = tb_adopt(sv[0], 5000);
+    char reason[256] = "";
+    int why;
+    struct tb_transport * t = tb_rdma_upgrade(tcp, getenv("TBVSIM_ADDR"), &why, reason, sizeof reason);
+    CHECK(!t, "upgraded with a forged GID type");
+    printf("parent stays on tcp: %s\n", reason);
+    CHECK(strstr(reason, "peer sent an unknown GID type (9)"), "reason: %s", reason);
+    CHECK(child_status(pid) == 0, "child");
+    tb_close(tcp);
+}
+
 int main(int argc, char ** argv) {
     signal(SIGPIPE, SIG_IGN);
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -397,6 +428,7 @@ int main(int argc, char ** argv) {
     else if (!strcmp(c, "stays_on_tcp")) case_stays_on_tcp();
     else if (!strcmp(c, "qp_places")) case_qp_places();
     else if (!strcmp(c, "heartbeat")) case_heartbeat();
+    else if (!strcmp(c, "hostile_gid_type")) case_hostile_gid_type();
     else { fprintf(stderr, "unknown case %s\n", c); return 2; }
     printf("PASS %s\n", c);
     return 0;

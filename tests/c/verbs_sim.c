@@ -61,6 +61,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -81,6 +82,10 @@ static struct {
     char dir[256];
     char device[64];
     struct in_addr addr;
+    int prefix;           // the address's subnet (TBVSIM_ADDR=a.b.c.d/NN, default 24)
+    int gid_layout;       // 0 apple, 1 RoCE v1 + v2 (mlx5), 2 RoCE v1 only, 3 InfiniBand
+    int gid_ex;           // _ibv_query_gid_ex answers (0: refuses, as a library without it)
+    char sysfs[200];      // TBVSIM_SYSFS: where this device's sysfs GID types are written (ibdev_path)
     int port_state, max_qps, qps_used, fail_rtr, devices, open_errno, no_addr;
     int fault;            // 0 none, 1 drop, 2 corrupt, 3 unreachable
     unsigned fault_n, fault_off;
@@ -91,10 +96,20 @@ static void read_config(void) {
     cfg.profile = p && !strcmp(p, "apple-uc") ? APPLE_UC : p && !strcmp(p, "linux-uc") ? LINUX_UC : LINUX_RC;
     snprintf(cfg.dir, sizeof cfg.dir, "%s", getenv("TBVSIM_DIR") ? getenv("TBVSIM_DIR") : "default");
     snprintf(cfg.device, sizeof cfg.device, "%s", getenv("TBVSIM_DEVICE") ? getenv("TBVSIM_DEVICE") : "simbolt0");
-    const char * addr = getenv("TBVSIM_ADDR");
-    cfg.no_addr = addr && !strcmp(addr, "none");
+    char addr[64] = "127.0.0.1";
+    if (getenv("TBVSIM_ADDR")) snprintf(addr, sizeof addr, "%s", getenv("TBVSIM_ADDR"));
+    char * slash = strchr(addr, '/');
+    cfg.prefix = slash ? atoi(slash + 1) : 24;
+    if (cfg.prefix < 0 || cfg.prefix > 32) cfg.prefix = 24;
+    if (slash) *slash = 0;
+    cfg.no_addr = !strcmp(addr, "none");
     if (cfg.no_addr) memset(&cfg.addr, 0, sizeof cfg.addr);
-    else if (!addr || inet_pton(AF_INET, addr, &cfg.addr) != 1) inet_pton(AF_INET, "127.0.0.1", &cfg.addr);
+    else if (inet_pton(AF_INET, addr, &cfg.addr) != 1) inet_pton(AF_INET, "127.0.0.1", &cfg.addr);
+    const char * types = getenv("TBVSIM_GID_TYPES");
+    const char * link = getenv("TBVSIM_LINK");
+    cfg.gid_layout = link && !strcmp(link, "ib") ? 3 : cfg.profile == APPLE_UC ? 0 : types && !strcmp(types, "v1") ? 2 : 1;
+    cfg.gid_ex = cfg.profile != APPLE_UC && !(getenv("TBVSIM_GID_EX") && !atoi(getenv("TBVSIM_GID_EX")));
+    snprintf(cfg.sysfs, sizeof cfg.sysfs, "%s", cfg.profile != APPLE_UC && getenv("TBVSIM_SYSFS") ? getenv("TBVSIM_SYSFS") : "");
     const char * port = getenv("TBVSIM_PORT");
     cfg.port_state = !port ? IBV_PORT_ACTIVE : !strcmp(port, "down") ? IBV_PORT_DOWN : !strcmp(port, "init") ? IBV_PORT_INIT
                    : !strcmp(port, "armed") ? IBV_PORT_ARMED : IBV_PORT_ACTIVE;
@@ -133,6 +148,7 @@ struct sim_qp {
     int listen_fd, in_fd, out_fd;
     int budget_fd;                     // holds one of the device's QP places (claim_qp_place)
     union ibv_gid dgid;
+    int sgid_type;                     // the type of the GID it sends from (RTR's sgid_index): its frames' encapsulation
     uint32_t max_send, max_recv;       // in frames (apple) or WRs
     uint32_t send_used, recv_used;
     struct sim_wr * rq_head, * rq_tail;
@@ -168,14 +184,87 @@ static uint64_t hash_bytes(const void * p, size_t n) {
     return h;
 }
 
-static void my_gid(union ibv_gid * g, int index) {
+// The port's GID table, as each layout lists it:
+//   apple  [0] fe80::a.b.c.d, [1] ::ffff:a.b.c.d (TN3205's index 1), no types
+//   v1v2   [0] fe80 v1, [1] fe80 v2, [2] ::ffff v1, [3] ::ffff v2 (mlx5: every address twice, v1 first)
+//   v1     [0] fe80 v1, [1] ::ffff v1 (a NIC or kernel that speaks RoCE v1 only)
+//   ib     [0] fe80::<port GUID> (subnet prefix + GUID: no address in it)
+// An interface without an IPv4 address has no ::ffff: entry (all zero).
+// 0 and the entry, or -1 past the table.
+static int table_len(void) { return cfg.gid_layout == 1 ? 4 : cfg.gid_layout == 3 ? 1 : 2; }
+
+static int gid_entry(int index, union ibv_gid * g, int * type) {
     memset(g, 0, sizeof *g);
-    if (index == 0) {
+    *type = IBV_GID_TYPE_IB;
+    if (index < 0 || index >= table_len()) return -1;
+    if (cfg.gid_layout == 3) {
+        g->raw[0] = 0xfe; g->raw[1] = 0x80;
+        g->raw[8] = 0x0c; g->raw[9] = 0x42; g->raw[10] = 0xa1;   // a GUID that holds no IP address
+        memcpy(g->raw + 12, &cfg.addr, 4);
+        g->raw[11] = 0x5e;
+        return 0;
+    }
+    const int mapped = cfg.gid_layout == 1 ? index >= 2 : index == 1;
+    *type = cfg.gid_layout == 1 && index % 2 == 1 ? IBV_GID_TYPE_ROCE_V2 : IBV_GID_TYPE_ROCE_V1;
+    if (!mapped) {
         g->raw[0] = 0xfe; g->raw[1] = 0x80;
         memcpy(g->raw + 12, &cfg.addr, 4);
-    } else if (!cfg.no_addr) {   // no IPv4 address on the interface: no IPv4-mapped GID (all zero)
+    } else if (!cfg.no_addr) {
         g->raw[10] = g->raw[11] = 0xff;
         memcpy(g->raw + 12, &cfg.addr, 4);
+    }
+    return 0;
+}
+
+// The GID that names this port's QPs to peers (their sockets, the device's QP places).
+static void port_gid(union ibv_gid * g) {
+    int type;
+    gid_entry(cfg.gid_layout == 1 ? 2 : cfg.gid_layout == 3 ? 0 : 1, g, &type);
+}
+
+// What a port speaks on the wire: a frame of a GID type it has no entry of is not taken
+// (a v1-only NIC does not parse RoCE v2's UDP; Apple's frames have no type to differ in).
+static int port_speaks(int type) {
+    if (cfg.gid_layout == 0 || cfg.gid_layout == 3) return 1;
+    return type == IBV_GID_TYPE_ROCE_V1 || (type == IBV_GID_TYPE_ROCE_V2 && cfg.gid_layout == 1);
+}
+
+// Whether a RoCE v1 frame from this port reaches `dgid`: v1 is an Ethernet frame
+// (ethertype 0x8915) that no router forwards, so only an address in this port's
+// own subnet is reached. v2 is UDP/IP and goes anywhere IP goes.
+static int v1_reaches(const union ibv_gid * dgid) {
+    static const uint8_t mapped[12] = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff };
+    if (memcmp(dgid->raw, mapped, 12) != 0) return 1;   // link-local or IPv6: not modelled
+    uint32_t a, b;
+    memcpy(&a, dgid->raw + 12, 4);
+    memcpy(&b, &cfg.addr, 4);
+    const uint32_t mask = cfg.prefix == 0 ? 0 : htonl(~0u << (32 - cfg.prefix));
+    return (a & mask) == (b & mask);
+}
+
+// The kernel's GID type files (/sys/class/infiniband/<dev>/ports/1/gid_attrs/types/<i>),
+// under TBVSIM_SYSFS, for a library that reads them (ibdev_path points there).
+static void write_sysfs(void) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s/ports/1/gid_attrs/types", cfg.sysfs, cfg.device);
+    for (char * p = path + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        mkdir(path, 0755);
+        *p = '/';
+    }
+    mkdir(path, 0755);
+    for (int i = 0; i < table_len(); i++) {
+        union ibv_gid g;
+        int type;
+        static const union ibv_gid zero;
+        char file[600];
+        snprintf(file, sizeof file, "%s/%d", path, i);
+        if (gid_entry(i, &g, &type) != 0 || !memcmp(&g, &zero, sizeof g)) { unlink(file); continue; }
+        FILE * f = fopen(file, "w");
+        if (!f) continue;
+        fputs(type == IBV_GID_TYPE_ROCE_V2 ? "RoCE v2\n" : "IB/RoCE v1\n", f);
+        fclose(f);
     }
 }
 
@@ -373,13 +462,14 @@ static void * rx_main(void * arg) {
                 pthread_mutex_unlock(&c->lock);
                 continue;
             }
-            uint32_t len;
+            uint32_t len, type;
             struct sim_msg * m = NULL;
-            if (read_full(q->in_fd, &len, 4) == 0 && (m = calloc(1, sizeof *m)) && (m->data = malloc(len ? len : 1)) &&
-                read_full(q->in_fd, m->data, len) == 0) {
+            if (read_full(q->in_fd, &len, 4) == 0 && read_full(q->in_fd, &type, 4) == 0 && (m = calloc(1, sizeof *m)) &&
+                (m->data = malloc(len ? len : 1)) && read_full(q->in_fd, m->data, len) == 0) {
                 m->len = len;
                 pthread_mutex_lock(&c->lock);
-                if (!q->dead) arrive(c, q, m); else { free(m->data); free(m); }
+                // a frame this port does not speak never reaches a QP (UC: gone; RC: no ACK, the sender retries out)
+                if (!q->dead && port_speaks((int) type)) arrive(c, q, m); else { free(m->data); free(m); }
                 pthread_mutex_unlock(&c->lock);
             } else {   // the peer is gone: UC says nothing
                 if (m) { free(m->data); free(m); }
@@ -406,16 +496,18 @@ static void * tx_main(void * arg) {
         c->rng = c->rng * 1103515245u + 12345u;
         struct timespec ts = { 0, (long) ((c->rng >> 16) % 30) * 1000 };   // the NIC reads late
         nanosleep(&ts, NULL);
-        uint8_t * copy = malloc(w->len + 4);
+        uint8_t * copy = malloc(w->len + 8);
+        const uint32_t type = (uint32_t) q->sgid_type;
         memcpy(copy, &w->len, 4);
-        memcpy(copy + 4, (void *) w->addr, w->len);
-        if (hash_bytes(copy + 4, w->len) != w->hash) {
+        memcpy(copy + 4, &type, 4);
+        memcpy(copy + 8, (void *) w->addr, w->len);
+        if (hash_bytes(copy + 8, w->len) != w->hash) {
             fprintf(stderr, "verbs_sim: QP %06x: send buffer %llu changed before its completion\n", q->qp.qp_num,
                     (unsigned long long) w->wr_id);
         }
         int sent = 0;
         if (q->out_fd >= 0 && !q->dead && q->qp.state == IBV_QPS_RTS) {
-            size_t off = 0, total = w->len + 4;
+            size_t off = 0, total = w->len + 8;
             while (off < total) {
                 ssize_t k = send(q->out_fd, copy + off, total - off, MSG_NOSIGNAL);
                 if (k > 0) { off += (size_t) k; continue; }
@@ -527,6 +619,11 @@ EXPORT struct ibv_device ** ibv_get_device_list(int * num) {
     snprintf(sim_device.dev_name, sizeof sim_device.dev_name, "uverbs-sim");
     sim_device.node_type = IBV_NODE_CA;
     sim_device.transport_type = IBV_TRANSPORT_IB;
+    sim_device.ibdev_path[0] = 0;
+    if (cfg.sysfs[0]) {
+        write_sysfs();
+        snprintf(sim_device.ibdev_path, sizeof sim_device.ibdev_path, "%s/%s", cfg.sysfs, cfg.device);
+    }
     sim_list[0] = cfg.devices ? &sim_device : NULL;
     sim_list[1] = NULL;
     if (num) *num = cfg.devices;
@@ -602,17 +699,37 @@ EXPORT int ibv_query_port(struct ibv_context * ctx, uint8_t port, struct _compat
     a->state = cfg.port_state;
     a->max_mtu = IBV_MTU_4096;
     a->active_mtu = apple() ? IBV_MTU_4096 : IBV_MTU_1024;
-    a->gid_tbl_len = 2;
+    a->gid_tbl_len = table_len();
     a->max_msg_sz = apple() ? APPLE_MAX_MSG : 1u << 30;
-    a->link_layer = IBV_LINK_LAYER_ETHERNET;
+    a->link_layer = cfg.gid_layout == 3 ? IBV_LINK_LAYER_INFINIBAND : IBV_LINK_LAYER_ETHERNET;
+    if (cfg.gid_layout == 3) a->lid = (uint16_t) (1 + ((const uint8_t *) &cfg.addr)[3]);   // from the subnet manager
     a->active_width = 8;    // 8X
     a->active_speed = 0x40; // reported as in TN3205's ibv_devinfo; not modelled further
     return 0;
 }
 
 EXPORT int ibv_query_gid(struct ibv_context * ctx, uint8_t port, int index, union ibv_gid * gid) {
-    if (port != 1 || index < 0 || index > 1) return -1;
-    my_gid(gid, index);
+    int type;
+    return port != 1 || gid_entry(index, gid, &type) != 0 ? -1 : 0;
+}
+
+// rdma-core v30+'s GID query with its type; Apple's librdma and older libibverbs
+// have none (here: it refuses, and a caller falls back as it would without the symbol).
+EXPORT int _ibv_query_gid_ex(struct ibv_context * ctx, uint32_t port, uint32_t index, struct ibv_gid_entry * e,
+                             uint32_t flags, size_t size) {
+    (void) ctx;
+    if (!cfg.gid_ex) return EOPNOTSUPP;
+    if (port != 1 || flags != 0 || size < sizeof *e) return EINVAL;
+    int type;
+    union ibv_gid g;
+    static const union ibv_gid zero;
+    if (gid_entry((int) index, &g, &type) != 0) return EINVAL;
+    if (!memcmp(&g, &zero, sizeof g)) return ENODATA;
+    memset(e, 0, sizeof *e);
+    e->gid = g;
+    e->gid_index = index;
+    e->port_num = port;
+    e->gid_type = (uint32_t) type;
     return 0;
 }
 
@@ -722,7 +839,7 @@ EXPORT struct ibv_qp * ibv_create_qp(struct ibv_pd * pd, struct ibv_qp_init_attr
     }
     pthread_mutex_lock(&c->lock);
     union ibv_gid g;
-    my_gid(&g, 1);
+    port_gid(&g);
     int place = claim_qp_place(&g);
     if (place < 0) { pthread_mutex_unlock(&c->lock); errno = ENOMEM; return NULL; }
     struct sim_qp * q = calloc(1, sizeof *q);
@@ -775,17 +892,25 @@ EXPORT int ibv_modify_qp(struct ibv_qp * qp, struct ibv_qp_attr * a, int mask) {
     case IBV_QPS_RTR: {
         int need = IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN;
         if (qp->qp_type == IBV_QPT_RC) need |= IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
-        union ibv_gid mine;
-        my_gid(&mine, 1);
+        union ibv_gid mine, sgid;
+        port_gid(&mine);
+        int stype;
         if (from != IBV_QPS_INIT || (mask & need) != need || cfg.fail_rtr) { rc = EINVAL; break; }
         if (apple() && memcmp(a->ah_attr.grh.dgid.raw, mine.raw, 16) == 0) { rc = EINVAL; break; }   // no loopback
-        if (!a->ah_attr.is_global || a->ah_attr.grh.sgid_index > 1) { rc = EINVAL; break; }
+        static const union ibv_gid zero;
+        if (!a->ah_attr.is_global || gid_entry(a->ah_attr.grh.sgid_index, &sgid, &stype) != 0 ||
+            !memcmp(&sgid, &zero, sizeof sgid)) { rc = EINVAL; break; }
         q->dgid = a->ah_attr.grh.dgid;
+        q->sgid_type = stype;
         struct sockaddr_un sa;
         socklen_t sl;
         sock_name(&sa, &sl, &q->dgid, a->dest_qp_num);
         int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (cfg.fault == 3) { if (fd >= 0) close(fd); fd = -1; }   // RTR checks no path, as no NIC does
+        if (cfg.gid_layout != 0 && stype == IBV_GID_TYPE_ROCE_V1 && !v1_reaches(&q->dgid)) {   // no router forwards v1
+            if (fd >= 0) close(fd);
+            fd = -1;
+        }
         if (fd >= 0 && connect(fd, (struct sockaddr *) &sa, sl) == 0) q->out_fd = fd;
         else if (fd >= 0) close(fd);   // nobody there: sends vanish (UC) or retry out (RC), as on a wrong GID
         break;
