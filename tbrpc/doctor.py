@@ -348,6 +348,9 @@ _DEVICE_FIX = {
                  "or a Thunderbolt 4 link; on Linux `ibv_devinfo` shows the port and the switch side",
     "no_gid": "give the interface of this device an IPv4 address (its GID follows it; a link-local 169.254 address "
               "can take minutes after boot): `sudo networksetup -setmanual <service> 10.0.12.1 255.255.255.252`",
+    "infiniband": "tbrpc's RDMA is RoCE (and Apple's Thunderbolt) only: over InfiniBand connections stay on TCP "
+                  "(IPoIB carries them); for RDMA use the NIC's Ethernet mode (`mlxconfig ... LINK_TYPE_P1=2`) or "
+                  "a RoCE NIC (docs/protocol.md, Transports: RDMA)",
     "qp_budget": "every connection and node link takes a QP (Apple: at most 10 per device): stop other heads or "
                  "sessions using this node (`tbrpc status`), or use fewer nodes per device",
 }
@@ -364,6 +367,16 @@ def _rdma_device_for(facts: dict[str, Any], address: str | None) -> dict[str, An
         return None
     gid = _mapped_gid(address)
     return next((d for d in facts.get("rdma", {}).get("devices", []) if gid in d.get("gids", [])), None)
+
+
+def _gid_used(d: dict[str, Any], address: str) -> str:
+    """Which GID of device `d` a connection from `address` would use, as rdma.c chooses it: 'GID 3, RoCE v2'."""
+    gid = _mapped_gid(address)
+    for g, index, kind, chosen in zip(d.get("gids", []), d.get("gid_index", []), d.get("gid_types", []),
+                                      d.get("gid_chosen", [])):
+        if g == gid and chosen:
+            return f"GID {index}" + ("" if kind == "untyped" else f", {kind}")
+    return "GID ?"
 
 
 def _rdma_usable(facts: dict[str, Any]) -> bool:
@@ -395,7 +408,9 @@ def _library_row(name: str, facts: dict[str, Any], needed: bool) -> tuple[str, s
 def _device_summary(d: dict[str, Any]) -> str:
     free = d.get("qp_free", -1)
     qps = "" if free < 0 else f", {'at least ' if free >= QP_PROBE else ''}{free} QP(s) free of {d.get('max_qp') or '?'}"
-    gids = ", ".join(g for g in d.get("gids", []) if not g.startswith("fe80")) or "no IP GID"
+    gids = ", ".join(f"{g} uses {_gid_used(d, g.removeprefix('::ffff:'))}" for g, chosen in
+                     zip(d.get("gids", []), d.get("gid_chosen", [True] * len(d.get("gids", []))))
+                     if chosen and not g.startswith("fe80")) or "no IP GID"
     return f"{d['text']} ({gids}{qps})"
 
 
@@ -472,7 +487,13 @@ def _link_rdma_row(a: str, a_facts: dict[str, Any], a_addr: str | None,
         if d["kind"] != "usable":
             return WARN, f"TCP: {end}: {d['text']}", _DEVICE_FIX.get(d["kind"], "")
     da, db = _rdma_device_for(a_facts, a_addr), _rdma_device_for(b_facts, b_addr)
-    return OK, f"RDMA possible: {a} {da['name']} ({a_addr}) to {b} {db['name']} ({b_addr}), {ra.get('profile')}", ""  # type: ignore[index]
+    ga, gb = _gid_used(da, a_addr), _gid_used(db, b_addr)  # type: ignore[arg-type]
+    ta, tb = ga.partition(", ")[2] or "untyped", gb.partition(", ")[2] or "untyped"
+    if ta != tb:
+        return WARN, f"TCP: GID types differ ({a} {ta}, {b} {tb}): both ends must send the same kind of RoCE frame", \
+            "enable RoCE v2 on the NIC that lists only v1 (a newer driver, or its RoCE mode setting), or use TCP"
+    return OK, (f"RDMA possible: {a} {da['name']} ({a_addr}, {ga}) to {b} {db['name']} ({b_addr}, {gb}), "  # type: ignore[index]
+                f"{ra.get('profile')}"), ""
 
 
 def rdma_links(specs: Sequence[NodeSpec]) -> list[tuple[str, str, str]]:

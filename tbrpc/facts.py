@@ -228,17 +228,20 @@ def macos_facts(host: str | None) -> dict[str, Any]:
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 INFINIBAND = Path("/dev/infiniband")
 RDMA_KINDS = {0: "usable", 1: "no_headers", 2: "no_library", 3: "no_device", 4: "open_failed", 5: "port_down",
-              6: "no_gid", 7: "qp_budget"}   # enum tb_rdma_verdict (ggml_backend/transport/rdma_report.h)
+              6: "no_gid", 7: "qp_budget", 8: "infiniband"}   # enum tb_rdma_verdict (ggml_backend/transport/rdma_report.h)
 # Count free QPs up to this many per device: as many as one device of a ring
 # (or a head's star of 4) needs, and no more, since the probe holds them for
 # the moment it takes and a connection set up in that moment could miss one.
 QP_PROBE = 4
+GID_TYPES = {0: "untyped", 1: "RoCE v1", 2: "RoCE v2", 3: "IB"}   # enum tb_gid_type (transport/verbs_load.h)
 
 
 def rdma_facts(qp_probe: int = QP_PROBE) -> dict[str, Any]:
     """The verbs library's view (tb_rdma_report): {"kind", "text", "library", "profile", "host_id",
     "ring_bytes", "devices": [{"name", "kind", "text", "errno", "port", "port_state", "link_layer",
-    "active_mtu", "max_qp", "qp_free", "gids"}]}; kind "unavailable" when tbrpc's C library does not load."""
+    "active_mtu", "max_qp", "qp_free", "gids", "gid_index", "gid_types", "gid_chosen"}]}: the lists run along
+    "gids" (each one's table index, type name, and whether a connection from its address would use it: RoCE v2
+    over v1, as rdma.c chooses); kind "unavailable" when tbrpc's C library does not load."""
     try:
         from tbrpc.native import load, text
 
@@ -249,7 +252,10 @@ def rdma_facts(qp_probe: int = QP_PROBE) -> dict[str, Any]:
     lib.tb_rdma_report(r, qp_probe)
     devices = [{"name": text(d.name), "kind": RDMA_KINDS[d.kind], "text": text(d.text), "errno": d.error_number,
                 "port": d.port, "port_state": d.port_state, "link_layer": d.link_layer, "active_mtu": d.active_mtu,
-                "max_qp": d.max_qp, "qp_free": d.qp_free, "gids": [text(d.gids[i]) for i in range(d.n_gids)]}
+                "max_qp": d.max_qp, "qp_free": d.qp_free, "gids": [text(d.gids[i]) for i in range(d.n_gids)],
+                "gid_index": [d.gid_index[i] for i in range(d.n_gids)],
+                "gid_types": [GID_TYPES.get(d.gid_types[i], "untyped") for i in range(d.n_gids)],
+                "gid_chosen": [bool(d.gid_chosen[i]) for i in range(d.n_gids)]}
                for d in (r.devices[i] for i in range(r.n_devices))]
     return {"kind": RDMA_KINDS[r.kind], "text": text(r.text), "library": text(r.library), "profile": text(r.profile),
             "host_id": f"{r.host_id:016x}", "ring_bytes": r.ring_bytes, "devices": devices}

@@ -157,6 +157,48 @@ def test_no_gid(sim, tmp_path) -> None:
     assert status == WARN and "has no IP address GID" in detail and "IPv4 address" in fix
 
 
+LINUX = {"TBVSIM_PROFILE": "linux-rc", "TBRPC_RDMA_PROFILE": "linux-rc"}
+
+
+def test_report_says_which_gid_type_a_port_uses(sim, tmp_path) -> None:
+    """A RoCE port lists the address twice (v1 at 2, v2 at 3): the report types each entry and marks the one a
+    connection from the address takes, RoCE v2, as the bring-up chooses; Apple's one entry has no type."""
+    f = facts_of(sim_env(sim, tmp_path, TBVSIM_ADDR="127.0.0.3", **LINUX))
+    (d,) = f["rdma"]["devices"]
+    entries = [(g, i, t, c) for g, i, t, c in zip(d["gids"], d["gid_index"], d["gid_types"], d["gid_chosen"])
+               if g.startswith("::ffff:")]
+    assert entries == [("::ffff:127.0.0.3", 2, "RoCE v1", False), ("::ffff:127.0.0.3", 3, "RoCE v2", True)]
+    status, detail, _ = machine(f, "127.0.0.3")["rdma devices"]
+    assert status == OK and "::ffff:127.0.0.3 uses GID 3, RoCE v2" in detail
+    # without _ibv_query_gid_ex the kernel's sysfs files say the same
+    f = facts_of(sim_env(sim, tmp_path, TBVSIM_ADDR="127.0.0.3", TBVSIM_GID_EX="0", TBVSIM_SYSFS=str(tmp_path / "sys"),
+                         **LINUX))
+    assert "::ffff:127.0.0.3 uses GID 3, RoCE v2" in machine(f, "127.0.0.3")["rdma devices"][1]
+    apple = facts_of(sim_env(sim, tmp_path, TBVSIM_ADDR="127.0.0.3"))
+    detail = machine(apple, "127.0.0.3")["rdma devices"][1]
+    assert "::ffff:127.0.0.3 uses GID 1," in detail and "RoCE" not in detail
+
+
+def test_infiniband_port_is_not_supported(sim, tmp_path) -> None:
+    f = facts_of(sim_env(sim, tmp_path, TBVSIM_LINK="ib", **LINUX))
+    (d,) = f["rdma"]["devices"]
+    assert d["kind"] == "infiniband" and d["link_layer"] == 1 and d["gid_types"] == ["IB"]
+    status, detail, fix = machine(f, "127.0.0.1")["rdma devices"]
+    assert status == WARN and "is InfiniBand: tbrpc does not support RDMA over InfiniBand" in detail
+    assert "stay on TCP" in fix and "RoCE" in fix
+
+
+def test_link_between_gid_types(sim, tmp_path) -> None:
+    """One end's NIC lists only RoCE v1, the other's v2 too: the bring-up would refuse the pair, doctor says so."""
+    a = facts_of(sim_env(sim, tmp_path, TBRPC_HOST_ID="a", TBVSIM_GID_TYPES="v1", **LINUX))
+    b = facts_of(sim_env(sim, tmp_path, TBRPC_HOST_ID="b", TBVSIM_ADDR="127.0.0.3", **LINUX))
+    status, detail, fix = _link_rdma_row("a", a, "127.0.0.1", "b", b, "127.0.0.3")
+    assert status == WARN and "GID types differ (a RoCE v1, b RoCE v2)" in detail and "RoCE v2" in fix
+    b1 = facts_of(sim_env(sim, tmp_path, TBRPC_HOST_ID="b", TBVSIM_ADDR="127.0.0.3", TBVSIM_GID_TYPES="v1", **LINUX))
+    status, detail, _ = _link_rdma_row("a", a, "127.0.0.1", "b", b1, "127.0.0.3")
+    assert status == OK and "(127.0.0.1, GID 1, RoCE v1) to b simbolt0 (127.0.0.3, GID 1, RoCE v1)" in detail
+
+
 def test_qp_budget_ten_with_nine_used(sim, tmp_path) -> None:
     """A middle node of a ring needs 3 QPs on its device (head, link in, link out): 1 left is too few."""
     f = facts_of(sim_env(sim, tmp_path, TBVSIM_MAX_QPS="10", TBVSIM_QPS_USED="9"))
@@ -216,7 +258,7 @@ def test_link_between_two_hosts_is_possible(sim, tmp_path) -> None:
     a = facts_of(sim_env(sim, tmp_path, TBRPC_HOST_ID="a"), toward=("127.0.0.1",))
     b = facts_of(sim_env(sim, tmp_path, TBRPC_HOST_ID="b"))
     status, detail, _ = _link_rdma_row("a", a, a["sources"]["127.0.0.1"], "b", b, "127.0.0.1")
-    assert status == OK and "RDMA possible: a simbolt0 (127.0.0.1) to b simbolt0 (127.0.0.1), apple-uc" in detail
+    assert status == OK and "RDMA possible: a simbolt0 (127.0.0.1, GID 1) to b simbolt0 (127.0.0.1, GID 1), apple-uc" in detail
 
 
 def test_link_within_one_host_is_shared_memory(sim, tmp_path) -> None:
