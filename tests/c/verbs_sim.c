@@ -33,6 +33,18 @@
 // gives no error on UC (apple: the send stays pending; linux-uc: completes);
 // on RC it gives IBV_WC_RETRY_EXC_ERR.
 //
+// GIDs (gid_entry): apple-uc lists one untyped ::ffff: entry at index 1; the
+// Linux profiles list each address as RoCE v1 then v2 (mlx5's table), or v1
+// only (TBVSIM_GID_TYPES=v1), or an InfiniBand port's subnet-prefix + GUID
+// (TBVSIM_LINK=ib). Types answer through _ibv_query_gid_ex (TBVSIM_GID_EX=0:
+// it refuses, as a library without it) and, with TBVSIM_SYSFS=DIR, through
+// the kernel's gid_attrs/types files written there (ibdev_path). Every frame
+// carries the type of the GID its QP sends from: a RoCE v1 frame reaches no
+// address outside the sender's subnet (TBVSIM_ADDR=a.b.c.d/NN, /24 unless
+// said: no router forwards an Ethernet frame), and a port takes no frame of a
+// type it has no GID of (a v1-only NIC does not parse RoCE v2's UDP). RTR
+// checks neither, as on hardware: the frames are simply lost.
+//
 // Configuration (read when the device list is taken): TBVSIM_DIR (required;
 // namespaces the sockets), TBVSIM_PROFILE, TBVSIM_DEVICE (name, default
 // simbolt0), TBVSIM_DEVICES=0 (the library lists no device), TBVSIM_ADDR (the
