@@ -66,7 +66,9 @@ static int load(void) {
     OPTIONAL(get_cq_event, "ibv_get_cq_event");
     OPTIONAL(ack_cq_events, "ibv_ack_cq_events");
     OPTIONAL(query_device, "ibv_query_device");
+#ifndef __APPLE__
     OPTIONAL(query_gid_ex, "_ibv_query_gid_ex");   // the exported entry of the header's inline ibv_query_gid_ex
+#endif
     if (!table.create_comp_channel || !table.destroy_comp_channel || !table.get_cq_event || !table.ack_cq_events) {
         table.create_comp_channel = NULL;   // all or nothing
     }
@@ -92,12 +94,9 @@ const char * tb_gid_type_name(int type) {
     }
 }
 
+#ifndef __APPLE__
 // The kernel's word for a GID's type: "IB/RoCE v1" or "RoCE v2" (drivers/infiniband/core/sysfs.c).
 static int gid_type_from_sysfs(struct ibv_context * ctx, uint8_t port, int index, int link_layer) {
-#ifdef __APPLE__
-    (void) ctx; (void) port; (void) index; (void) link_layer;
-    return TB_GID_UNTYPED;   // no sysfs; Apple's GIDs have one kind
-#else
     const char * dev = ctx->device ? ctx->device->ibdev_path : "";
     if (!dev[0]) return TB_GID_UNTYPED;
     char path[sizeof ctx->device->ibdev_path + 64], word[32] = "";
@@ -110,10 +109,14 @@ static int gid_type_from_sysfs(struct ibv_context * ctx, uint8_t port, int index
     if (strncmp(word, "RoCE v2", 7) == 0) return TB_GID_ROCE_V2;
     if (strncmp(word, "IB/RoCE v1", 10) == 0) return link_layer == IBV_LINK_LAYER_INFINIBAND ? TB_GID_IB : TB_GID_ROCE_V1;
     return TB_GID_UNTYPED;
-#endif
 }
+#endif
 
 int tb_verbs_gid_type(const struct tb_verbs * v, struct ibv_context * ctx, uint8_t port, int index, int link_layer) {
+#ifdef __APPLE__
+    (void) v; (void) ctx; (void) port; (void) index; (void) link_layer;
+    return TB_GID_UNTYPED;   // Apple's GIDs have one kind: nothing to choose between
+#else
     if (index < 0) return TB_GID_UNTYPED;
     if (v->query_gid_ex) {
         struct ibv_gid_entry e;
@@ -129,6 +132,7 @@ int tb_verbs_gid_type(const struct tb_verbs * v, struct ibv_context * ctx, uint8
         // refused (an empty entry, a kernel without the query): sysfs may still know
     }
     return gid_type_from_sysfs(ctx, port, index, link_layer);
+#endif
 }
 
 const char * tb_verbs_wanted(void) {

@@ -57,9 +57,12 @@ struct tb_verbs {
     int           (*get_cq_event)(struct ibv_comp_channel * ch, struct ibv_cq ** cq, void ** cq_context);
     void          (*ack_cq_events)(struct ibv_cq * cq, unsigned int n);
     int           (*query_device)(struct ibv_context * ctx, struct ibv_device_attr * attr);   // optional
-    // optional: rdma-core v30+ (IBVERBS_1.11); older libibverbs and Apple's librdma lack it
+#ifndef __APPLE__
+    // optional: rdma-core v30+ (IBVERBS_1.11); older libibverbs lacks it. Apple's librdma has
+    // none (and its SDK header need not declare struct ibv_gid_entry): its GIDs are untyped.
     int           (*query_gid_ex)(struct ibv_context * ctx, uint32_t port, uint32_t index, struct ibv_gid_entry * entry,
                                   uint32_t flags, size_t entry_size);
+#endif
 };
 
 // What a GID table entry is, as the two sides of a bring-up tell each other
