@@ -206,6 +206,9 @@ def test_huge_alloc_is_refused_not_attempted(node: Any) -> None:
 
 # ---- graphs -------------------------------------------------------------------------
 
+Q8_0 = 8   # ggml.h GGML_TYPE_Q8_0: blocks of 32 values in 34 bytes
+
+
 def bad_graphs(handle: int) -> dict[str, tuple[bytes, str]]:
     ok = dict(buffer=handle, offset=0)
     return {
@@ -221,6 +224,27 @@ def bad_graphs(handle: int) -> dict[str, tuple[bytes, str]]:
         "node index out of range": (graph([tensor(**ok)], [5]), "refers to tensor 5"),
         "count mismatch": (pack("struct tb_graph_header", n_tensors=1000, n_nodes=1), "need"),
         "too many tensors": (pack("struct tb_graph_header", n_tensors=2**31, n_nodes=1), "out of range"),
+        # each below is accepted (or crashes the worker) with its check in proto.c removed
+        "type far off the table": (graph([tensor(**ok, type=2**31 - 1)], [0]), "invalid type 2147483647"),
+        "dimension over 2^48": (graph([tensor(**ok, ne=[2**48 + 1, 1, 1, 1], nb=[0, 0, 0, 0])], [0]),
+                                "ne[0] = 281474976710657 out of range"),
+        "stride over 2^52": (graph([tensor(**ok, nb=[4, 16, 2**53, 16])], [0]), "nb[2] = 9007199254740992 out of range"),
+        "quantized stride not a block": (graph([tensor(**ok, type=Q8_0, ne=[32, 1, 1, 1], nb=[1, 34, 34, 34])], [0]),
+                                         "quantized rows must hold whole blocks with nb[0] = block size"),
+        "invalid op on a source": (graph([tensor(**ok, op=100000), tensor(buffer=handle, offset=64, op=ggml_op_index("SQR"),
+                                                                          src=[0] + [-1] * 9)], [1]),
+                                   "tensor 0 '': op 100000 is not allowed"),
+        "view of itself": (graph([tensor(**ok, view_src=0)], [0]), "view source 0 is not an earlier tensor"),
+        "view source below -1": (graph([tensor(**ok, view_src=-5)], [0]), "view source -5 is not an earlier tensor"),
+        "source below -1": (graph([tensor(**ok, src=[-5] + [-1] * 9)], [0]), "source 0 = -5 is not an earlier tensor"),
+        "offset past the buffer": (graph([tensor(buffer=handle, offset=2**63)], [0]),
+                                   f"data [{2**63}, +16) lies outside its 4096-byte buffer"),
+        "one byte past the buffer": (graph([tensor(buffer=handle, offset=4081)], [0]),
+                                     "data [4081, +16) lies outside its 4096-byte buffer"),
+        "view past its source's end": (graph([tensor(**ok), tensor(buffer=handle, offset=8, view_src=0)], [1]),
+                                       "view [8, +16) lies outside its source (tensor 0)"),
+        "view before its source": (graph([tensor(buffer=handle, offset=64), tensor(buffer=handle, offset=48, view_src=0)], [1]),
+                                   "view [48, +16) lies outside its source (tensor 0)"),
     }
 
 
@@ -357,6 +381,7 @@ def test_recompute_without_graph(node: Any) -> None:
     assert "slot 3, which holds no graph" in w.sync_error()
     w.send(lib.TB_CMD_GRAPH_RECOMPUTE, struct.pack("<I", lib.TB_KEPT_GRAPHS))
     assert f"slot {lib.TB_KEPT_GRAPHS}, which holds no graph" in w.sync_error()
+
 
 
 def test_a_node_keeps_graphs_in_the_slots_named(node: Any) -> None:
