@@ -305,6 +305,20 @@ def test_alloc_size_is_the_devices_answer(node: Any) -> None:
     assert status == 0 and struct.unpack("<Q", body)[0] == 64 * 9 * 4   # the CPU sizes it as ggml_nbytes
 
 
+@pytest.mark.parametrize("cmd", [lib.TB_CMD_SUPPORTS_OP, lib.TB_CMD_GET_ALLOC_SIZE], ids=["SUPPORTS_OP", "GET_ALLOC_SIZE"])
+def test_an_op_question_without_tensors_is_refused(node: Any, cmd: int) -> None:
+    """The op of SUPPORTS_OP and GET_ALLOC_SIZE is the table's last tensor:
+    a table of none has no op (without the check the node read the pointer
+    before its tensor array). Refused by name; the session goes on."""
+    w = ready(node)
+    w.send(cmd, pack("struct tb_graph_header", n_tensors=0, n_nodes=0))
+    status, body = w.reply()
+    name = ffi.string(lib.tb_command(cmd).name).decode()
+    assert status != 0 and f"{name}: 0 tensors / 0 nodes out of range" in body.decode(), body
+    w.send(lib.TB_CMD_SYNC)
+    assert w.reply() == (0, b"")
+
+
 def test_supports_op_is_the_devices_answer(node: Any) -> None:
     """The CPU multiplies Q4_K weights by F32 or Q8_K rows, not by Q4_0 ones."""
     q4_k, q4_0, f32 = 12, 2, 0   # enum ggml_type
