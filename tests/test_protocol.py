@@ -319,6 +319,20 @@ def test_an_op_question_without_tensors_is_refused(node: Any, cmd: int) -> None:
     assert w.reply() == (0, b"")
 
 
+def test_alloc_size_is_asked_only_of_ops_the_rules_accept(node: Any) -> None:
+    """GET_ALLOC_SIZE hands the op to the device's get_alloc_size, which may
+    read its sources (Metal's does for MUL_MAT_ID): a MUL_MAT without its
+    second source is refused by the op rules first, naming tensor and rule."""
+    w = ready(node)
+    shapes_only = [tensor(ne=[4, 2, 1, 1], nb=[4, 16, 32, 32]),
+                   tensor(ne=[2, 1, 1, 1], nb=[4, 8, 8, 8], op=ggml_op_index("MUL_MAT"), src=[0] + [-1] * 9)]
+    w.send(lib.TB_CMD_GET_ALLOC_SIZE, graph(shapes_only, []))
+    status, body = w.reply()
+    assert status != 0 and "tensor 1 (MUL_MAT): source 1 is missing" in body.decode(), body
+    w.send(lib.TB_CMD_SYNC)
+    assert w.reply() == (0, b"")
+
+
 def test_supports_op_is_the_devices_answer(node: Any) -> None:
     """The CPU multiplies Q4_K weights by F32 or Q8_K rows, not by Q4_0 ones."""
     q4_k, q4_0, f32 = 12, 2, 0   # enum ggml_type
