@@ -409,7 +409,9 @@ def test_recompute_without_graph(node: Any) -> None:
     assert "slot 3, which holds no graph" in w.sync_error()
     w.send(lib.TB_CMD_GRAPH_RECOMPUTE, struct.pack("<I", lib.TB_KEPT_GRAPHS))
     assert f"slot {lib.TB_KEPT_GRAPHS}, which holds no graph" in w.sync_error()
-
+    # far past the slots: without the bound the node reads kept[4294967295], gigabytes away
+    w.send(lib.TB_CMD_GRAPH_RECOMPUTE, struct.pack("<I", 2**32 - 1))
+    assert "slot 4294967295, which holds no graph" in w.sync_error()
 
 
 def test_a_node_keeps_graphs_in_the_slots_named(node: Any) -> None:
