@@ -182,6 +182,17 @@ def test_set_tensor_outside_the_buffer(node: Any) -> None:
     assert w.sync_error() == ""
 
 
+def test_set_tensor_must_carry_the_bytes_it_names(node: Any) -> None:
+    """A SET_TENSOR whose range names fewer bytes than it carries is refused
+    whole: written as named, the rest of its bytes would be read as the next
+    message."""
+    w = ready(node)
+    handle = w.alloc(4096)
+    w.send(lib.TB_CMD_SET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=8) + b"\x01" * 16)
+    assert "SET_TENSOR: header says 8 bytes, message carries 16" in w.sync_error()
+    assert w.sync_error() == ""   # still in step with the client
+
+
 def test_offset_overflow_is_caught(node: Any) -> None:
     w = ready(node)
     handle = w.alloc(4096)
