@@ -193,6 +193,31 @@ def test_set_tensor_must_carry_the_bytes_it_names(node: Any) -> None:
     assert w.sync_error() == ""   # still in step with the client
 
 
+def test_strided_writes_stay_inside_the_buffer_and_the_message(node: Any) -> None:
+    """SET_TENSOR_2D writes n_copies rows of `size` bytes `stride` apart from
+    the message's packed rows. Refused by name, the buffer untouched: rows
+    whose span wraps 64 bits (2 * 2^63 is 0: row 1 would land 2^63 bytes
+    past the buffer), rows that overlap, and more rows than the message
+    carries (they would be copied from the node's memory past the message)."""
+    w = ready(node)
+    handle = w.alloc(4096)
+    w.send(lib.TB_CMD_SET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=4096) + b"\0" * 4096)
+
+    def set_2d(size: int, n_copies: int, stride: int, rows: bytes) -> str:
+        w.send(lib.TB_CMD_SET_TENSOR_2D, struct.pack("<5Q", handle, 0, size, n_copies, stride) + rows)   # tb_range_2d
+        return w.sync_error()
+
+    assert (f"SET_TENSOR_2D: 3 rows of 4 bytes, {2**63} apart: not a valid set of rows"
+            in set_2d(4, 3, 2**63, b"\x01" * 12))
+    assert "SET_TENSOR_2D: 2 rows of 8 bytes, 4 apart: not a valid set of rows" in set_2d(8, 2, 4, b"\x01" * 16)
+    assert "SET_TENSOR_2D: 4 rows of 256 bytes, the message carries 16" in set_2d(256, 4, 256, b"\x01" * 16)
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=4096))
+    assert w.reply() == (0, b"\0" * 4096)
+    assert set_2d(4, 3, 8, b"\x01" * 4 + b"\x02" * 4 + b"\x03" * 4) == ""   # and a valid one is written
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=24))
+    assert w.reply() == (0, b"\x01" * 4 + b"\0" * 4 + b"\x02" * 4 + b"\0" * 4 + b"\x03" * 4 + b"\0" * 4)
+
+
 def test_offset_overflow_is_caught(node: Any) -> None:
     w = ready(node)
     handle = w.alloc(4096)
