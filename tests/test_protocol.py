@@ -218,6 +218,33 @@ def test_strided_writes_stay_inside_the_buffer_and_the_message(node: Any) -> Non
     assert w.reply() == (0, b"\x01" * 4 + b"\0" * 4 + b"\x02" * 4 + b"\0" * 4 + b"\x03" * 4 + b"\0" * 4)
 
 
+def test_copies_and_memsets_stay_inside_their_buffers(node: Any) -> None:
+    """COPY_TENSOR checks both of its ranges and MEMSET_TENSOR its one, each
+    refused by name without a byte written; the session goes on."""
+    w = ready(node)
+    a, b = w.alloc(4096), w.alloc(4096)
+
+    def copy(src_offset: int, dst_offset: int, size: int = 16) -> str:
+        w.send(lib.TB_CMD_COPY_TENSOR, struct.pack("<5Q", a, src_offset, b, dst_offset, size))   # tb_copy_req
+        return w.sync_error()
+
+    def memset(handle: int, offset: int, size: int, value: int) -> str:
+        w.send(lib.TB_CMD_MEMSET_TENSOR, struct.pack("<3QB7x", handle, offset, size, value))   # tb_memset_req
+        return w.sync_error()
+
+    assert memset(a, 0, 4096, 7) == "" and memset(b, 0, 4096, 0) == ""
+    assert f"range [4090, +16) lies outside buffer {b} of 4096 bytes" in copy(0, 4090)
+    assert f"range [{2**64 - 8}, +16) lies outside buffer {b} of 4096 bytes" in copy(0, 2**64 - 8)
+    assert f"range [4090, +16) lies outside buffer {a} of 4096 bytes" in copy(4090, 0)
+    assert f"range [4090, +16) lies outside buffer {b} of 4096 bytes" in memset(b, 4090, 16, 9)
+    assert f"range [{2**64 - 8}, +16) lies outside buffer {b} of 4096 bytes" in memset(b, 2**64 - 8, 16, 9)
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=b, offset=0, size=4096))
+    assert w.reply() == (0, b"\0" * 4096)
+    assert copy(0, 4080) == ""   # the last 16 bytes: inside
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=b, offset=4072, size=24))
+    assert w.reply() == (0, b"\0" * 8 + b"\x07" * 16)
+
+
 def test_offset_overflow_is_caught(node: Any) -> None:
     w = ready(node)
     handle = w.alloc(4096)
