@@ -654,9 +654,15 @@ def test_load_from_file_checks_ids_and_ranges(nodes: Any, tmp_path: Path) -> Non
     w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=0, size=4096, file_id=7,
                                            file_offset=0))
     assert "unknown file id 7" in w.sync_error()
+    w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=0, size=4096, file_id=0,
+                                           file_offset=0))
+    assert "unknown file id 0" in w.sync_error()   # ids count from 1: 0 is not the entry before the first
     w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=0, size=4096, file_id=1,
                                            file_offset=1))
     assert "outside m.gguf" in w.sync_error()
+    w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=0, size=2, file_id=1,
+                                           file_offset=2**64 - 1))   # 4096 - offset wraps: the offset is checked first
+    assert f"[{2**64 - 1}, +2) lies outside m.gguf" in w.sync_error()
     w.send(lib.TB_CMD_LOAD_FROM_FILE, pack("struct tb_file_range", handle=handle, offset=8000, size=4096, file_id=1,
                                            file_offset=0))
     assert "outside buffer" in w.sync_error()
