@@ -671,6 +671,38 @@ def test_load_from_file_checks_ids_and_ranges(nodes: Any, tmp_path: Path) -> Non
     assert w.sync_error() == ""
 
 
+def test_load_from_file_2d_checks_ids_and_ranges(nodes: Any, tmp_path: Path) -> None:
+    """LOAD_FROM_FILE_2D reads n_copies rows `file_stride` apart in the file
+    into rows `stride` apart in the buffer: the file id, the buffer's rows
+    (without wrap-around) and the file's rows are each checked, by name,
+    before a byte is read or written; a valid one lands where it says."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(bytes(range(256)) * 16)
+    node = nodes(1, "--model-dir", str(tmp_path))[0]
+    w = Wire(node.endpoint)
+    assert open_held_file(w, hello_nonce(w), model) == 1
+    handle = w.alloc(4096)
+
+    def load_2d(offset: int = 0, size: int = 4, n_copies: int = 3, stride: int = 8, file_id: int = 1,
+                file_offset: int = 0, file_stride: int = 16) -> str:
+        w.send(lib.TB_CMD_LOAD_FROM_FILE_2D, struct.pack("<8Q", handle, offset, size, n_copies, stride, file_id, file_offset,
+                                                         file_stride))   # tb_file_range_2d
+        return w.sync_error()
+
+    assert "LOAD_FROM_FILE_2D: unknown file id 0" in load_2d(file_id=0)
+    assert "LOAD_FROM_FILE_2D: unknown file id 2" in load_2d(file_id=2)
+    assert f"range [4080, +20) lies outside buffer {handle} of 4096 bytes" in load_2d(offset=4080)
+    assert (f"LOAD_FROM_FILE_2D: 3 rows of 4 bytes, {2**63} apart: not a valid set of rows"
+            in load_2d(stride=2**63))
+    assert "LOAD_FROM_FILE_2D: those rows lie outside m.gguf (4096 bytes)" in load_2d(file_offset=4070)
+    assert "LOAD_FROM_FILE_2D: those rows lie outside m.gguf (4096 bytes)" in load_2d(file_stride=2**63)
+    assert load_2d(offset=100, file_offset=1) == ""
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=100, size=20))
+    status, body = w.reply()
+    assert status == 0 and body[0:4] == bytes([1, 2, 3, 4]) and body[8:12] == bytes([17, 18, 19, 20]), body
+    assert body[16:20] == bytes([33, 34, 35, 36]), body
+
+
 def test_a_spawned_worker_imports_its_nodes_tbrpc(nodes: Any, tmp_path: Path) -> None:
     """A node started from a directory holding another tbrpc (a source
     checkout without its built extension) must not hand its clients to that
