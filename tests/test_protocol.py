@@ -55,6 +55,16 @@ def test_an_older_hello_of_another_size_still_names_both_versions(node: Any) -> 
     assert "1" in body.decode().split(f"protocol {lib.TB_PROTO_VERSION}", 1)[1]
 
 
+def test_a_handshake_message_over_its_limit_is_dropped_unread(node: Any) -> None:
+    """Before the handshake is done a message is at most TB_HANDSHAKE_MAX_LEN
+    (4096) bytes: a HELLO claiming a megabyte is dropped at its header, so a
+    client that proved nothing cannot make the node allocate or wait for it."""
+    w = Wire(node.endpoint)
+    w.sock.sendall(header(lib.TB_CMD_HELLO, 1 << 20))
+    assert w.closed(timeout=5)
+    assert "a HELLO of 1048576 bytes; dropping it" in node.log_text()
+
+
 def test_ggml_abi_mismatch_is_refused(node: Any) -> None:
     status, body = Wire(node.endpoint).hello(ggml_op_count=7)
     assert status != 0 and "ggml ABI mismatch" in body.decode() and "7 ops" in body.decode()
