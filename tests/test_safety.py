@@ -63,7 +63,10 @@ def test_the_reported_attacks_are_refused_by_name(safety_tests: Path) -> None:
     proc = run(safety_tests, "attacks")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("SET wrap-around", "ACC +-2 GiB", "PAD overlapping rows", "ROLL out of range", "NULL source",
-                 "nb[1] = 0 output", "SOFT_MAX sinks nb[0] = 0", "FLASH_ATTN sinks nb[0] = 0", "op off the list"):
+                 "nb[1] = 0 output", "SOFT_MAX sinks nb[0] = 0", "FLASH_ATTN sinks nb[0] = 0", "op off the list",
+                 "ROPE n_dims past the row", "ROPE too few positions", "SOFT_MAX mask too few rows",
+                 "FLASH_ATTN mask short of n_kv", "GET_ROWS past the slices", "SET_ROWS rows too short",
+                 "CONCAT dimension 7", "PAD negative padding", "ADD_ID too few ids"):
         assert f"refused {name}" in proc.stdout
 
 
@@ -284,9 +287,10 @@ def test_a_kept_graph_never_outlives_the_limit_it_was_checked_against(nodes: Any
 
 # ---- a hostile node, seen from the head ----------------------------------------------
 
-def fake_node(alloc_reply: Any = None, caps: int = 0, answers: dict[int, Any] | None = None) -> tuple[Any, int]:
+def fake_node(alloc_reply: Any = None, caps: int = 0, answers: dict[int, Any] | None = None,
+              alignment: int = 32) -> tuple[Any, int]:
     """A listener that speaks just enough of a node for a head to connect and
-    allocate: a HELLO reply with `caps`, ALLOC_BUFFER answered by
+    allocate: a HELLO reply with `caps` and `alignment`, ALLOC_BUFFER answered by
     alloc_reply(size) -> (handle, base, size), and `answers`: command ->
     function(payload) -> reply body (None: no reply). Returns (socket, port)."""
     import socket
@@ -324,7 +328,7 @@ def fake_node(alloc_reply: Any = None, caps: int = 0, answers: dict[int, Any] | 
                     lib.tb_abi_fill(ffi.addressof(hello.abi))
                     hello.ggml_build = ffi.from_buffer("struct tb_hello *", payload).ggml_build
                     hello.mem_free = hello.mem_total = 1 << 30
-                    hello.alignment, hello.max_size, hello.caps = 32, 1 << 40, caps
+                    hello.alignment, hello.max_size, hello.caps = alignment, 1 << 40, caps
                     hello.device_name, hello.node_name, hello.node_id = b"Fake", b"fake", bytes(range(16))
                     reply(cmd, req_id, bytes(ffi.buffer(hello)))
                 elif cmd == lib.TB_CMD_ALLOC_BUFFER:
@@ -384,6 +388,24 @@ def test_a_node_cannot_hand_the_head_an_address_ggml_aborts_on(base: int, size: 
     assert "base" not in proc.stdout.split("failed:")[0], proc.stdout
     assert "failed during ALLOC_BUFFER: a buffer of 1048576 bytes came back as" in proc.stdout, proc.stdout
     assert "not a range ggml can address" in proc.stdout
+
+
+@pytest.mark.parametrize("alignment", [0, 48])
+def test_a_node_whose_hello_gives_no_usable_alignment_is_refused(alignment: int) -> None:
+    """The head checks every ALLOC_BUFFER base against the alignment the
+    node's HELLO gave (base % alignment): 0 would end the head's process with
+    SIGFPE at the first buffer, and one that is not a power of two is no
+    alignment ggml knows. The handshake refuses it, naming the value."""
+    srv, port = fake_node(lambda asked: (1, TB_FAKE_BASE, asked), alignment=alignment)
+    code = (f"import tbrpc\ntry:\n    tbrpc.connect(['127.0.0.1:{port}'], transport='tcp')\n"
+            "except tbrpc.NodeError as e:\n    print('refused:', e, flush=True)\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    finally:
+        srv.close()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"handshake: invalid alignment {alignment}" in proc.stdout, proc.stdout
 
 
 def test_a_node_that_answers_alloc_buffer_well_is_believed() -> None:
