@@ -539,6 +539,67 @@ static int attacks(void) {
         wire[f].offset = (4 + 4096 + 63) / 64 * 64 - 4;
         expect_refused("FLASH_ATTN sinks nb[0] = 0", "sinks must be");
     }
+    // Rules the random graphs rarely break, each a read (and for ROPE a write) past
+    // what a row or a tensor holds. expect_refused gives every buffer 4096 bytes
+    // of slack, so without the rule the op runs quietly and is "not refused".
+    // ROPE rotates pairs up to n_dims in each row: past a row of 8 with n_dims 64
+    from(ggml_rope(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 2, 3), ggml_new_tensor_1d(c, GGML_TYPE_I32, 3), 8, GGML_ROPE_TYPE_NEOX));
+    wire[n_wire - 1].op_params[1] = 64;
+    expect_refused("ROPE n_dims past the row", "n_dims 64 must be even, positive and at most ne[0] = 8");
+    // ROPE reads one position per ne[2]: 3 rows of heads, 1 position
+    {
+        struct ggml_tensor * pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, 3);
+        from(ggml_rope(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 2, 3), pos, 8, GGML_ROPE_TYPE_NEOX));
+        wire[wire_index(pos)].ne[0] = 1;
+        expect_refused("ROPE too few positions", "positions must be I32 with at least ne[2] = 3");
+    }
+    // SOFT_MAX reads mask row i for row i of its source: 4 rows, a mask of 1
+    {
+        struct ggml_tensor * mask = ggml_new_tensor_2d(c, GGML_TYPE_F16, 8, 4);
+        from(ggml_soft_max_ext(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 4, 2), mask, 1.0f, 0.0f));
+        wire[wire_index(mask)].ne[1] = 1;
+        expect_refused("SOFT_MAX mask too few rows", "mask must be F16/F32, ne[0] = 8, at least 4 rows");
+    }
+    // FLASH_ATTN_EXT reads n_kv mask values per query: rows of 2 for 4 keys
+    {
+        struct ggml_tensor * mask = ggml_new_tensor_2d(c, GGML_TYPE_F16, 4, 64);
+        from(ggml_flash_attn_ext(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 1, 2), ggml_new_tensor_3d(c, GGML_TYPE_F16, 8, 4, 1),
+                                 ggml_new_tensor_3d(c, GGML_TYPE_F16, 8, 4, 1), mask, 1.0f, 0.0f, 0.0f));
+        wire[wire_index(mask)].ne[0] = 2;
+        wire[wire_index(mask)].nb[1] = 4;
+        wire[wire_index(mask)].nb[2] = wire[wire_index(mask)].nb[3] = 4 * 64;
+        expect_refused("FLASH_ATTN mask short of n_kv", "mask must be F16 [n_kv, >= n_q, broadcastable]");
+    }
+    // GET_ROWS takes row r of a's slice i11 for index [i10, i11]: 3 index rows, 1 slice
+    {
+        struct ggml_tensor * ix = ggml_new_tensor_2d(c, GGML_TYPE_I32, 2, 1);
+        from(ggml_get_rows(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 4, 1), ix));
+        const int i = wire_index(ix);
+        wire[i].ne[1] = 3; wire[i].nb[2] = wire[i].nb[3] = 24;
+        wire[n_wire - 1].ne[2] = 3; wire[n_wire - 1].nb[3] = 3 * wire[n_wire - 1].nb[2];
+        expect_refused("GET_ROWS past the slices", "rows [8, 4, 1, 1] and I32 indices [2, 3, 1, 1] do not match");
+    }
+    // SET_ROWS writes source rows of 8 into destination rows of 4
+    from(ggml_set_rows(c, ggml_new_tensor_2d(c, GGML_TYPE_F32, 8, 4), ggml_new_tensor_2d(c, GGML_TYPE_F32, 8, 2),
+                       ggml_new_tensor_1d(c, GGML_TYPE_I64, 2)));
+    wire[n_wire - 1].ne[0] = 4; wire[n_wire - 1].nb[1] = 16; wire[n_wire - 1].nb[2] = wire[n_wire - 1].nb[3] = 64;
+    expect_refused("SET_ROWS rows too short", "destination [4, *, 1, 1] does not match source [8, *, 1, 1]");
+    // CONCAT along dimension 7 of 4 (the kernel indexes its ne[4] arrays with it); equal shapes pass the shape rule
+    from(ggml_concat(c, ggml_new_tensor_2d(c, GGML_TYPE_F32, 4, 2), ggml_new_tensor_2d(c, GGML_TYPE_F32, 4, 2), 1));
+    wire[n_wire - 1].op_params[0] = 7; wire[n_wire - 1].ne[1] = 2; wire[n_wire - 1].nb[2] = wire[n_wire - 1].nb[3] = 32;
+    expect_refused("CONCAT dimension 7", "dimension 7 does not exist");
+    // PAD -2 on the left, +2 on the right: the same extent, read 2 past each row
+    from(ggml_pad(c, ggml_new_tensor_2d(c, GGML_TYPE_F32, 8, 4), 0, 0, 0, 0));
+    wire[n_wire - 1].op_params[0] = -2; wire[n_wire - 1].op_params[1] = 2;
+    expect_refused("PAD negative padding", "padding -2 + 2 around 8 does not give ne[0] = 8");
+    // ADD_ID reads ids[row, token] for each of a's rows: 4 rows, ids for 1
+    {
+        struct ggml_tensor * ids = ggml_new_tensor_2d(c, GGML_TYPE_I32, 4, 2);
+        from(ggml_add_id(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 4, 2), ggml_new_tensor_2d(c, GGML_TYPE_F32, 8, 3), ids));
+        const int i = wire_index(ids);
+        wire[i].ne[0] = 1; wire[i].nb[1] = 4; wire[i].nb[2] = wire[i].nb[3] = 8;
+        expect_refused("ADD_ID too few ids", "sources do not match the kernel's");
+    }
     // an op that is not on the list
     from(ggml_ssm_conv(c, ggml_new_tensor_3d(c, GGML_TYPE_F32, 8, 4, 1), ggml_new_tensor_2d(c, GGML_TYPE_F32, 4, 4)));
     expect_refused("op off the list", "SSM_CONV is not allowed");
