@@ -292,7 +292,8 @@ def fake_node(alloc_reply: Any = None, caps: int = 0, answers: dict[int, Any] | 
     """A listener that speaks just enough of a node for a head to connect and
     allocate: a HELLO reply with `caps` and `alignment`, ALLOC_BUFFER answered by
     alloc_reply(size) -> (handle, base, size), and `answers`: command ->
-    function(payload) -> reply body (None: no reply). Returns (socket, port)."""
+    function(payload) -> reply body (None: no reply; a tuple (command, id offset,
+    body): a reply labelled with another command or id). Returns (socket, port)."""
     import socket
     import threading
 
@@ -321,7 +322,11 @@ def fake_node(alloc_reply: Any = None, caps: int = 0, answers: dict[int, Any] | 
                 payload = exactly(length)
                 if answers and cmd in answers:
                     body = answers[cmd](payload)
-                    if body is not None:
+                    if isinstance(body, tuple):   # (command, id offset, body): a reply labelled otherwise
+                        label, offset, body = body
+                        conn.sendall(struct.pack("<IHHQQ", lib.TB_MAGIC, label, 1, req_id + offset, 8 + len(body))
+                                     + struct.pack("<iI", 0, 0) + body)
+                    elif body is not None:
                         reply(cmd, req_id, body)
                 elif cmd == lib.TB_CMD_HELLO:
                     hello = ffi.new("struct tb_hello *")
@@ -364,9 +369,10 @@ print("failed:", tbrpc.cluster().exception(0) if tbrpc.cluster().failed_indexes(
 """
 
 
-def head_allocates_from(answer: Any) -> subprocess.CompletedProcess[str]:
-    """A head process allocating one buffer on a fake node that answers ALLOC_BUFFER with `answer(asked)`."""
-    srv, port = fake_node(answer)
+def head_allocates_from(answer: Any, answers: dict[int, Any] | None = None) -> subprocess.CompletedProcess[str]:
+    """A head process allocating one buffer on a fake node that answers ALLOC_BUFFER with `answer(asked)`
+    (or as `answers` says: fake_node)."""
+    srv, port = fake_node(answer, answers=answers)
     try:
         return subprocess.run([sys.executable, "-c", HEAD_ALLOCATES % port], capture_output=True, text=True, timeout=60,
                               cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
@@ -406,6 +412,26 @@ def test_a_node_whose_hello_gives_no_usable_alignment_is_refused(alignment: int)
         srv.close()
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"handshake: invalid alignment {alignment}" in proc.stdout, proc.stdout
+
+
+BAD_REPLIES = {   # an ALLOC_BUFFER reply: (command, id offset, body), and what the head says
+    "longer": ((lib.TB_CMD_ALLOC_BUFFER, 0, struct.pack("<4Q", 1, TB_FAKE_BASE, 1 << 20, 0)), "reply of 32 bytes, expected 24"),
+    "another command": ((lib.TB_CMD_STATUS, 0, struct.pack("<3Q", 1, TB_FAKE_BASE, 1 << 20)), "out-of-order reply (STATUS #"),
+    "another id": ((lib.TB_CMD_ALLOC_BUFFER, 1, struct.pack("<3Q", 1, TB_FAKE_BASE, 1 << 20)), "out-of-order reply (ALLOC_BUFFER #"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REPLIES))
+def test_a_reply_the_head_did_not_ask_for_fails_the_node(case: str) -> None:
+    """A reply is believed only with the command, id and length of the
+    request it answers (client_node.c, node_call_reply_locked): otherwise the
+    head would take another message's bytes for this one, or leave some to be
+    read as the next header. The node fails with the reason; no buffer."""
+    body, expected = BAD_REPLIES[case]
+    proc = head_allocates_from(None, answers={lib.TB_CMD_ALLOC_BUFFER: lambda payload: body})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "base" not in proc.stdout.split("failed:")[0], proc.stdout
+    assert f"failed during ALLOC_BUFFER: {expected}" in proc.stdout, proc.stdout
 
 
 def test_a_node_that_answers_alloc_buffer_well_is_believed() -> None:
