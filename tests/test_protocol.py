@@ -277,6 +277,20 @@ def test_huge_alloc_is_refused_not_attempted(node: Any) -> None:
     assert status != 0 and any(why in body.decode() for why in ("could not allocate", "exceeds", "refused"))
 
 
+def test_get_tensor_over_the_message_limit_is_refused(node: Any) -> None:
+    """A GET_TENSOR reply is one message: over TB_MAX_PAYLOAD (256 MiB) the
+    head would refuse it as too long and fail the node, so the node refuses
+    the request by name instead, even inside a buffer large enough."""
+    w = ready(node)
+    limit = 256 << 20
+    handle = w.alloc(limit + 4096)
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=0, size=limit + 1))
+    status, body = w.reply()
+    assert status != 0 and f"GET_TENSOR of {limit + 1} bytes exceeds the message limit" in body.decode(), body
+    w.send(lib.TB_CMD_GET_TENSOR, pack("struct tb_range", handle=handle, offset=limit, size=16))
+    assert w.reply()[0] == 0
+
+
 # ---- graphs -------------------------------------------------------------------------
 
 Q8_0 = 8   # ggml.h GGML_TYPE_Q8_0: blocks of 32 values in 34 bytes
