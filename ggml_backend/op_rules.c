@@ -199,9 +199,18 @@ static int check_set_acc(const struct ggml_tensor * t, uint32_t index, char * er
         for (int k = 0; k < 4; k++) {
             if (p[k] < 0) FAIL("op_params[%d] = %d is negative (strides and offset of the view it writes)", k, p[k]);
         }
-        const uint64_t esize = ggml_type_size(b->type);
-        uint64_t far = (uint64_t) p[3] + (uint64_t) b->ne[0] * esize;   // int32 values: no overflow in 64 bits
-        for (int k = 1; k < 4; k++) far += (uint64_t) (b->ne[k] - 1) * (uint64_t) p[k - 1];
+        // op_params are int32, but source 1's extents go up to 2^48 (proto.c), so
+        // (ne[k] - 1) * nb_k reaches 2^79: checked, or it wraps to a small far end
+        // that passes while the kernel writes (or GGML_ASSERTs) far past it
+        uint64_t far, term;
+        bool wraps = __builtin_mul_overflow((uint64_t) b->ne[0], (uint64_t) ggml_type_size(b->type), &term) ||
+                     __builtin_add_overflow((uint64_t) p[3], term, &far);
+        for (int k = 1; k < 4 && !wraps; k++) {
+            wraps = __builtin_mul_overflow((uint64_t) (b->ne[k] > 0 ? b->ne[k] - 1 : 0), (uint64_t) p[k - 1], &term) ||
+                    __builtin_add_overflow(far, term, &far);
+        }
+        if (b->ne[0] > 0 && wraps)
+            FAIL("the view it writes (op_params and source 1's shape) wraps 64 bits");
         if (b->ne[0] > 0 && far > ggml_nbytes(t))
             FAIL("offset + extent %llu exceeds destination %zu bytes", (unsigned long long) far, ggml_nbytes(t));
     }

@@ -62,7 +62,7 @@ def test_without_a_rule_family_the_property_fails(safety_tests: Path, family: st
 def test_the_reported_attacks_are_refused_by_name(safety_tests: Path) -> None:
     proc = run(safety_tests, "attacks")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("SET wrap-around", "ACC +-2 GiB", "PAD overlapping rows", "ROLL out of range", "NULL source",
+    for name in ("SET wrap-around", "SET rows wrapping 64 bits", "ACC +-2 GiB", "PAD overlapping rows", "ROLL out of range", "NULL source",
                  "nb[1] = 0 output", "SOFT_MAX sinks nb[0] = 0", "FLASH_ATTN sinks nb[0] = 0", "op off the list",
                  "ROPE n_dims past the row", "ROPE too few positions", "SOFT_MAX mask too few rows",
                  "FLASH_ATTN mask short of n_kv", "GET_ROWS past the slices", "SET_ROWS rows too short",

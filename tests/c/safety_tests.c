@@ -492,6 +492,17 @@ static int attacks(void) {
     from(ggml_set_1d(c, dst, ggml_new_tensor_1d(c, GGML_TYPE_F32, 4), 0));
     wire[n_wire - 1].op_params[3] = 4096;
     expect_refused("SET past the end", "exceeds destination 2048 bytes");
+    // SET of 8,590,196,741 rows of one float, nb1 = 2,147,418,113 bytes apart: (rows - 1) * nb1 is
+    // 2^64 + 4, so the view's far end computed in 64 bits wrapped to 8 bytes. Source 1 repeats one
+    // float (nb[1] = 0: 4 bytes on the wire) and its 2^33 elements cost less than the floor.
+    {
+        struct ggml_tensor * one = ggml_new_tensor_1d(c, GGML_TYPE_F32, 1);
+        from(ggml_set_1d(c, dst, one, 0));
+        const int i = wire_index(one);
+        wire[i].ne[1] = 8590196741; wire[i].nb[1] = wire[i].nb[2] = wire[i].nb[3] = 0;
+        wire[n_wire - 1].op_params[0] = 2147418113;
+        expect_refused("SET rows wrapping 64 bits", "wraps 64 bits");
+    }
     from(ggml_acc(c, dst, ggml_new_tensor_2d(c, GGML_TYPE_F32, 4, 2), 64, 64, 64, 0));
     wire[n_wire - 1].op_params[0] = INT32_MIN; wire[n_wire - 1].op_params[3] = INT32_MAX;
     expect_refused("ACC +-2 GiB", "(ACC");
