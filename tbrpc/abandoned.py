@@ -37,7 +37,8 @@ import asyncio
 import contextlib
 import contextvars
 import threading
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from llama_cpp import StoppingCriteriaList
@@ -147,6 +148,28 @@ def _stepped(chunks: Iterator[Any], gone: threading.Event) -> Iterator[Any]:
 _END = object()
 
 
+def method_without_cycle(obj: Any, name: str) -> Callable[..., Any]:
+    """`obj.name` as it is now, callable without holding `obj`: for a wrapper stored on `obj` itself.
+
+    A wrapper that kept the bound method would make a reference cycle (obj -> wrapper -> bound
+    method -> obj): a closed model would then wait for the cyclic garbage collector, which in a
+    serving launch can take many reloads, keeping its arrays and its progress bar's descriptor
+    (tests/test_outage.py, test_reloads_leave_no_model_behind). A wrapper already on `obj` holds
+    no `obj` itself; the class's method is called through a weak reference."""
+    own = vars(obj).get(name)
+    if own is not None:
+        return own
+    method, ref = getattr(type(obj), name), weakref.ref(obj)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        target = ref()
+        if target is None:
+            raise ReferenceError(f"{name}: the model is gone")
+        return method(target, *args, **kwargs)
+
+    return call
+
+
 def stop_when_client_gone(llm: Any) -> Any:
     """Give `llm`'s completions (chat completions go through them) a stopping criterion that turns
     true once the client of the request calling it has gone, and count them in while they run
@@ -154,7 +177,7 @@ def stop_when_client_gone(llm: Any) -> Any:
     changes nothing."""
     if getattr(llm, "_tbrpc_stops_when_client_gone", False):
         return llm
-    create_completion = llm.create_completion
+    create_completion = method_without_cycle(llm, "create_completion")
 
     def create_completion_until_gone(*args: Any, **kwargs: Any) -> Any:
         gone = _client_gone.get()

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import llama_cpp
 from llama_cpp import llama_chat_format
 
-from tbrpc.abandoned import ClientWatch, stop_completions, stop_when_client_gone
+from tbrpc.abandoned import ClientWatch, method_without_cycle, stop_completions, stop_when_client_gone
 from tbrpc.client import NodeError
 from tbrpc.gguf_model import GGUFModel
 from tbrpc.native import SUPPORTED_LLAMA_CPP_PYTHON, TbrpcError
@@ -62,10 +62,14 @@ def make_app(serving: Serving, alias: str, api_key: str | None = None) -> Any:
 
         def __init__(self) -> None:
             self._model_settings_dict = {alias: settings}
-            self._current_model = serving.shown
             self._current_model_alias = alias
             self._default_model_settings = settings
             self._default_model_alias = alias
+
+        @property
+        def _current_model(self) -> llama_cpp.Llama:   # type: ignore[override]
+            """The last model loaded; kept here, the first one would outlive every reload."""
+            return serving.shown
 
         def __call__(self, model: str | None = None) -> llama_cpp.Llama:
             return stop_when_client_gone(refuse_logprobs(serving.model()))   # each load's model, once
@@ -98,7 +102,7 @@ def refuse_logprobs(llm: llama_cpp.Llama) -> llama_cpp.Llama:
     if llm._logits_all or getattr(llm, "_tbrpc_refuses_logprobs", False):
         return llm
     from fastapi import HTTPException
-    create_completion = llm.create_completion
+    create_completion = method_without_cycle(llm, "create_completion")
 
     def create_completion_without_logprobs(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("logprobs") is not None:   # chats' logprobs with top_logprobs come as this too

@@ -308,7 +308,8 @@ def test_a_client_that_stops_reading_counts_as_gone() -> None:
 
     async def app(scope: Any, receive: Any, send: Any) -> None:   # a stream: a send a token, until told to stop
         await receive()
-        criteria = stop_when_client_gone(Model()).create_completion(prompt="x")
+        model = Model()   # held while it runs, as the server's route holds its model (the wrapper does not)
+        criteria = stop_when_client_gone(model).create_completion(prompt="x")
         await send({"type": "http.response.start", "status": 200, "headers": []})
         while not any(stop([], None) for stop in criteria):
             await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
@@ -1022,3 +1023,32 @@ def test_links_choose_the_address_a_node_is_dialled_at(tmp_path: Path) -> None:
     assert "cannot reach peer 127.0.0.9:" in logs["a"], logs
     # the load summary says so too: the link was tried at load, and there is none
     assert re.search(r"^tbrpc: link a -> b: none: cannot reach 127\.0\.0\.9:\d+ \(", launch.stderr, re.M), launch.stderr
+
+
+def test_the_served_model_is_freed_without_the_garbage_collector() -> None:
+    """The wrappers serving puts on a model (logprobs refused, a gone client stops the completion)
+    hold no reference to it: a closed model goes as its last reference does. With a reference
+    cycle it waited for the cyclic collector, which in a serving launch can take many reloads,
+    each model keeping its arrays and its progress bar's copy of stderr (benchmarks/soak.py)."""
+    import gc
+    import weakref
+
+    from tbrpc.abandoned import stop_when_client_gone
+    from tbrpc.serve import refuse_logprobs
+
+    class Model:
+        _logits_all = False
+
+        def create_completion(self, prompt: str, **kwargs: Any) -> str:
+            return f"{prompt}!"
+
+    gc.disable()
+    try:
+        model = Model()
+        wrapped = stop_when_client_gone(refuse_logprobs(model))
+        assert wrapped is model and model.create_completion(prompt="x") == "x!"
+        gone = weakref.ref(model)
+        del model, wrapped
+        assert gone() is None, "a reference cycle keeps the model"
+    finally:
+        gc.enable()
