@@ -122,7 +122,11 @@ def _load(opts: LaunchOptions, nodes: Nodes, say: Callable[[str], None], aborted
         kwargs["draft_model"] = draft
     started = time.monotonic()
     read_before = _read_from_files(nodes)   # the head's counters run on across reloads: this load's is the difference
-    llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, groups=opts.groups, **kwargs)
+    try:
+        llm = Llama(opts.gguf, cluster=nodes, progress=progress, on_event=say, split=opts.split, groups=opts.groups,
+                    **kwargs)
+    finally:
+        bar.close()   # its copy of stderr: one per load, and a serving launch reloads
     cluster = client_cluster()
     from_files = _read_from_files(nodes) - read_before
     say(f"model loaded in {time.monotonic() - started:.1f} s on {', '.join(llm.tbrpc_devices)}"

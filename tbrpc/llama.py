@@ -338,17 +338,21 @@ class ProgressBar:
     """A text progress bar for model loading (on a terminal; plain lines otherwise).
 
     It writes to its own copy of stderr: llama-cpp-python points fd 2 at
-    /dev/null while it loads a model with verbose=False.
+    /dev/null while it loads a model with verbose=False. ``close()`` closes
+    that copy (not a given stream); a serving launch makes one per reload.
     """
 
     def __init__(self, label: str, stream: Any = None) -> None:
         self.label = label
+        self._owns_stream = stream is None
         self.stream = stream if stream is not None else os.fdopen(os.dup(sys.stderr.fileno()), "w")
         self.start: float | None = None     # the first report starts the clock
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._last = -1
 
     def __call__(self, fraction: float) -> None:
+        if self.stream.closed:
+            return
         if self.start is None:
             self.start = time.monotonic()
         pct = int(fraction * 100)
@@ -364,6 +368,11 @@ class ProgressBar:
         elif pct % 25 == 0:
             self.stream.write(f"{self.label}: {pct}% ({time.monotonic() - self.start:.1f} s)\n")
         self.stream.flush()
+
+    def close(self) -> None:
+        """Close the copy of stderr it made; a report after this writes nothing."""
+        if self._owns_stream and not self.stream.closed:
+            self.stream.close()
 
 
 class Llama(llama_cpp.Llama):

@@ -165,6 +165,40 @@ def test_restarts_a_node_it_started(tmp_path: Path) -> None:
         assert_gone(pids)
 
 
+def open_descriptors(pid: int) -> list[str]:
+    """What each open descriptor of process `pid` is (a file's path, pipe:[...], socket:[...])."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:   # closed meanwhile
+            continue
+    return sorted(out)
+
+
+def test_reloads_leave_no_descriptor_behind(tmp_path: Path) -> None:
+    """A launch serving for days reloads at every node failure: K reloads (a node killed, a request
+    served after each) leave the launch process with the descriptors it had after the first load.
+    Each load's progress bar made a copy of stderr and left it to the model's garbage collection;
+    the model served waited for the cyclic collector (wrappers holding it), so the copies (and the
+    models) piled up, one per reload (benchmarks/soak.py)."""
+    with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256",
+                      "--port", "0") as launch:
+        base = launch.http_base()
+        completion(base)
+        before = open_descriptors(launch.proc.pid)
+        reloads = 4
+        for k in range(reloads):
+            os.kill(launch.node_pids()[k % 2], signal.SIGKILL)
+            launch.wait_for(r"(?s)(model reloaded in [\d.]+ s; serving again.*){%d}" % (k + 1))
+            completion(base)
+        after = open_descriptors(launch.proc.pid)
+        assert len(after) <= len(before), (before, after)
+        pids = with_descendants(launch.node_pids())
+        stop(launch)
+        assert_gone(pids)
+
+
 @pytest.mark.parametrize("split", [("--local", "2", "--split", "ffn"), ("--local", "4", "--split", "ffn", "--groups", "2")],
                          ids=["ffn", "hybrid"])
 def test_a_split_of_every_layer_restarts_its_nodes_too(tmp_path: Path, split: tuple[str, ...]) -> None:
