@@ -1,6 +1,7 @@
 // node_links.c - node-to-node links of a session (PEER_LISTEN, PEER_CONNECT,
 // PEER_ACCEPT, then PEER_SEND / PEER_RECV) and the all-reduce that runs over
 // them (ALLREDUCE).
+#define _GNU_SOURCE   // POLLRDHUP: a peer that hung up, whatever bytes it sent before (peer_gone)
 #include "node_session.h"
 
 #include <errno.h>
@@ -27,21 +28,63 @@ static uint64_t random_token(void) {
     return t ? t : (uint64_t) time(NULL) * 0x9e3779b97f4a7c15ull;
 }
 
-static uint64_t add_peer(struct node_conn * c, struct tb_transport * tp, bool outgoing, const char * name) {
-    if (c->n_peers == MAX_PEERS) { tb_close(tp); return 0; }
-    struct node_peer * p = &c->peers[c->n_peers];
-    if (pthread_mutex_init(&p->lock, NULL) != 0) { tb_close(tp); return 0; }
+// Whether a link's peer has gone: its end of the anchor connection closed
+// (the peer process ended, or its session did). Never waits.
+static bool peer_gone(const struct node_peer * p) {
+#ifdef POLLRDHUP
+    struct pollfd q = { .fd = p->anchor, .events = POLLRDHUP };
+#else
+    struct pollfd q = { .fd = p->anchor, .events = POLLIN };
+#endif
+    int rc;
+    do { rc = poll(&q, 1, 0); } while (rc < 0 && errno == EINTR);
+    if (rc <= 0) return false;
+    if (q.revents & (POLLHUP | POLLERR | POLLNVAL)) return true;
+#ifdef POLLRDHUP
+    return (q.revents & POLLRDHUP) != 0;
+#else
+    uint8_t b;   // readable: the end of the stream, unless bytes (heartbeats, bells) come first
+    ssize_t k;
+    do { k = recv(p->anchor, &b, 1, MSG_PEEK | MSG_DONTWAIT); } while (k < 0 && errno == EINTR);
+    return k == 0;
+#endif
+}
+
+// A new link takes the slot of one whose peer has gone, else the next one. A
+// node whose neighbour fails and restarts again and again keeps its own
+// session (the head reconnects only to the failed node); without the reuse
+// every dead link (a socket and, over shared memory, a mapped segment) stayed
+// until the client left, and after MAX_PEERS no link could be made
+// (tests/test_outage.py, test_a_surviving_node_drops_the_links_of_a_peer_that_died).
+// The watchdog walks the list only while a graph computes, under busy_lock;
+// a link is made while the session waits for the peer, never then.
+static uint64_t add_peer(struct node_conn * c, struct tb_transport * tp, int anchor, bool outgoing, const char * name) {
+    size_t slot = c->n_peers;
+    for (size_t i = 0; i < c->n_peers; i++) {
+        if (peer_gone(&c->peers[i])) { slot = i; break; }
+    }
+    if (slot == MAX_PEERS) { tb_close(tp); return 0; }
+    struct node_peer * p = &c->peers[slot];
+    const bool reused = slot < c->n_peers;
+    if (!reused && pthread_mutex_init(&p->lock, NULL) != 0) { tb_close(tp); return 0; }
     // The head's own timeout (three keepalive periods) bounds a silent peer
     // too; HELLO keeps keepalive_ms under TB_KEEPALIVE_MAX_MS, so this cannot overflow.
     tp->timeout_ms = (int) (c->keepalive_ms * 3u);
     tb_one_way(tp, outgoing);   // over TCP, a receiver that computes heartbeats a sender blocked on it
     pthread_mutex_lock(&c->send_lock);     // the watchdog walks this list
+    if (reused) pthread_mutex_lock(&p->lock);
+    struct tb_transport * old = reused ? p->tp : NULL;
+    if (reused) node_log(c->node, "client %s: link %zu to peer %s is gone (it hung up); its slot is reused", c->tp->peer,
+                         slot + 1, p->name);
     p->tp = tp;
+    p->anchor = anchor;
     p->outgoing = outgoing;
     snprintf(p->name, sizeof p->name, "%s", name);
-    uint64_t id = ++c->n_peers;
+    if (reused) pthread_mutex_unlock(&p->lock);
+    else c->n_peers++;
     pthread_mutex_unlock(&c->send_lock);
-    return id;
+    tb_close(old);
+    return slot + 1;
 }
 
 int handle_peer_listen(struct node_conn * c, const struct tb_header * h, struct reply * r, char * err, size_t err_len) {
@@ -136,6 +179,7 @@ int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct
         }
     }
     memset(key, 0, sizeof key);
+    const int anchor = tp ? tb_tcp_fd(tp) : -1;   // the upgraded transport keeps (and owns) it
     if (ok && !(tp = upgrade_link(c, tp, req, why, sizeof why))) ok = false;   // the TCP connection failed (and is closed)
     set_busy(c, IDLE);
     if (!ok) {
@@ -153,7 +197,7 @@ int handle_peer_connect(struct node_conn * c, const struct tb_header * h, struct
     snprintf(rep->transport, sizeof rep->transport, "%s", tp->describe);
     rep->why_kind = (uint32_t) tp->why;
     node_log(c->node, "client %s: link to peer %s: transport %s", c->tp->peer, them, tp->describe);
-    rep->peer_id = add_peer(c, tp, true, them);
+    rep->peer_id = add_peer(c, tp, anchor, true, them);
     return 0;
 }
 
@@ -215,6 +259,7 @@ static int await_dialer(struct node_conn * c, struct reply * r) {
         char name[TB_NAME_LEN] = { 0 };
         if (greet_dialer(c, tp, name) == 0) {
             char why[256];
+            const int anchor = tb_tcp_fd(tp);   // the upgraded transport keeps (and owns) it
             tp = tb_upgrade_accept(tp, no_shm_reason(c->node), why, sizeof why);
             if (!tp) {
                 node_log(c->node, "client %s: link from peer %s failed in its upgrade: %s", c->tp->peer, name, why);
@@ -222,7 +267,7 @@ static int await_dialer(struct node_conn * c, struct reply * r) {
             }
             tp->deadline_ms = 0;
             node_log(c->node, "client %s: link from peer %s: transport %s", c->tp->peer, name, tp->describe);
-            return reply_u64(r, add_peer(c, tp, false, name));
+            return reply_u64(r, add_peer(c, tp, anchor, false, name));
         }
         node_log(c->node, "client %s: a peer link attempt from %s did not prove it knows the link key; refused",
                  c->tp->peer, tp->peer);

@@ -27,6 +27,7 @@ struct node_buffer {
 // on it (outgoing: we send, the other side receives).
 struct node_peer {
     struct tb_transport * tp;
+    int anchor;                     // tp's TCP connection (every transport keeps it, and owns it): a peer gone shows there
     bool outgoing;
     char name[TB_NAME_LEN];
     pthread_mutex_t lock;           // its sends: the session, a mesh all-reduce's sender thread, the watchdog

@@ -199,6 +199,40 @@ def test_reloads_leave_no_descriptor_behind(tmp_path: Path) -> None:
         assert_gone(pids)
 
 
+def held_by_workers(node_pid: int) -> tuple[list[str], list[str]]:
+    """(descriptors, mapped shared-memory files) of a node's per-client workers."""
+    fds, maps = [], set()
+    for pid in with_descendants([node_pid])[1:]:
+        fds += open_descriptors(pid)
+        maps |= {line.split(None, 5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                 if "/dev/shm/" in line}
+    return sorted(fds), sorted(maps)
+
+
+def test_a_surviving_node_drops_the_links_of_a_peer_that_died(tmp_path: Path) -> None:
+    """The node that stays up keeps its session (the head reconnects only to the failed node), so
+    each reload links it to the restarted peer anew: K restarts of its peer leave its worker with
+    the descriptors and shared-memory mappings it had, not one dead link (socket, segment) more per
+    restart -- and, after MAX_PEERS (16), no link at all (benchmarks/soak.py)."""
+    with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256",
+                      "--port", "0") as launch:
+        base = launch.http_base()
+        completion(base)
+        survivor = launch.node_pids()[0]
+        before = held_by_workers(survivor)
+        assert before[1], "the link between the nodes is over shared memory here"
+        for k in range(4):
+            os.kill(launch.node_pids()[1], signal.SIGKILL)
+            launch.wait_for(r"(?s)(model reloaded in [\d.]+ s; serving again.*){%d}" % (k + 1))
+            completion(base)
+        assert launch.node_pids()[0] == survivor
+        after = held_by_workers(survivor)
+        assert len(after[0]) <= len(before[0]) and len(after[1]) <= len(before[1]), (before, after)
+        pids = with_descendants(launch.node_pids())
+        stop(launch)
+        assert_gone(pids)
+
+
 @pytest.mark.parametrize("split", [("--local", "2", "--split", "ffn"), ("--local", "4", "--split", "ffn", "--groups", "2")],
                          ids=["ffn", "hybrid"])
 def test_a_split_of_every_layer_restarts_its_nodes_too(tmp_path: Path, split: tuple[str, ...]) -> None:
