@@ -147,10 +147,14 @@ class Serving:
                       "; ".join(failed[i].removeprefix(f"node {names[i]}: ") for i in sorted(failed)),
                       state="restarting" if restart else "waiting")
 
-    def _reconnect(self, indices: list[int]) -> None:
-        """The failed nodes' devices connect again (the model that used them is freed by now)."""
-        for i in indices:
-            client_cluster().reconnect(self.nodes.endpoints[i], self.nodes.specs[i].transport or default_transport())
+    def _reconnect(self) -> None:
+        """Every node's device connects again, a fresh session (the model that used them is freed by
+        now). The failed nodes' sessions are gone; those of the nodes that stayed up may still hold
+        what the failure left: the error of an all-reduce posted before the failure was known, which
+        their next reply would carry (a tensor split's reload then failed its first buffer and
+        llama.cpp aborted), and links to the dead peer."""
+        for i, endpoint in enumerate(self.nodes.endpoints):
+            client_cluster().reconnect(endpoint, self.nodes.specs[i].transport or default_transport())
 
     async def _through(self, failed: dict[int, str], model_lock: Callable[[], Any]) -> None:
         indices = sorted(failed)
@@ -171,7 +175,7 @@ class Serving:
             started = time.monotonic()
             try:
                 async with model_lock():
-                    await asyncio.to_thread(self._reconnect, indices)
+                    await asyncio.to_thread(self._reconnect)
                     llm = await asyncio.to_thread(self._reload, self.stopping.is_set)
                     for hook in self.on_loaded:
                         hook()

@@ -252,6 +252,32 @@ def test_a_split_of_every_layer_restarts_its_nodes_too(tmp_path: Path, split: tu
         assert_gone(pids)
 
 
+def test_a_node_killed_mid_answer_in_a_split_of_every_layer_reloads(tmp_path: Path) -> None:
+    """FFN split, a node killed while a stream is being answered: the node that stays up fails the
+    all-reduces already posted to it, and each failure left an error for its session's next reply,
+    which was the reload's first buffer -- llama.cpp's meta device asserted, and launch aborted.
+    Every node now connects again (a fresh session) before the reload; launch answers again."""
+    long = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    with start_launch(tmp_path, "--gguf", str(models.ensure("gemma")), "--local", "2", "--split", "ffn", "--ctx", "256",
+                      "--port", "0") as launch:   # Gemma: 18 layers, many all-reduces posted per token
+        base = launch.http_base()
+        for k in range(3):
+            request = urllib.request.Request(f"{base}/completions", data=json.dumps(long).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as stream:
+                for _ in range(6):
+                    stream.readline()                 # generation is under way
+                os.kill(launch.node_pids()[1], signal.SIGKILL)
+                for _ in stream:
+                    pass
+            launch.wait_for(r"(?s)(model reloaded in [\d.]+ s; serving again.*){%d}" % (k + 1))
+            assert completion(base), launch.stderr
+        assert launch.proc.poll() is None, launch.stderr
+        pids = with_descendants(launch.node_pids())
+        stop(launch)
+        assert_gone(pids)
+
+
 def load_figures(launch: Launch) -> list[str]:
     """What each load said the nodes read from their own model files."""
     return re.findall(r"the nodes read (\S+ \S+) of weights from their own model files", launch.stderr)
