@@ -159,6 +159,7 @@ class Soak:
                "--log-dir", str(self.log_dir), "--ctx", str(a.ctx), "--split", a.split]
         if a.chat_format:
             cmd += ["--chat-format", a.chat_format]
+        cmd += a.launch_arg
         self.err_path = self.log_dir / "launch.err"
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.err_path, "w"), cwd=self.tmp_dir,
                                      env={**os.environ, "TMPDIR": str(self.tmp_dir)})
@@ -236,6 +237,9 @@ class Soak:
                     return
             except Exception:   # noqa: BLE001
                 pass
+            if self.proc and self.proc.poll() is not None:
+                raise SystemExit(f"launch exited with {self.proc.returncode} while the model came back; "
+                                 f"its stderr: {self.err_path}")
             time.sleep(0.3)
         raise SystemExit("the model did not come back")
 
@@ -347,6 +351,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--kill-every", type=int, default=0, help="SIGKILL a node every N requests (0: never)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--launch-arg", action="append", default=[], help="passed on to tbrpc launch (repeat)")
     ap.add_argument("--json-out", default=None, help="write the samples here")
     a = ap.parse_args()
     if a.model == "gemma" and not a.chat_format:
