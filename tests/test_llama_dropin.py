@@ -508,3 +508,48 @@ def test_a_model_file_that_cannot_be_read_starts_no_node(tmp_path: Path) -> None
     """)
     assert out["started"] == 0, out
     assert len(out["said"]) == 2 and "typo.gguf: no such file" in out["said"][0], out
+
+
+def test_a_node_that_stays_up_drops_its_links_to_a_peer_that_restarted(tmp_path: Path) -> None:
+    """Nodes given as `cluster=Nodes`, node 1 killed and restarted after each load, and only its
+    device connected again: node 0 keeps its session, and each load links it to the new node 1. A
+    link whose peer hung up gives its slot to the new one (node_links.c, add_peer): its worker holds
+    the descriptors and shared-memory mappings it held after the first load, where each dead link
+    kept a socket and a segment until the client left, and after 16 no link could be made."""
+    model = models.ensure("llama")
+    out = run_code(f"""
+        import signal
+        from pathlib import Path
+        from tbrpc.client import cluster, default_transport
+        from tbrpc.llama import resolve_cluster
+        from tbrpc.node_processes import start_nodes
+
+        nodes = start_nodes(resolve_cluster(2, 1), Path({str(tmp_path)!r}), timeout=60, on_event=lambda m: None,
+                            head_model={str(model)!r})
+
+        def held():
+            workers = tree([nodes.started[0].proc.pid])[1:]
+            fds = sum(len(os.listdir(f"/proc/{{p}}/fd")) for p in workers)
+            shm = {{line.split(None, 5)[-1] for p in workers for line in open(f"/proc/{{p}}/maps") if "/dev/shm/" in line}}
+            return [workers, fds, len(shm)]
+
+        held_after = []
+        try:
+            for k in range(4):
+                llm = Llama({str(model)!r}, cluster=nodes, n_ctx=256, verbose=False)
+                llm({PROMPT!r}, max_tokens=2, temperature=0)
+                held_after.append(held())
+                llm.close()
+                del llm
+                os.kill(nodes.started[1].proc.pid, signal.SIGKILL)
+                nodes.started[1].proc.wait()
+                nodes.restart(1, {str(model)!r})
+                cluster().reconnect(nodes.endpoints[1], nodes.specs[1].transport or default_transport())
+        finally:
+            nodes.stop()
+        print(json.dumps({{"held": held_after}}))
+    """)
+    first, *_, last = out["held"]
+    assert first[0] == last[0], out["held"]   # the same worker: node 0's session stayed
+    assert first[2] >= 1, "the link is over shared memory here"
+    assert last[1:] == first[1:], out["held"]

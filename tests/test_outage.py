@@ -210,10 +210,11 @@ def held_by_workers(node_pid: int) -> tuple[list[str], list[str]]:
 
 
 def test_a_surviving_node_drops_the_links_of_a_peer_that_died(tmp_path: Path) -> None:
-    """The node that stays up keeps its session (the head reconnects only to the failed node), so
-    each reload links it to the restarted peer anew: K restarts of its peer leave its worker with
-    the descriptors and shared-memory mappings it had, not one dead link (socket, segment) more per
-    restart -- and, after MAX_PEERS (16), no link at all (benchmarks/soak.py)."""
+    """K restarts of a node's peer leave the node that stays up holding (in its workers) the
+    descriptors and shared-memory mappings it held, not one dead link (socket, segment) more per
+    restart -- and, after MAX_PEERS (16), no link at all (benchmarks/soak.py). Launch gives every
+    node a fresh session at a reload; a session kept across restarts of its peer is
+    test_llama_dropin.py's test_a_node_that_stays_up_drops_its_links_to_a_peer_that_restarted."""
     with start_launch(tmp_path, "--gguf", str(models.ensure("llama")), "--local", "2", "--ctx", "256",
                       "--port", "0") as launch:
         base = launch.http_base()
