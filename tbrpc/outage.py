@@ -27,6 +27,7 @@ or SIGTERM stops it as usual. Each step is logged on stderr.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import threading
 import time
@@ -164,6 +165,8 @@ class Serving:
             old, self.llm = self.llm, None
             if old is not None:
                 await asyncio.to_thread(old.close)
+            del old
+            await asyncio.to_thread(return_freed_memory)
         self._say("model freed on the nodes that are left and on this machine")
         while True:
             for i in indices:
@@ -225,6 +228,20 @@ class Serving:
             await asyncio.sleep(wait)
             wait = min(wait * 2, MAX_PROBE_S)
         return False
+
+
+def return_freed_memory() -> None:
+    """Give the memory of a freed model back to the system (glibc's malloc_trim; elsewhere nothing).
+
+    glibc keeps freed memory in the arena of the thread that allocated it, and a serving launch
+    loads and answers from several threads (a reload runs in a worker thread, requests in others),
+    so without this the launch's RSS grew with every reload (benchmarks/soak.py)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
 
 
 def error_body(message: str) -> bytes:
