@@ -176,6 +176,20 @@ def open_descriptors(pid: int) -> list[str]:
     return sorted(out)
 
 
+def settled_descriptors(pid: int, timeout: float = 10.0) -> list[str]:
+    """open_descriptors once two reads 0.2 s apart agree: the server's end of the request just
+    answered closes a moment after the client has its answer."""
+    deadline = time.monotonic() + timeout
+    last = open_descriptors(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = open_descriptors(pid)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def test_reloads_leave_no_descriptor_behind(tmp_path: Path) -> None:
     """A launch serving for days reloads at every node failure: K reloads (a node killed, a request
     served after each) leave the launch process with the descriptors it had after the first load.
@@ -186,14 +200,14 @@ def test_reloads_leave_no_descriptor_behind(tmp_path: Path) -> None:
                       "--port", "0") as launch:
         base = launch.http_base()
         completion(base)
-        before = open_descriptors(launch.proc.pid)
+        before = settled_descriptors(launch.proc.pid)
         reloads = 4
         for k in range(reloads):
             os.kill(launch.node_pids()[k % 2], signal.SIGKILL)
             launch.wait_for(r"(?s)(model reloaded in [\d.]+ s; serving again.*){%d}" % (k + 1))
             completion(base)
-        after = open_descriptors(launch.proc.pid)
-        assert len(after) <= len(before), (before, after)
+        after = settled_descriptors(launch.proc.pid)
+        assert len(after) <= len(before), (sorted(set(after) - set(before)), sorted(set(before) - set(after)))
         pids = with_descendants(launch.node_pids())
         stop(launch)
         assert_gone(pids)
