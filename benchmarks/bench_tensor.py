@@ -11,6 +11,13 @@ round:
                     decoders of the model side by side, the ceiling of any
                     split over 2 nodes here (two vCPUs may share a core, its
                     caches and the memory bus)
+  norepack-x2-lockstep
+                    the same two, each waiting for the other after every token
+                    (a pipe each way), so their phases line up as a tensor
+                    split's nodes' do: both stream the output head at the same
+                    moment, both compute the layers at the same moment. What
+                    two one-thread decoders in step get from this machine: the
+                    tighter ceiling of a split whose nodes work in step
   layer             head + 2 local nodes, llama.cpp's layer split
   tensor            head + 2 local nodes, split_mode=3 with tbrpc's ALLREDUCE
   tensor-butterfly  the same with TBRPC_NO_ALLREDUCE=1: llama.cpp's own butterfly
@@ -67,11 +74,12 @@ from typing import Any
 from tbrpc.node_processes import listening_port
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("single", "single-norepack", "norepack-x2", "layer", "tensor", "tensor-butterfly", "tensor-ring", "ffn",
+MODES = ("single", "single-norepack", "norepack-x2", "norepack-x2-lockstep", "layer", "tensor", "tensor-butterfly", "tensor-ring", "ffn",
          "ffn-ring")
-MODES_OF = {"llama-f32": MODES, "gemma": ("single", "single-norepack", "norepack-x2", "layer", "ffn", "ffn-ring"),
-            "deepseek2": ("single", "single-norepack", "norepack-x2", "layer", "ffn", "ffn-ring"),
-            "deepseek2-f32": ("single", "single-norepack", "norepack-x2", "layer", "ffn", "ffn-ring")}
+MODES_OF = {"llama-f32": MODES,
+            "gemma": ("single", "single-norepack", "norepack-x2", "norepack-x2-lockstep", "layer", "ffn", "ffn-ring"),
+            "deepseek2": ("single", "single-norepack", "norepack-x2", "norepack-x2-lockstep", "layer", "ffn", "ffn-ring"),
+            "deepseek2-f32": ("single", "single-norepack", "norepack-x2", "norepack-x2-lockstep", "layer", "ffn", "ffn-ring")}
 ENV_OF = {"tensor-butterfly": {"TBRPC_NO_ALLREDUCE": "1"}, "tensor-ring": {"TBRPC_ALLREDUCE": "ring"},
           "ffn-ring": {"TBRPC_ALLREDUCE": "ring"}}
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
@@ -118,10 +126,14 @@ before = status()
 cpu_before = [time.process_time()] + [group_cpu_s(g) for g in spec["node_pgids"]]
 tokens = []
 t = time.perf_counter()
+lock = spec.get("lockstep")   # norepack-x2-lockstep: [fd to write, fd to read] of the pipes to the other
 for _ in range(spec["n"]):
     tokens.append(token)
     llm.eval([token])
     token = next_token()
+    if lock:
+        os.write(lock[0], b"t")
+        os.read(lock[1], 1)
 decode_s = time.perf_counter() - t
 cpu_after = [time.process_time()] + [group_cpu_s(g) for g in spec["node_pgids"]]
 after = status()
@@ -149,8 +161,8 @@ def start_node(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 def run(mode: str, model: str, nodes: list[tuple[subprocess.Popen[bytes], str]], n: int,
         granularity: int) -> dict[str, Any]:
-    if mode == "norepack-x2":
-        return run_side_by_side(model, n)
+    if mode.startswith("norepack-x2"):
+        return run_side_by_side(model, n, lockstep=mode.endswith("lockstep"))
     remote = not mode.startswith("single")
     spec = {"model": model, "norepack": mode == "single-norepack", "prompt": PROMPT, "n": n, "nodes": [e for _, e in nodes] if remote else [],
             "node_pgids": [p.pid for p, _ in nodes] if remote else [],
@@ -164,21 +176,28 @@ def run(mode: str, model: str, nodes: list[tuple[subprocess.Popen[bytes], str]],
     return result
 
 
-def run_side_by_side(model: str, n: int) -> dict[str, Any]:
+def run_side_by_side(model: str, n: int, lockstep: bool = False) -> dict[str, Any]:
     """Two single-norepack processes that decode at the same moment (a barrier after their prompts):
-    their tokens/s added, their CPU time added."""
+    their tokens/s added, their CPU time added. `lockstep`: each waits for the other after every
+    token (a pipe each way)."""
     barrier = Path(tempfile.mkdtemp(prefix="bench-x2-")) / "go"
     spec = {"model": model, "norepack": True, "prompt": PROMPT, "n": n, "nodes": [], "node_pgids": [],
             "split_mode": 1, "ffn_granularity": 0, "env": {}, "barrier": str(barrier)}
-    procs = [subprocess.Popen([sys.executable, "-c", RUN, json.dumps(spec)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-             for _ in range(2)]
+    pipes = [os.pipe(), os.pipe()] if lockstep else []   # pipes[i]: to process i
+    procs = []
+    for i in range(2):
+        locks = [pipes[1 - i][1], pipes[i][0]] if lockstep else []
+        procs.append(subprocess.Popen([sys.executable, "-c", RUN, json.dumps({**spec, "lockstep": locks})],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                      env={**os.environ, "PYTHONPATH": str(REPO)}, pass_fds=locks))
+    for fd in (fd for pair in pipes for fd in pair):
+        os.close(fd)
     while len(list(barrier.parent.glob("go.*"))) < len(procs) and all(p.poll() is None for p in procs):
         time.sleep(0.001)
     barrier.touch()
     outs = [p.communicate() for p in procs]
     if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"norepack-x2: {[err[-2000:] for _, err in outs]}")
+        raise RuntimeError(f"norepack-x2{'-lockstep' if lockstep else ''}: {[err[-2000:] for _, err in outs]}")
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     return {"prompt_tps": sum(r["prompt_tps"] for r in results), "decode_tps": sum(r["decode_tps"] for r in results),
             "tokens": results[0]["tokens"], "allreduces": [], "allreduce_s": [],
