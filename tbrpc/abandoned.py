@@ -154,7 +154,7 @@ def method_without_cycle(obj: Any, name: str) -> Callable[..., Any]:
     A wrapper that kept the bound method would make a reference cycle (obj -> wrapper -> bound
     method -> obj): a closed model would then wait for the cyclic garbage collector, which in a
     serving launch can take many reloads, keeping its arrays and its progress bar's descriptor
-    (tests/test_outage.py, test_reloads_leave_no_model_behind). A wrapper already on `obj` holds
+    (tests/test_launch.py, test_the_served_model_is_freed_without_the_garbage_collector). A wrapper already on `obj` holds
     no `obj` itself; the class's method is called through a weak reference."""
     own = vars(obj).get(name)
     if own is not None:
