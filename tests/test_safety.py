@@ -369,15 +369,20 @@ print("failed:", tbrpc.cluster().exception(0) if tbrpc.cluster().failed_indexes(
 """
 
 
+def head_process(code: str, srv: Any) -> subprocess.CompletedProcess[str]:
+    """A head process running `code` against a fake node (fake_node's server `srv`, closed after)."""
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    finally:
+        srv.close()
+
+
 def head_allocates_from(answer: Any, answers: dict[int, Any] | None = None) -> subprocess.CompletedProcess[str]:
     """A head process allocating one buffer on a fake node that answers ALLOC_BUFFER with `answer(asked)`
     (or as `answers` says: fake_node)."""
     srv, port = fake_node(answer, answers=answers)
-    try:
-        return subprocess.run([sys.executable, "-c", HEAD_ALLOCATES % port], capture_output=True, text=True, timeout=60,
-                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
-    finally:
-        srv.close()
+    return head_process(HEAD_ALLOCATES % port, srv)
 
 
 @pytest.mark.parametrize("base,size", [(0, 1 << 20), (TB_FAKE_BASE + 1, 1 << 20), (2**64 - 4096, 1 << 20),
@@ -405,11 +410,7 @@ def test_a_node_whose_hello_gives_no_usable_alignment_is_refused(alignment: int)
     srv, port = fake_node(lambda asked: (1, TB_FAKE_BASE, asked), alignment=alignment)
     code = (f"import tbrpc\ntry:\n    tbrpc.connect(['127.0.0.1:{port}'], transport='tcp')\n"
             "except tbrpc.NodeError as e:\n    print('refused:', e, flush=True)\n")
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
-    finally:
-        srv.close()
+    proc = head_process(code, srv)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"handshake: invalid alignment {alignment}" in proc.stdout, proc.stdout
 
@@ -478,10 +479,8 @@ def test_the_head_maps_no_shared_memory_but_its_own_users() -> None:
             "print('transport:', tbrpc.cluster().nodes()[0].transport, flush=True)\n"
             "print('clients:', tbrpc.cluster().status(0).clients, flush=True)\n")
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                              cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+        proc = head_process(code, srv)
     finally:
-        srv.close()
         path.unlink(missing_ok=True)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert f"transport: tcp: shared memory {name} is not this user's alone" in proc.stdout, proc.stdout
