@@ -26,8 +26,8 @@ def _use_secret(secret_file: str | None) -> None:
 
     try:
         secret.use(secret_file)
-    except TbrpcError as e:
-        raise click.UsageError(str(e)) from e
+    except TbrpcError as e:   # the file's mode or content: exit 1, as every command's bad input file
+        raise click.ClickException(str(e)) from e
 
 
 @main.group(name="secret")
@@ -294,6 +294,9 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, secret_fi
 
     try:
         path = None if endpoints else choose_cluster(cluster_file, None, instead="the nodes' host:port endpoints")
+    except ClusterError as e:   # no cluster named or found: the invocation (exit 2)
+        raise click.UsageError(str(e)) from e
+    try:
         if path is None:
             specs = endpoint_specs(list(endpoints))
         else:
@@ -301,8 +304,8 @@ def doctor(cluster_file: str | None, gguf: str | None, timeout: float, secret_fi
             specs = list(cluster.specs)
             if secret.file_for() is None:
                 _use_secret(cluster.secret_file)
-    except ClusterError as e:
-        raise click.UsageError(str(e)) from e
+    except ClusterError as e:   # what the file or an endpoint says (exit 1, as plan and launch)
+        raise click.ClickException(str(e)) from e
     checks = diagnose(specs, gguf, timeout)
     click.echo(format_checks(checks))
     raise SystemExit(1 if failed(checks) else 0)
@@ -336,8 +339,8 @@ def status(cluster_file: str | None, timeout: float, as_json: bool, secret_file:
             listed = [(s.name, s.endpoint) for s in cluster.specs] if cluster else []
             if cluster and secret.file_for() is None:
                 _use_secret(cluster.secret_file)
-        except ClusterError as e:
-            raise click.UsageError(str(e)) from e
+        except ClusterError as e:   # what the file says (exit 1, as plan and launch)
+            raise click.ClickException(str(e)) from e
     with_launches = not endpoints and not cluster_file
     nodes = targets(listed, with_launches, timeout)
     if not nodes:

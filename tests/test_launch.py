@@ -153,6 +153,29 @@ def test_no_cluster_names_only_options_the_command_has(command: str, expected: s
     assert set(re.findall(r"--[a-z-]+", expected)) <= options, (expected, options)
 
 
+@pytest.mark.parametrize("command", ["launch", "plan", "doctor", "status"])
+def test_a_mistake_in_a_file_exits_1_in_every_command(command: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster file or secret file with a mistake is bad input, not a bad invocation: every command
+    exits 1 naming the file, with no usage banner (doctor and status answered exit 2 and
+    "Usage: ...", plan and launch exit 1). A cluster not named nor found stays exit 2
+    (test_no_cluster_names_only_options_the_command_has)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    cluster = tmp_path / "c.toml"
+    cluster.write_text('[[node]]\nname = "a"\nhost = "127.0.0.1"\nport = 1\nmemroy = "1GiB"\n')
+    secret = tmp_path / "secret"
+    secret.write_text("0" * 64 + "\n")
+    secret.chmod(0o644)
+    args = ["--gguf", str(models.ensure("llama"))] if command in ("launch", "plan") else []
+    for extra, names in ((["--cluster", str(cluster)], "unknown key 'memroy'"),
+                         (["--cluster", str(cluster), "--secret-file", str(secret)], str(secret))):
+        done = subprocess.run([sys.executable, "-m", "tbrpc.cli", command, *args, *extra], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60, env={**ENV, "XDG_RUNTIME_DIR": str(tmp_path / "run")})
+        assert done.returncode == 1, (extra, done.stderr)
+        assert names in done.stderr and "Usage:" not in done.stderr, (extra, done.stderr)
+
+
 @pytest.mark.parametrize("command, floor", [("node", 0), ("launch", 1)])
 def test_negative_threads_are_refused(command: str, floor: int) -> None:
     # were -3 taken, neither would get far: the node has no such device, the launch no such port
