@@ -268,6 +268,24 @@ def start_process(spec: NodeSpec, log_dir: Path, head_model: str | None = None) 
     return RunningNode(spec=spec, proc=proc, log_path=log_path, port=port)
 
 
+def how_it_ended(returncode: int) -> str:
+    """How a process that has ended ended, from its Popen return code, in words a user acts on:
+    "exited with code 3", or, for a signal, which and what usually sends it ("was killed by SIGKILL
+    (the kernel's out-of-memory killer, or kill -9)")."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+    why = {"SIGKILL": "the kernel's out-of-memory killer, or kill -9", "SIGTERM": "asked to stop: kill, or a service manager",
+           "SIGINT": "Ctrl-C, or kill -INT", "SIGHUP": "its terminal or ssh session closed",
+           "SIGSEGV": "a crash: its log may say where", "SIGBUS": "a crash: a mapped file shrank, or a bad access",
+           "SIGABRT": "an abort: its log says which check failed", "SIGFPE": "a crash: its log may say where",
+           "SIGILL": "a crash: an instruction this CPU lacks"}.get(name)
+    return f"was killed by {name}" + (f" ({why})" if why else "")
+
+
 def _wait_listening(node: RunningNode, deadline: float) -> None:
     spec = node.spec
     while time.monotonic() < deadline:
@@ -276,7 +294,7 @@ def _wait_listening(node: RunningNode, deadline: float) -> None:
             return
         if not node.alive():
             how = "ssh" if spec.start == "ssh" else "the node process"
-            raise step_error(spec, "start", f"{how} exited with code {node.proc.returncode} before listening; "
+            raise step_error(spec, "start", f"{how} {how_it_ended(node.proc.returncode)} before listening; "
                              f"its log ({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
         time.sleep(0.05)
     raise step_error(spec, "start", f"not listening after {time.monotonic() - node.started:.0f} s; its log ({node.log_path}):\n    "
@@ -324,7 +342,7 @@ def wait_handshake(spec: NodeSpec, endpoint: str, deadline: float, node: Running
             if isinstance(exc, FINAL):
                 raise handshake_error(spec, exc) from exc
         if node is not None and not node.alive():
-            raise step_error(spec, "start", f"the node exited with code {node.proc.returncode}; its log "
+            raise step_error(spec, "start", f"the node {how_it_ended(node.proc.returncode)}; its log "
                              f"({node.log_path}):\n    {_tail(node.log_path)}", _start_hint(spec, node.log_text()))
         if time.monotonic() >= deadline:
             raise handshake_error(spec, last)
@@ -368,7 +386,7 @@ class Nodes:
         for i, (spec, endpoint) in enumerate(zip(self.specs, self.endpoints)):
             node = running.get(endpoint)
             if node is not None and not node.alive():
-                out[i] = f"node {spec.name} ({endpoint}): the node process exited with code {node.proc.returncode}"
+                out[i] = f"node {spec.name} ({endpoint}): the node process {how_it_ended(node.proc.returncode)}"
         for info in client_cluster().nodes():
             if info.failed and info.endpoint in self.endpoints:
                 out.setdefault(self.endpoints.index(info.endpoint), info.error)
@@ -427,7 +445,7 @@ class Nodes:
             witness = self.specs[self.endpoints.index(error.endpoint)].name
             message = f"node {witness} ({error.endpoint}) saw: {message}"
         if node is not None and not node.alive() and isinstance(error, NodeError):
-            died = f"the node process exited with code {node.proc.returncode}"
+            died = f"the node process {how_it_ended(node.proc.returncode)}"
             message = f"{message} ({died})" if error.endpoint == endpoint else f"{died}; {message}"
         log = f"its log: {node.log_path}" if node else f"its log on {spec.host}"
         hint = f"{log}; `tbrpc status` shows its memory in use; `tbrpc doctor` checks every node; then launch again"

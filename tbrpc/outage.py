@@ -38,7 +38,7 @@ from typing import Any
 from tbrpc.client import cluster as client_cluster
 from tbrpc.client import NodeError, default_transport
 from tbrpc.native import TbrpcError
-from tbrpc.node_processes import Nodes, answers, head_secret_file
+from tbrpc.node_processes import Nodes, answers, head_secret_file, how_it_ended
 
 WATCH_EVERY_S = 0.5         # how often the server looks for a failed node
 FIRST_PROBE_S = 0.5         # the first wait between two probes of a failed node; it doubles ...
@@ -205,8 +205,8 @@ class Serving:
             running = self.nodes.started_here(index)
             if running is not None and not running.alive():
                 self.outage.state = "restarting"
-                self._say(f"node {spec.name} ({endpoint}): restarting it (its process exited with code "
-                          f"{running.proc.returncode}); old log: {running.log_path}.1")
+                self._say(f"node {spec.name} ({endpoint}): restarting it (its process "
+                          f"{how_it_ended(running.proc.returncode)}); old log: {running.log_path}.1")
                 try:
                     await asyncio.to_thread(self.nodes.restart, index, self._head_model)
                     self._say(f"node {spec.name} ({endpoint}): restarted")

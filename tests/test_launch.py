@@ -153,6 +153,19 @@ def test_no_cluster_names_only_options_the_command_has(command: str, expected: s
     assert set(re.findall(r"--[a-z-]+", expected)) <= options, (expected, options)
 
 
+def test_how_a_node_process_ended_is_said_in_words() -> None:
+    """A node that died says how: a signal by name and what usually sends it (a user can tell the
+    out-of-memory killer from someone's stop from a crash), not Popen's negative return code."""
+    from tbrpc.node_processes import how_it_ended
+
+    assert how_it_ended(3) == "exited with code 3"
+    assert how_it_ended(-signal.SIGKILL) == "was killed by SIGKILL (the kernel's out-of-memory killer, or kill -9)"
+    assert how_it_ended(-signal.SIGTERM) == "was killed by SIGTERM (asked to stop: kill, or a service manager)"
+    assert how_it_ended(-signal.SIGSEGV) == "was killed by SIGSEGV (a crash: its log may say where)"
+    assert how_it_ended(-signal.SIGUSR1) == "was killed by SIGUSR1"
+    assert how_it_ended(-200) == "was killed by signal 200"
+
+
 @pytest.mark.parametrize("command", ["launch", "plan", "doctor", "status"])
 def test_a_mistake_in_a_file_exits_1_in_every_command(command: str, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -950,7 +963,8 @@ def test_upstream_node_killed_during_generation_is_blamed(tmp_path: Path) -> Non
     m = re.search(r"tbrpc: node (\S+) \(127\.0\.0\.1:\d+\), step generate: (.*)\n  try: its log: (\S+);", launch.stderr)
     assert m, launch.stderr
     assert m.group(1) == "local0" and m.group(3).endswith("local0.log"), launch.stderr
-    assert m.group(2).startswith("the node process exited with code -9; node local1 (127.0.0.1:"), launch.stderr
+    assert m.group(2).startswith("the node process was killed by SIGKILL (the kernel's out-of-memory killer, or kill -9); "
+                                 "node local1 (127.0.0.1:"), launch.stderr
     assert not re.search(r"^tbrpc node ", launch.stderr, re.M), launch.stderr   # the error once, explained
     assert_gone(pids)
 

@@ -153,7 +153,8 @@ def test_restarts_a_node_it_started(tmp_path: Path) -> None:
         before = launch.node_pids()
         old_tree = with_descendants([before[1]])
         os.kill(before[1], signal.SIGKILL)
-        launch.wait_for(r"node local1 \(127\.0\.0\.1:\d+\): restarting it \(its process exited with code -9\)")
+        launch.wait_for(r"node local1 \(127\.0\.0\.1:\d+\): restarting it \(its process was killed by SIGKILL "
+                        r"\(the kernel's out-of-memory killer, or kill -9\)\)")
         launch.wait_for(r"model reloaded in [\d.]+ s; serving again")
         assert_gone(old_tree)
         after = launch.node_pids()
