@@ -37,6 +37,7 @@
 #include <unistd.h>
 
 #define MAXT 16
+#define CASE_SECONDS 10
 
 static char current_case[512] = "(none)";
 static ggml_backend_dev_t cpu_dev;
@@ -312,6 +313,122 @@ static void mutate(char * what, size_t len) {
     }
 }
 
+// ---- hostile shapes and params --------------------------------------------------
+//
+// mutate() changes one field at random; it almost never breaks the contract
+// between an op and the small tensors that steer it (positions, masks, row
+// indices, ids) or its int params (n_dims, CONCAT's dimension, PAD's
+// amounts): a shape bumped by 1-4 moves a read a few bytes, inside the 64
+// bytes by which a buffer is rounded up. hostile() breaks exactly that
+// contract, and by enough to reach the guard page: it grows what the op
+// iterates (rows, heads, keys, slices) far past what the steering tensor
+// holds, or sets the param out of range, and re-packs the strides of what it
+// resizes, so that every other rule still holds and only the one that pairs
+// the two can refuse it. Ops with no such pairing get an ordinary mutation.
+
+// ne[k] = n, with ggml's default strides for the new shape (the tensors
+// make_op builds are packed; a view keeps its view_src and is re-packed too).
+static void resize(int i, int k, int64_t n) {
+    struct tb_wire_tensor * w = &wire[i];
+    w->ne[k] = n;
+    w->nb[0] = ggml_type_size((enum ggml_type) w->type);
+    w->nb[1] = ggml_row_size((enum ggml_type) w->type, w->ne[0]);
+    for (int j = 2; j < GGML_MAX_DIMS; j++) w->nb[j] = w->nb[j - 1] * (uint64_t) w->ne[j - 1];
+}
+
+// Another type for an index (or position) tensor, strides re-packed to it.
+static void retype(int i) {
+    const enum ggml_type ts[] = { GGML_TYPE_I64, GGML_TYPE_I32, GGML_TYPE_I16, GGML_TYPE_I8, GGML_TYPE_F32, GGML_TYPE_F16 };
+    wire[i].type = ts[rnd() % 6];
+    resize(i, 0, wire[i].ne[0]);
+}
+
+// Far more than the op's steering tensor holds: ggml's constructors here make
+// at most 16 of anything, so 17-64 entries read 4-192 bytes past the end.
+static int64_t many(void) { return rint_in(17, 64); }
+
+static void hostile(char * what, size_t len) {
+    const int t = n_wire - 1;
+    struct tb_wire_tensor * w = &wire[t];
+    int32_t * p = w->op_params;
+    const int s0 = w->src[0], s1 = w->src[1], s2 = w->src[2], s3 = w->src[3];
+    switch ((enum ggml_op) w->op) {
+        case GGML_OP_ROPE: {   // src0 [n, heads, tokens], positions [tokens], op_params[1] = n_dims
+            const int r = rint_in(0, 2);
+            if (r == 0) {
+                const int32_t bad[] = { (int32_t) wire[s0].ne[0] + 2 * rint_in(1, 64), (int32_t) wire[s0].ne[0] + 1, 0, -2, 1 << 20, INT32_MIN };
+                p[1] = bad[rnd() % 6];
+                snprintf(what, len, "hostile ROPE n_dims=%d of ne[0]=%lld", p[1], (long long) wire[s0].ne[0]);
+            } else if (r == 1) {
+                const int64_t n = many();
+                resize(s0, 2, n); resize(t, 2, n);
+                snprintf(what, len, "hostile ROPE %lld tokens, %lld positions", (long long) n, (long long) wire[s1].ne[0]);
+            } else {
+                retype(s1);
+                snprintf(what, len, "hostile ROPE positions %s", ggml_type_name((enum ggml_type) wire[s1].type));
+            }
+            return;
+        }
+        case GGML_OP_SOFT_MAX:   // row i reads mask row i: rows past the mask's
+            if (s1 < 0) break;
+            {
+                const int64_t n = many();
+                resize(s0, 1, n); resize(t, 1, n);
+                snprintf(what, len, "hostile SOFT_MAX %lld rows, mask of %lld", (long long) n, (long long) wire[s1].ne[1]);
+            }
+            return;
+        case GGML_OP_FLASH_ATTN_EXT:   // each query reads n_kv mask values: more keys than the mask's rows hold
+            if (s3 < 0) break;
+            {
+                const int64_t n = many();
+                resize(s1, 1, n); resize(s2, 1, n);
+                snprintf(what, len, "hostile FLASH_ATTN_EXT n_kv=%lld, mask rows of %lld", (long long) n, (long long) wire[s3].ne[0]);
+            }
+            return;
+        case GGML_OP_GET_ROWS:   // indices [n, slices, batch]: slice i11 of src0 for each
+            if (chance(25)) { retype(s1); snprintf(what, len, "hostile GET_ROWS indices %s", ggml_type_name((enum ggml_type) wire[s1].type)); return; }
+            {
+                const int k = rint_in(1, 2);   // indices' dimension 1 or 2, the result's 2 or 3
+                const int64_t n = rint_in(2, 32);
+                resize(s1, k, n); resize(t, k + 1, n);
+                snprintf(what, len, "hostile GET_ROWS indices ne[%d]=%lld over %lld", k, (long long) n, (long long) wire[s0].ne[k + 1]);
+            }
+            return;
+        case GGML_OP_SET_ROWS: {   // source rows written into destination rows: longer ones
+            if (chance(25)) { retype(s1); snprintf(what, len, "hostile SET_ROWS indices %s", ggml_type_name((enum ggml_type) wire[s1].type)); return; }
+            const int64_t n = 64 * rint_in(2, 4);
+            resize(s0, 0, n);
+            snprintf(what, len, "hostile SET_ROWS rows of %lld into %lld", (long long) n, (long long) w->ne[0]);
+            return;
+        }
+        case GGML_OP_CONCAT: {   // a dimension that does not exist, shapes that agree on the four that do
+            const int32_t bad[] = { 4, 5, 7, 64, -1, INT32_MIN, INT32_MAX };
+            p[0] = bad[rnd() % 7];
+            resize(s1, 1, wire[s0].ne[1]); resize(t, 1, wire[s0].ne[1]);
+            snprintf(what, len, "hostile CONCAT dim=%d", p[0]);
+            return;
+        }
+        case GGML_OP_PAD: {   // amounts: negative ones, or a destination they do not account for
+            const int d = rint_in(0, 3), k = rint_in(1, 8);
+            if (chance(50)) { p[2 * d] -= k; p[2 * d + 1] += k; }   // same extent, shifted source
+            else { p[2 * d] = -k; resize(t, d, w->ne[d] + many()); }
+            snprintf(what, len, "hostile PAD dim %d: %d + %d around %lld to %lld", d, p[2 * d], p[2 * d + 1],
+                     (long long) wire[s0].ne[d], (long long) w->ne[d]);
+            return;
+        }
+        case GGML_OP_ADD_ID: {   // ids [rows, tokens]: more rows or tokens than it has
+            if (chance(25)) { retype(s2); snprintf(what, len, "hostile ADD_ID ids %s", ggml_type_name((enum ggml_type) wire[s2].type)); return; }
+            const int k = rint_in(1, 2);
+            const int64_t n = many();
+            resize(s0, k, n); resize(t, k, n);
+            snprintf(what, len, "hostile ADD_ID ne[%d]=%lld, ids [%lld, %lld]", k, (long long) n, (long long) wire[s2].ne[0], (long long) wire[s2].ne[1]);
+            return;
+        }
+        default: break;
+    }
+    mutate(what, len);
+}
+
 static void fill(struct gbuf * g, const struct tb_wire_tensor * w, int index_mode) {
     if (w->type == GGML_TYPE_I32 || w->type == GGML_TYPE_I64) {
         const size_t es = w->type == GGML_TYPE_I32 ? 4 : 8;
@@ -335,7 +452,8 @@ static int run_case(enum ggml_op op, int case_no, int n_mutations, struct outcom
     int len = snprintf(current_case, sizeof current_case, "#%d %s seed-state %llu:", case_no, ggml_op_name(op), (unsigned long long) rng);
     for (int m = 0; m < n_mutations; m++) {
         char what[96];
-        mutate(what, sizeof what);
+        if (m == 0 && chance(30)) hostile(what, sizeof what);   // a third of mutated cases aim at the op's contract
+        else mutate(what, sizeof what);
         if (len > 0 && (size_t) len < sizeof current_case) len += snprintf(current_case + len, sizeof current_case - (size_t) len, " %s", what);
     }
     const int index_mode = n_mutations == 0 ? 0 : chance(30) ? 2 : 1;   // 0: all 0 (valid), 1: small, 2: wild
@@ -364,6 +482,7 @@ static int run_case(enum ggml_op op, int case_no, int n_mutations, struct outcom
 
     struct ggml_context * ctx = ggml_init((struct ggml_init_params) { .mem_size = MAXT * ggml_tensor_overhead() + ggml_graph_overhead() + 4096, .no_alloc = true });
     struct ggml_tensor * t[MAXT];
+    alarm(CASE_SECONDS);   // each case takes milliseconds; a graph that never ends is a node that never answers
     int rc = tb_decode_tensors(ctx, wire, (uint32_t) n_wire, lookup, &bs, true, t, err, err_len);
     if (rc != 0) {
         out->refused_decode++;
@@ -379,6 +498,7 @@ static int run_case(enum ggml_op op, int case_no, int n_mutations, struct outcom
             else out->ran++;
         }
     }
+    alarm(0);
     for (int i = 0; i < bs.n; i++) {
         if (!gbuf_canary_ok(&bs.b[i])) {
             fprintf(stderr, "\nCANARY overwritten before buffer %d in case %s\n", i, current_case);
@@ -397,6 +517,7 @@ static void setup(void) {
     signal(SIGABRT, on_fault);
     signal(SIGFPE, on_fault);
     signal(SIGILL, on_fault);
+    signal(SIGALRM, on_fault);   // a case still running after CASE_SECONDS: a hang (ROPE with n_dims 0 loops forever)
     cpu_dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     CHECK(cpu_dev, "no CPU device");
     cpu = ggml_backend_dev_init(cpu_dev, NULL);
