@@ -720,7 +720,9 @@ static int attacks(void) {
     from(ggml_concat(c, ggml_new_tensor_2d(c, GGML_TYPE_F32, 4, 2), ggml_new_tensor_2d(c, GGML_TYPE_F32, 4, 2), 1));
     wire[n_wire - 1].op_params[0] = 7; wire[n_wire - 1].ne[1] = 2; wire[n_wire - 1].nb[2] = wire[n_wire - 1].nb[3] = 32;
     expect_refused("CONCAT dimension 7", "dimension 7 does not exist");
-    // PAD -2 on the left, +2 on the right: the same extent, read 2 past each row
+    // PAD -2 on the left, +2 on the right: the same extent. ggml's kernel reads src[i - lp] only for
+    // lp <= i < ne - rp, so this stays in bounds (a shifted output); the rule refuses padding that is
+    // not what llama.cpp builds, a sanity check, not the bound (the extent check is that)
     from(ggml_pad(c, ggml_new_tensor_2d(c, GGML_TYPE_F32, 8, 4), 0, 0, 0, 0));
     wire[n_wire - 1].op_params[0] = -2; wire[n_wire - 1].op_params[1] = 2;
     expect_refused("PAD negative padding", "padding -2 + 2 around 8 does not give ne[0] = 8");
