@@ -1,0 +1,133 @@
+"""A hostile peer on a node-to-node link (ggml_backend/node_links.c): a process
+that knows the link key (the node runs without a secret, on loopback) dials
+a session's listener by hand, stays on TCP, and then writes what it likes
+where the session waits for activations (PEER_RECV). Every bad frame fails
+that request with words naming the peer and what was wrong; the session and
+the node stay alive."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tbrpc.native import load
+from wire import Wire, header, pack, ready
+
+ffi, lib = load()
+UPGRADE_MAGIC = 0x50555442          # transport/upgrade.c: "TBUP"
+TRANSPORT_TCP, TRANSPORT_SHM = 0, 1  # transport.h: TB_TRANSPORT_TCP (stay), TB_TRANSPORT_SHM
+REPLY_BYTES = 4 + 4 + 16 + 32 + 160 + 4 + 4   # transport.h: struct tb_transport_reply
+FLAG_GAVE_UP = 2                    # proto.h: TB_FLAG_GAVE_UP
+NAME = b"hostile-peer"
+
+
+def exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def ask(kind: int, magic: int = UPGRADE_MAGIC) -> bytes:
+    """upgrade.c's struct upgrade_ask: {magic, tb_transport_req, why_kind, why[160]}."""
+    slots, stride = (16, 256 * 1024) if kind == TRANSPORT_SHM else (0, 0)
+    return struct.pack("<I4II160s", magic, kind, slots, stride, 0, lib.TB_WHY_ASKED, b"asked for")
+
+
+def stay_on_tcp(sock: socket.socket) -> None:
+    sock.sendall(ask(TRANSPORT_TCP))
+
+
+def greet(w: Wire, name: bytes = NAME.ljust(64, b"\0")) -> socket.socket:
+    """A fake peer dials w's session listener and proves the link key (the node
+    runs without a secret); the session waits in PEER_ACCEPT for its upgrade."""
+    """Link a fake peer into w's session: the listener's greeting, our answer
+    proving the link key, its confirmation, then an upgrade ask that stays on
+    TCP. (our socket, the incoming peer id the session gave the link)."""
+    w.send(lib.TB_CMD_PEER_LISTEN)
+    status, body = w.reply()
+    assert status == 0, body
+    token, port = struct.unpack("<QQ", body)
+    w.send(lib.TB_CMD_PEER_ACCEPT, struct.pack("<Q", token))
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    greeting = exactly(sock, ffi.sizeof("struct tb_peer_greeting"))
+    key = ffi.new("uint8_t[32]")
+    lib.tb_peer_key(b"", 0, token, key)
+    nonce, mac = os.urandom(32), ffi.new("uint8_t[32]")
+    lib.tb_auth_mac(key, 32, b"tbrpc 4 peer dialer", greeting[8:40], nonce, name, len(name), mac)
+    sock.sendall(nonce + bytes(mac) + name)
+    exactly(sock, 32)   # struct tb_peer_confirm: the listener's MAC
+    return sock
+
+
+def accepted(w: Wire) -> int:
+    """The incoming peer id PEER_ACCEPT answers (0: no link)."""
+    status, body = w.reply()
+    assert status == 0, body
+    return struct.unpack("<Q", body[:8])[0]
+
+
+def dial_in(w: Wire) -> tuple[socket.socket, int]:
+    """Link a fake peer into w's session over TCP: (its socket, the incoming peer id)."""
+    sock = greet(w)
+    stay_on_tcp(sock)
+    status, body = w.reply()
+    assert status == 0, body
+    peer_id = struct.unpack("<Q", body[:8])[0]
+    assert peer_id, "the session refused the fake peer's link"
+    return sock, peer_id
+
+
+def peer_range(peer_id: int, handle: int, size: int) -> bytes:
+    return struct.pack("<QQQQ", peer_id, handle, 0, size)   # struct tb_peer_range
+
+
+def frame(cmd: int, payload: bytes, flags: int = 0) -> bytes:
+    return pack("struct tb_header", magic=lib.TB_MAGIC, cmd=cmd, flags=flags, id=0, len=len(payload)) + payload
+
+
+def peer_recv_error(w: Wire, peer_id: int, handle: int, size: int, sock: socket.socket, sent: bytes) -> str:
+    w.send(lib.TB_CMD_PEER_RECV, peer_range(peer_id, handle, size))
+    sock.sendall(sent)
+    return w.sync_error()
+
+
+def still_serving(node: Any, w: Wire) -> None:
+    """The session answers, and the node takes a new client."""
+    w.send(lib.TB_CMD_SYNC)
+    assert w.reply()[0] == 0
+    assert ready(node).alloc(64)
+
+
+def test_a_gave_up_frame_longer_than_its_limit_is_refused(nodes: Any) -> None:
+    """A PEER_SEND flagged GAVE_UP carries at most TB_GAVE_UP_MAX bytes of text
+    (read into a buffer of that size): a longer one is a frame of the wrong length."""
+    node = nodes(1)[0]
+    w = ready(node)
+    sock, peer_id = dial_in(w)
+    handle = w.alloc(64)
+    n = 64 * 1024
+    error = peer_recv_error(w, peer_id, handle, 16, sock, frame(lib.TB_CMD_PEER_SEND, b"A" * n, flags=FLAG_GAVE_UP))
+    assert error.endswith(f"waiting for activations from node {NAME.decode()}: the peer sent PEER_SEND of {n} bytes, "
+                          "expected 16"), error
+    still_serving(node, w)
+
+
+def test_a_gave_up_frame_within_its_limit_names_the_reason(nodes: Any) -> None:
+    node = nodes(1)[0]
+    w = ready(node)
+    sock, peer_id = dial_in(w)
+    handle = w.alloc(64)
+    why = b"out of \x01patience"
+    error = peer_recv_error(w, peer_id, handle, 16, sock, frame(lib.TB_CMD_PEER_SEND, why, flags=FLAG_GAVE_UP))
+    assert error.endswith(f"from node {NAME.decode()}: it gave up: out of ?patience"), error
+    still_serving(node, w)
