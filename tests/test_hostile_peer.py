@@ -131,3 +131,17 @@ def test_a_gave_up_frame_within_its_limit_names_the_reason(nodes: Any) -> None:
     error = peer_recv_error(w, peer_id, handle, 16, sock, frame(lib.TB_CMD_PEER_SEND, why, flags=FLAG_GAVE_UP))
     assert error.endswith(f"from node {NAME.decode()}: it gave up: out of ?patience"), error
     still_serving(node, w)
+
+
+def test_a_frame_of_the_wrong_length_or_command_is_refused(nodes: Any) -> None:
+    """The frame must be a PEER_SEND of exactly the bytes PEER_RECV names."""
+    node = nodes(1)[0]
+    w = ready(node)
+    handle = w.alloc(64)
+    sock, peer_id = dial_in(w)
+    error = peer_recv_error(w, peer_id, handle, 16, sock, frame(lib.TB_CMD_PEER_SEND, b"x" * 48))
+    assert error.endswith(f"from node {NAME.decode()}: the peer sent PEER_SEND of 48 bytes, expected 16"), error
+    sock2, peer2 = dial_in(w)
+    error = peer_recv_error(w, peer2, handle, 16, sock2, frame(lib.TB_CMD_SYNC, b"y" * 16))
+    assert error.endswith(f"from node {NAME.decode()}: the peer sent SYNC of 16 bytes, expected 16"), error
+    still_serving(node, w)
