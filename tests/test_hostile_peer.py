@@ -145,3 +145,38 @@ def test_a_frame_of_the_wrong_length_or_command_is_refused(nodes: Any) -> None:
     error = peer_recv_error(w, peer2, handle, 16, sock2, frame(lib.TB_CMD_SYNC, b"y" * 16))
     assert error.endswith(f"from node {NAME.decode()}: the peer sent SYNC of 16 bytes, expected 16"), error
     still_serving(node, w)
+
+
+def test_peer_ids_and_directions_are_checked(nodes: Any) -> None:
+    """PEER_RECV/PEER_SEND and ALLREDUCE name links of this session in the direction they use."""
+    node = nodes(1)[0]
+    w = ready(node)
+    handle = w.alloc(64)
+    sock, peer_id = dial_in(w)         # incoming: PEER_RECV only
+    for cmd, pid, words in ((lib.TB_CMD_PEER_RECV, 0, "unknown incoming peer 0"),
+                            (lib.TB_CMD_PEER_RECV, peer_id + 1, f"unknown incoming peer {peer_id + 1}"),
+                            (lib.TB_CMD_PEER_SEND, peer_id, f"unknown outgoing peer {peer_id}")):
+        w.send(cmd, peer_range(pid, handle, 16))
+        error = w.sync_error()
+        assert error.endswith(words), error
+    fields = dict(handle=handle, offset=0, size=16, type=0, n=2, self=0, flags=lib.TB_ALLREDUCE_COMPUTED)
+    for out_id, in_id in ((peer_id, peer_id), (0, peer_id), (peer_id + 1, peer_id), (1 << 40, peer_id), (0, 1 << 40)):
+        w.send(lib.TB_CMD_ALLREDUCE, pack("struct tb_allreduce", **fields, peer_out=[0, out_id] + [0] * 14,
+                                          peer_in=[0, in_id] + [0] * 14))
+        error = w.sync_error()
+        assert error.endswith(f"ALLREDUCE: no link to and from node 1 (peer ids {out_id}, {in_id})"), error
+    big = w.alloc(lib.TB_MAX_PAYLOAD + 4096)        # host memory, untouched: a range the buffer holds
+    sock.sendall(frame(lib.TB_CMD_PEER_SEND, b"x" * 4))   # what a receive of any size would read, were it let wait
+    w.send(lib.TB_CMD_PEER_RECV, peer_range(peer_id, big, lib.TB_MAX_PAYLOAD + 4))
+    error = w.sync_error()
+    assert error.endswith(f"a peer transfer of {lib.TB_MAX_PAYLOAD + 4} bytes exceeds the message limit"), error
+    w.send(lib.TB_CMD_ALLREDUCE, pack("struct tb_allreduce", handle=big, offset=0, size=lib.TB_MAX_PAYLOAD + 4, type=0,
+                                      n=2, self=0, flags=lib.TB_ALLREDUCE_COMPUTED, peer_out=[0, peer_id] + [0] * 14,
+                                      peer_in=[0, peer_id] + [0] * 14))
+    error = w.sync_error()
+    assert error.endswith(f"ALLREDUCE: {lib.TB_MAX_PAYLOAD + 4} bytes of type 0 (F32 up to the message limit only)"), error
+    w.send(lib.TB_CMD_ALLREDUCE, pack("struct tb_allreduce", **{**fields, "flags": fields["flags"] | lib.TB_ALLREDUCE_RING},
+                                      peer_out=[0, peer_id] + [0] * 14, peer_in=[0, peer_id] + [0] * 14))
+    error = w.sync_error()
+    assert "has no link to the next node 1 (peer id 1)" in error, error
+    still_serving(node, w)
