@@ -180,3 +180,36 @@ def test_peer_ids_and_directions_are_checked(nodes: Any) -> None:
     error = w.sync_error()
     assert "has no link to the next node 1 (peer id 1)" in error, error
     still_serving(node, w)
+
+
+def test_an_upgrade_ask_without_its_magic_ends_the_link(nodes: Any) -> None:
+    node = nodes(1)[0]
+    w = ready(node)
+    sock = greet(w)
+    sock.sendall(ask(TRANSPORT_TCP, magic=0x41414141))
+    assert accepted(w) == 0
+    assert (f"link from peer {NAME.decode()} failed in its upgrade: transport upgrade: "
+            "127.0.0.1") in node.log_text(), node.log_text()[-2000:]
+    assert "no transport upgrade where one was due" in node.log_text(), node.log_text()[-2000:]
+    still_serving(node, w)
+
+
+def test_a_dialer_that_did_not_map_the_ring_keeps_the_link_on_tcp(nodes: Any) -> None:
+    """The listener makes a ring when asked, but switches to it only on the
+    dialer's word that it mapped it (1); any other word keeps the link on TCP."""
+    node = nodes(1)[0]
+    w = ready(node)
+    for word in (0, 7):
+        sock = greet(w)
+        sock.sendall(ask(TRANSPORT_SHM))
+        reply = exactly(sock, REPLY_BYTES)
+        assert reply[8:15] != b"\0" * 7 and reply[24:31] == b"/tbrpc-", reply[:64]   # an offer, not a refusal
+        sock.sendall(struct.pack("<I", word))
+        peer_id = accepted(w)
+        assert peer_id, "the link was refused"
+        assert (f"link from peer {NAME.decode()}: transport tcp: the peer could not map the shared memory"
+                in node.log_text()), node.log_text()[-2000:]
+        w.send(lib.TB_CMD_PEER_RECV, peer_range(peer_id, w.alloc(64), 4))   # the link works, over TCP
+        sock.sendall(frame(lib.TB_CMD_PEER_SEND, b"abcd"))
+        assert w.sync_error() == ""
+    still_serving(node, w)
