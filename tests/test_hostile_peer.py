@@ -213,3 +213,18 @@ def test_a_dialer_that_did_not_map_the_ring_keeps_the_link_on_tcp(nodes: Any) ->
         sock.sendall(frame(lib.TB_CMD_PEER_SEND, b"abcd"))
         assert w.sync_error() == ""
     still_serving(node, w)
+
+
+def test_a_peer_name_without_its_nul_is_cut_to_its_field(nodes: Any) -> None:
+    """The dialer's name fills all 64 bytes of its field: the session keeps 63 of them."""
+    node = nodes(1)[0]
+    w = ready(node)
+    sock = greet(w, name=b"N" * 64)
+    stay_on_tcp(sock)
+    peer_id = accepted(w)
+    assert peer_id
+    assert f"link from peer {'N' * 63}: transport tcp: peer: asked for" in node.log_text(), node.log_text()[-2000:]
+    error = peer_recv_error(w, peer_id, w.alloc(64), 16, sock, frame(lib.TB_CMD_PEER_SEND, b"x" * 8))
+    assert error.endswith(f"waiting for activations from node {'N' * 63}: the peer sent PEER_SEND of 8 bytes, "
+                          "expected 16"), error
+    still_serving(node, w)
