@@ -228,3 +228,62 @@ def test_a_peer_name_without_its_nul_is_cut_to_its_field(nodes: Any) -> None:
     assert error.endswith(f"waiting for activations from node {'N' * 63}: the peer sent PEER_SEND of 8 bytes, "
                           "expected 16"), error
     still_serving(node, w)
+
+
+def fake_listener(greeting_mac_ok: bool, confirm_ok: bool) -> tuple[socket.socket, int, list[bytes]]:
+    """A listener that greets with the peer magic, a MAC over its nonce (right
+    or wrong), then reads the dialer's answer and sends a confirmation (right
+    or wrong). (listener, token, [all the dialer sent]) once it is done."""
+    token = 0x5151515151515151
+    listener = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+    key = ffi.new("uint8_t[32]")
+    lib.tb_peer_key(b"", 0, token, key)
+
+    def mac(role: bytes, a: bytes, b: bytes) -> bytes:
+        out = ffi.new("uint8_t[32]")
+        lib.tb_auth_mac(key, 32, role, a, b, ffi.NULL, 0, out)
+        return bytes(out)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.settimeout(5)
+        nonce = os.urandom(32)
+        greet_mac = mac(b"tbrpc 4 peer greets", nonce, b"\0" * 32)
+        conn.sendall(b"TBPEER4\0" + nonce + (greet_mac if greeting_mac_ok else bytes(32)))
+        data = b""
+        try:
+            while len(data) < 128 and (chunk := conn.recv(128 - len(data))):
+                data += chunk
+            if len(data) == 128:
+                confirm = mac(b"tbrpc 4 peer listener", nonce, data[:32])
+                conn.sendall(confirm if confirm_ok else bytes(a ^ 1 for a in confirm))
+            while chunk := conn.recv(4096):
+                data += chunk
+        except OSError:
+            pass
+        received.append(data)
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, token, received
+
+
+@pytest.mark.parametrize("greeting_mac_ok,sent", [(False, 0), (True, 128)])
+def test_a_listener_that_does_not_prove_the_link_key_gets_no_link(nodes: Any, greeting_mac_ok: bool, sent: int) -> None:
+    """PEER_CONNECT to a listener whose greeting MAC is wrong: the node sends
+    nothing. To one whose greeting is right but whose confirmation is wrong: the
+    node sends its answer (128 bytes) and nothing more, no upgrade, no data."""
+    node = nodes(1, "--timeout", "2")[0]
+    w = ready(node)
+    listener, token, received = fake_listener(greeting_mac_ok, confirm_ok=False)
+    w.send(lib.TB_CMD_PEER_CONNECT, pack("struct tb_peer_connect", host=b"127.0.0.1", port=listener.getsockname()[1],
+                                         token=token))
+    assert accepted(w) == 0
+    deadline = time.time() + 10
+    while not received and time.time() < deadline:
+        time.sleep(0.05)
+    assert [len(r) for r in received] == [sent]
+    assert "(it did not prove it is a tbrpc node of this cluster)" in node.log_text(), node.log_text()[-2000:]
+    listener.close()
+    still_serving(node, w)
