@@ -287,3 +287,20 @@ def test_a_listener_that_does_not_prove_the_link_key_gets_no_link(nodes: Any, gr
     assert "(it did not prove it is a tbrpc node of this cluster)" in node.log_text(), node.log_text()[-2000:]
     listener.close()
     still_serving(node, w)
+
+
+def test_peer_accept_with_another_token_waits_for_no_one(nodes: Any) -> None:
+    """PEER_ACCEPT names the token PEER_LISTEN gave: with any other the answer
+    is no link at once, and a dialer at the listener is not greeted."""
+    node = nodes(1, "--timeout", "3")[0]
+    w = ready(node)
+    w.send(lib.TB_CMD_PEER_LISTEN)
+    token, port = struct.unpack("<QQ", w.reply()[1])
+    dialer = socket.create_connection(("127.0.0.1", port), timeout=1.5)
+    started = time.monotonic()
+    w.send(lib.TB_CMD_PEER_ACCEPT, struct.pack("<Q", token ^ 1))
+    assert accepted(w) == 0
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(TimeoutError):
+        dialer.recv(1)
+    still_serving(node, w)
