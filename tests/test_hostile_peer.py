@@ -304,3 +304,20 @@ def test_peer_accept_with_another_token_waits_for_no_one(nodes: Any) -> None:
     with pytest.raises(TimeoutError):
         dialer.recv(1)
     still_serving(node, w)
+
+
+def test_peer_connect_refuses_a_port_out_of_range(nodes: Any) -> None:
+    """A port of 65536 + p is not p: the node dials nothing and says why."""
+    node = nodes(1, "--timeout", "2")[0]
+    w = ready(node)
+    listener, token, received = fake_listener(greeting_mac_ok=True, confirm_ok=True)
+    port = listener.getsockname()[1]
+    w.send(lib.TB_CMD_PEER_CONNECT, pack("struct tb_peer_connect", host=b"127.0.0.1", port=(1 << 16) + port, token=token))
+    status, body = w.reply()
+    assert status == 0 and struct.unpack_from("<Q", body)[0] == 0
+    transport = ffi.string(ffi.from_buffer("struct tb_peer_connect_reply *", body).transport).decode()
+    assert transport == f"none: cannot reach 127.0.0.1:{(1 << 16) + port} (bad port)", transport
+    time.sleep(0.3)
+    assert received == []          # nothing dialed our listener
+    listener.close()
+    still_serving(node, w)
