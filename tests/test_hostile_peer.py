@@ -321,3 +321,15 @@ def test_peer_connect_refuses_a_port_out_of_range(nodes: Any) -> None:
     assert received == []          # nothing dialed our listener
     listener.close()
     still_serving(node, w)
+
+
+def test_peer_connect_cuts_a_host_without_its_nul(nodes: Any) -> None:
+    """A host that fills all 256 bytes of its field is read as its first 255."""
+    node = nodes(1, "--timeout", "2")[0]
+    w = ready(node)
+    w.send(lib.TB_CMD_PEER_CONNECT, b"a" * 256 + struct.pack("<QQQQ", 1, 7, 0, 0))   # struct tb_peer_connect
+    status, body = w.reply()
+    assert status == 0 and struct.unpack_from("<Q", body)[0] == 0
+    assert f"cannot reach peer {'a' * 255}:1 (" in node.log_text(), node.log_text()[-2000:]
+    still_serving(node, w)
+
