@@ -333,3 +333,60 @@ def test_peer_connect_cuts_a_host_without_its_nul(nodes: Any) -> None:
     assert f"cannot reach peer {'a' * 255}:1 (" in node.log_text(), node.log_text()[-2000:]
     still_serving(node, w)
 
+
+
+def link_out(w: Wire) -> tuple[socket.socket, int]:
+    """The session dials a fake listener that proves the link key and
+    declines shared memory: (the listener's end, the outgoing peer id)."""
+    token = 0x5252525252525252
+    key = ffi.new("uint8_t[32]")
+    lib.tb_peer_key(b"", 0, token, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def mac(role: bytes, a: bytes, b: bytes) -> bytes:
+        out = ffi.new("uint8_t[32]")
+        lib.tb_auth_mac(key, 32, role, a, b, ffi.NULL, 0, out)
+        return bytes(out)
+
+    w.send(lib.TB_CMD_PEER_CONNECT, pack("struct tb_peer_connect", host=b"127.0.0.1", port=listener.getsockname()[1],
+                                         token=token))
+    conn, _ = listener.accept()
+    listener.close()
+    conn.settimeout(10)
+    nonce = os.urandom(32)
+    conn.sendall(b"TBPEER4\0" + nonce + mac(b"tbrpc 4 peer greets", nonce, b"\0" * 32))
+    answer = exactly(conn, 128)
+    conn.sendall(mac(b"tbrpc 4 peer listener", nonce, answer[:32]))
+    kind = struct.unpack_from("<I", exactly(conn, 184), 4)[0]     # upgrade.c's struct upgrade_ask
+    if kind != TRANSPORT_TCP:
+        conn.sendall(bytes(56) + b"not here".ljust(160, b"\0") + struct.pack("<II", lib.TB_WHY_NO_SHM, 0))
+    status, body = w.reply()
+    assert status == 0, body
+    peer_id = struct.unpack_from("<Q", body)[0]
+    assert peer_id, ffi.string(ffi.from_buffer("struct tb_peer_connect_reply *", body).transport)
+    return conn, peer_id
+
+
+def test_an_allreduce_over_real_links_stays_inside_its_buffer(nodes: Any) -> None:
+    """With links to and from the other node in place, the range ALLREDUCE
+    sums into must lie inside its buffer: refused before a byte is sent."""
+    node = nodes(1)[0]
+    w = ready(node)
+    out_sock, out_id = link_out(w)
+    in_sock, in_id = dial_in(w)
+    handle = w.alloc(64)
+    fields = dict(handle=handle, type=0, n=2, self=0, peer_out=[0, out_id] + [0] * 14, peer_in=[0, in_id] + [0] * 14)
+    for flags in (lib.TB_ALLREDUCE_COMPUTED, lib.TB_ALLREDUCE_COMPUTED | lib.TB_ALLREDUCE_RING):
+        w.send(lib.TB_CMD_ALLREDUCE, pack("struct tb_allreduce", **fields, offset=48, size=64, flags=flags))
+        error = w.sync_error()
+        assert error.endswith(f"range [48, +64) lies outside buffer {handle} of 64 bytes"), error
+    out_sock.settimeout(0.5)
+    with pytest.raises(TimeoutError):
+        out_sock.recv(1)               # nothing was sent to the next node
+    w.send(lib.TB_CMD_ALLREDUCE, pack("struct tb_allreduce", **fields, offset=0, size=64, flags=lib.TB_ALLREDUCE_COMPUTED))
+    in_sock.sendall(frame(lib.TB_CMD_PEER_SEND, struct.pack("<16f", *range(16))))   # the other node's partial
+    header_bytes = exactly(out_sock, 24)
+    assert struct.unpack("<IHHQQ", header_bytes)[4] == 64     # ours went to the other node
+    exactly(out_sock, 64)
+    assert w.sync_error() == ""
+    still_serving(node, w)
