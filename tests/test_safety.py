@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+import tbrpc
+from tbrpc import secret as cluster_secret
 from tbrpc._build import build_program
 from tbrpc.native import load
 from wire import GGML_TENSOR_FLAG_COMPUTE, ggml_op_index, graph, node_workers, pack, ready, tensor
@@ -485,3 +487,46 @@ def test_the_head_maps_no_shared_memory_but_its_own_users() -> None:
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert f"transport: tcp: shared memory {name} is not this user's alone" in proc.stdout, proc.stdout
     assert "clients: 0" in proc.stdout
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_a_node_that_does_not_prove_the_secret_is_refused_by_the_head(tmp_path: Path, right: bool) -> None:
+    """The node answers AUTH with its own MAC over both nonces: a node that
+    cannot (one that knows not the secret, or replays another session's
+    answer) is refused with AuthenticationError naming it, before the head
+    believes a word of its HELLO; the right MAC is accepted."""
+    key = cluster_secret.new(tmp_path / "secret")
+    heard: dict[str, bytes] = {}
+
+    def hello(payload: bytes) -> bytes:
+        heard["head_nonce"] = bytes(ffi.from_buffer("struct tb_hello *", payload).nonce)
+        rep = ffi.new("struct tb_hello *")
+        lib.tb_abi_fill(ffi.addressof(rep.abi))
+        rep.ggml_build = ffi.from_buffer("struct tb_hello *", payload).ggml_build
+        rep.caps, rep.nonce = lib.TB_CAP_AUTH, b"\x07" * 32
+        return bytes(ffi.buffer(rep))
+
+    def auth(payload: bytes) -> bytes:
+        node_mac = ffi.new("uint8_t[32]")
+        k = cluster_secret.read(key)
+        lib.tb_auth_mac(k, len(k), b"tbrpc 4 node", heard["head_nonce"], b"\x07" * 32, ffi.NULL, 0, node_mac)
+        mac = bytes(node_mac) if right else bytes(node_mac)[:31] + bytes([node_mac[31] ^ 1])   # the last byte wrong
+        rep = ffi.new("struct tb_hello *")
+        lib.tb_abi_fill(ffi.addressof(rep.abi))
+        rep.mem_free = rep.mem_total = 1 << 30
+        rep.alignment, rep.max_size, rep.caps = 32, 1 << 40, lib.TB_CAP_AUTH
+        rep.device_name, rep.node_name, rep.node_id = b"Fake", b"fake", bytes(range(16))
+        return mac + bytes(ffi.buffer(rep))
+
+    srv, port = fake_node(answers={lib.TB_CMD_HELLO: hello, lib.TB_CMD_AUTH: auth})
+    try:
+        if right:
+            info, _ = tbrpc.probe(f"127.0.0.1:{port}", timeout=5, secret_file=key)
+            assert info.node_name == "fake"
+        else:
+            with pytest.raises(tbrpc.AuthenticationError) as raised:
+                tbrpc.probe(f"127.0.0.1:{port}", timeout=5, secret_file=key)
+            assert str(raised.value) == (f"tbrpc node 127.0.0.1:{port}: authentication failed: the node does not know "
+                                         "this head's secret"), str(raised.value)
+    finally:
+        srv.close()
