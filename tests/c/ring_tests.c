@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -259,6 +260,7 @@ static int forge(struct tb_transport * t, struct tb_frame_header h) {
 static int child_bad_magic(struct tb_transport * t) { return forge(t, (struct tb_frame_header) { 0xdeadbeef, 4, 0, 0, 0 }); }
 static int child_bad_len(struct tb_transport * t) { return forge(t, (struct tb_frame_header) { TB_FRAME_MAGIC, 1u << 30, 0, 0, 0 }); }
 static int child_bad_credits(struct tb_transport * t) { return forge(t, (struct tb_frame_header) { TB_FRAME_MAGIC, 4, 0, 5, 0 }); }
+static int child_bad_flags(struct tb_transport * t) { return forge(t, (struct tb_frame_header) { TB_FRAME_MAGIC, 4, 0, 0, 0x100 }); }
 
 static void expect_broken(int (*child_fn)(struct tb_transport *), const char * what) {
     struct pair p = make_pair(16, 65536, 5000, child_fn);
@@ -274,6 +276,7 @@ static void case_forged_frames(void) {
     expect_broken(child_bad_magic, "a bad magic");
     expect_broken(child_bad_len, "a length beyond the stride");
     expect_broken(child_bad_credits, "credits for slots never used");
+    expect_broken(child_bad_flags, "flags this side does not know");
 }
 
 static void case_attach_rules(void) {
@@ -287,8 +290,24 @@ static void case_attach_rules(void) {
     wrong.nonce[0] ^= 1;
     CHECK(!tb_shm_attach(&wrong, err, sizeof err) && strstr(err, "not the one the node offered"), "wrong nonce: %s", err);
     wrong = offer;
+    wrong.stride = 32768;   // a segment smaller than the ring would be: its last slots would be past the end (SIGBUS)
+    CHECK(!tb_shm_attach(&wrong, err, sizeof err) && strstr(err, "is not 1052672 bytes"), "wrong size: %s", err);
+    wrong = offer;
+    wrong.slots = 32;       // the same bytes in another geometry: not the ring the node made
     wrong.stride = 32768;
-    CHECK(!tb_shm_attach(&wrong, err, sizeof err) && strstr(err, "is not"), "wrong size: %s", err);
+    CHECK(!tb_shm_attach(&wrong, err, sizeof err) && strstr(err, "not the one the node offered"), "other geometry: %s", err);
+    wrong = offer;
+    wrong.slots = 3;
+    CHECK(!tb_shm_attach(&wrong, err, sizeof err) && strstr(err, "not ours"), "3 slots: %s", err);
+    wrong = offer;
+    memset(wrong.name + 7, 'x', sizeof wrong.name - 7);   // no NUL: the name would be read past its field
+    CHECK(!tb_shm_attach(&wrong, err, sizeof err) && strstr(err, "not ours"), "unterminated name: %s", err);
+    char path[sizeof offer.name + 16];   // a segment others may write (and truncate under our mapping)
+    snprintf(path, sizeof path, "/dev/shm%s", offer.name);
+    CHECK(chmod(path, 0620) == 0, "chmod %s: %s", path, strerror(errno));
+    CHECK(!tb_shm_attach(&offer, err, sizeof err) && strstr(err, "is not this user's alone (owner uid") &&
+          strstr(err, "mode 620)"), "group-writable: %s", err);
+    CHECK(chmod(path, 0600) == 0, "chmod %s: %s", path, strerror(errno));
     wrong = offer;
     memcpy(wrong.name, "/etc-passwd", 12);
     CHECK(!tb_shm_attach(&wrong, err, sizeof err) && strstr(err, "not ours"), "foreign name: %s", err);
