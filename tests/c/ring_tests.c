@@ -387,6 +387,24 @@ static void case_upgrade(void) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_upgrade(&cases[i]);
 }
 
+// A reply to an upgrade is the peer's: words that fill their field without a
+// NUL are read up to the field's end, and a reason kind this side does not
+// know is reported as the failure it stands for.
+static void case_forged_reply(void) {
+    struct tb_transport_reply rep;
+    memset(&rep, 'x', sizeof rep);
+    rep.why_kind = TB_WHY_NO_LINK + 1;
+    char why[512];
+    int kind = -1;
+    CHECK(!tb_upgrade_attach(&rep, &kind, why, sizeof why), "a refusal was attached");
+    CHECK(strlen(why) == sizeof rep.declined - 1 && why[0] == 'x', "the peer's words ran to %zu bytes", strlen(why));
+    CHECK(kind == TB_WHY_SHM_FAILED, "unknown reason kind reported as %d", kind);
+    CHECK(tb_upgrade_rdma_declined(&rep) == TB_WHY_PEER_NO_RDMA, "RDMA refusal of unknown kind reported as %d",
+          tb_upgrade_rdma_declined(&rep));
+    rep.why_kind = TB_WHY_NO_SHM;
+    CHECK(!tb_upgrade_attach(&rep, &kind, why, sizeof why) && kind == TB_WHY_NO_SHM, "a known kind became %d", kind);
+}
+
 // A reader that computes and does not read: its ring fills, and a sender
 // blocked on it waits as long as its heartbeats come (tb_alive: a counter
 // outside the slots), and fails with TB_IO_TIMEOUT once they stop.
@@ -523,6 +541,7 @@ int main(int argc, char ** argv) {
         { "bell_to_a_dead_peer", case_bell_to_a_dead_peer },
         { "peer_closes", case_peer_closes }, { "silence_times_out_idle", case_silence_times_out_idle },
         { "forged_frames", case_forged_frames }, { "attach_rules", case_attach_rules }, { "upgrade", case_upgrade },
+        { "forged_reply", case_forged_reply },
         { "room", case_room }, { "heartbeat_keeps_a_sender", case_heartbeat_keeps_a_sender },
         { "quiet_reader_times_out", case_quiet_reader_times_out }, { "rendezvous_spins", case_rendezvous_spins },
     };
