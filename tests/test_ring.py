@@ -11,7 +11,7 @@ import pytest
 
 from tbrpc._build import build_program
 
-CASES = ["stream", "one_way", "peer_killed", "bell_to_a_dead_peer", "peer_closes", "silence_times_out_idle", "forged_frames", "attach_rules", "upgrade", "forged_reply",
+CASES = ["stream", "one_way", "peer_killed", "bell_to_a_dead_peer", "peer_closes", "silence_times_out_idle", "forged_frames", "frame_taken_back", "attach_rules", "upgrade", "forged_reply",
          "room", "heartbeat_keeps_a_sender", "quiet_reader_times_out", "rendezvous_spins"]
 
 

@@ -9,6 +9,7 @@
 #include "check.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -279,6 +280,35 @@ static void case_forged_frames(void) {
     expect_broken(child_bad_flags, "flags this side does not know");
 }
 
+// A frame the peer takes back after it was counted (its seq rewritten in the
+// slot, which the peer can write) breaks the connection; it is not read.
+static int child_forge_then_wait(struct tb_transport * t) {
+    int rc = forge(t, (struct tb_frame_header) { TB_FRAME_MAGIC, 4, 0, 0, 0 });
+    sleep(1);
+    return rc;
+}
+
+static void case_frame_taken_back(void) {
+    struct pair p = make_pair(16, 65536, 5000, child_forge_then_wait);
+    struct tb_ring * r = (struct tb_ring *) p.mine;
+    usleep(300000);   // the child's frame is in its slot
+    uint8_t b[4] = { 0 };
+    CHECK(tb_send(p.mine, b, 1) == 0 && tb_flush(p.mine) == 0, "send: %s", p.mine->error);   // its scan counts the frame
+    CHECK(r->rx_seen == r->rx_seq + 1, "the frame was not counted (seen %u, at %u)", r->rx_seen, r->rx_seq);
+    int broken = 0;
+    uint8_t * f = (uint8_t *) r->wire->rx_frame(r, r->rx_seq, &broken);
+    CHECK(f, "no frame in the slot");
+    const uint32_t other = r->rx_seq + 7;
+    memcpy(f + offsetof(struct tb_frame_header, seq), &other, sizeof other);   // as the peer could, after our scan
+    char want[64];
+    snprintf(want, sizeof want, "child: shm frame %u vanished", r->rx_seq);
+    CHECK(tb_recv(p.mine, b, sizeof b) != 0, "a frame taken back was read");
+    CHECK(p.mine->error_kind == TB_IO_BROKEN && strcmp(p.mine->error, want) == 0, "%s (%s)", p.mine->error,
+          tb_io_error_name(p.mine->error_kind));
+    child_status(p.child);
+    tb_close(p.mine);
+}
+
 static void case_attach_rules(void) {
     char err[256];
     struct tb_shm_offer offer;
@@ -541,7 +571,7 @@ int main(int argc, char ** argv) {
         { "bell_to_a_dead_peer", case_bell_to_a_dead_peer },
         { "peer_closes", case_peer_closes }, { "silence_times_out_idle", case_silence_times_out_idle },
         { "forged_frames", case_forged_frames }, { "attach_rules", case_attach_rules }, { "upgrade", case_upgrade },
-        { "forged_reply", case_forged_reply },
+        { "forged_reply", case_forged_reply }, { "frame_taken_back", case_frame_taken_back },
         { "room", case_room }, { "heartbeat_keeps_a_sender", case_heartbeat_keeps_a_sender },
         { "quiet_reader_times_out", case_quiet_reader_times_out }, { "rendezvous_spins", case_rendezvous_spins },
     };
