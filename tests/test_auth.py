@@ -182,12 +182,20 @@ def test_every_command_before_auth_is_refused_unread(nodes: Any, key: Path, comm
 def test_a_replayed_auth_fails(nodes: Any, key: Path) -> None:
     node = nodes(1, "--secret-file", str(key))[0]
     first = AuthWire(node.endpoint)
-    status, body, captured = first.authenticate(secret.read(key))
+    head_nonce = os.urandom(32)
+    status, hello = first.hello_nonce(head_nonce)
+    assert status == 0
+    captured = mac(secret.read(key), b"tbrpc 4 head", head_nonce, bytes(hello.nonce))
+    first.send(lib.TB_CMD_AUTH, captured)
+    status, body = first.reply()
     assert status == 0, body
     # the node's proof comes back, over both nonces
     assert len(body) == ffi.sizeof("struct tb_auth_reply")
+    # the replay uses the same head nonce (the head's is the attacker's to choose): only the
+    # node's fresh nonce makes the captured MAC stale
     again = AuthWire(node.endpoint)
-    assert again.hello_nonce()[0] == 0        # a fresh node nonce: the captured MAC is over the old one
+    status, hello_again = again.hello_nonce(head_nonce)
+    assert status == 0 and bytes(hello_again.nonce) != bytes(hello.nonce)
     again.send(lib.TB_CMD_AUTH, captured)
     status, body = again.reply()
     assert status == lib.TB_STATUS_AUTH and b"authentication failed" in body
