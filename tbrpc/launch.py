@@ -9,6 +9,7 @@ stop it: it waits for the node and reloads (tbrpc/outage.py).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -242,8 +243,8 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             if failure and nodes:
                 say(nodes.explain(step, failure[1], failure[0]))
             else:
-                say(f"step {step}: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it) "
-                    f"and the node logs in {log_dir}")
+                logs = f" and the node logs in {log_dir}" if nodes else ""
+                say(f"step {step}: {exc}\n  try: check the model file (`tbrpc plan --gguf` reads it){logs}")
             return EXIT_FAILED
         finally:
             signals.loading = True   # a second Ctrl-C must not interrupt the cleanup
@@ -253,3 +254,5 @@ def launch(opts: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 serving.close()
             if nodes is not None:
                 nodes.stop()
+            if opts.log_dir is None and not any(log_dir.glob("*.log*")):
+                shutil.rmtree(log_dir, ignore_errors=True)   # no node started: it holds no log, only this run's secret

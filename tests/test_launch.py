@@ -580,6 +580,20 @@ def test_mistakes_found_before_any_node_starts_are_said_with_their_fix(tmp_path:
     assert str(refused.value) == "step plan: tensor split: llama.cpp's meta device takes at most 16 devices, not 17"
 
 
+def test_a_launch_that_starts_no_node_leaves_no_log_directory(tmp_path: Path) -> None:
+    """The log directory launch makes for its nodes (with --local, also the run's secret) goes when
+    no node was started: every refused launch left a /tmp/tbrpc-logs-* behind, holding a secret.
+    One that started nodes keeps their logs (test_failures, test_outage read them)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    done = subprocess.run([sys.executable, "-m", "tbrpc.cli", "launch", "--gguf", str(models.ensure("llama")),
+                           "--local", "7", "--prompt", "x"], capture_output=True, text=True, timeout=120,
+                          env={**ENV, "TMPDIR": str(tmp), "XDG_RUNTIME_DIR": str(tmp_path / "run")})
+    assert done.returncode == 1 and "7 nodes but only 6 layers" in done.stderr, done.stderr
+    assert "node logs in" not in done.stderr, done.stderr
+    assert not list(tmp.glob("tbrpc-logs-*")), list(tmp.iterdir())
+
+
 def test_does_not_fit_refuses_and_stops_nodes(tmp_path: Path) -> None:
     cluster = tmp_path / "tiny.toml"
     cluster.write_text("".join(f'[[node]]\nname = "n{i}"\nhost = "127.0.0.1"\nport = 0\nmemory = "2GiB"\nkind = "cpu"\n'
